@@ -1,0 +1,1 @@
+"""Benchmarks. ``python -m wavepp.bench.probe`` measures the state core."""

@@ -1,0 +1,80 @@
+"""The state core: immutable cache tables and the pure reducers of admission.
+
+No torch and no I/O here (STYLE §1). Every reducer returns a new value and leaves its
+input untouched; see DESIGN §2–§4 for the protocol these functions implement.
+"""
+
+from wavepp.state.audit import Usage, audit, usage
+from wavepp.state.cache import Claim, Node, StageCache, empty_cache
+from wavepp.state.errors import InvariantError, StateError, UnknownRequest
+from wavepp.state.hashing import (
+    ROOT_SEED,
+    as_tokens,
+    block_hashes,
+    extend_block_hashes,
+    num_blocks_for,
+)
+from wavepp.state.ids import ROOT, BlockHash, NodeId, RequestId, SlotId
+from wavepp.state.probe import (
+    MASK_WIDTH,
+    attention_hit,
+    point_from_mask,
+    probe,
+    probe_linear,
+    reuse_mask,
+    snapshot_floor,
+)
+from wavepp.state.reducers import (
+    Materialized,
+    agree,
+    block_table,
+    can_ever_fit,
+    cancel,
+    escrow,
+    lease,
+    materialize,
+    publish,
+    reconcile,
+    release,
+)
+
+__all__ = [
+    "MASK_WIDTH",
+    "ROOT",
+    "ROOT_SEED",
+    "BlockHash",
+    "Claim",
+    "InvariantError",
+    "Materialized",
+    "Node",
+    "NodeId",
+    "RequestId",
+    "SlotId",
+    "StageCache",
+    "StateError",
+    "UnknownRequest",
+    "Usage",
+    "agree",
+    "as_tokens",
+    "attention_hit",
+    "audit",
+    "block_hashes",
+    "block_table",
+    "can_ever_fit",
+    "cancel",
+    "empty_cache",
+    "escrow",
+    "extend_block_hashes",
+    "lease",
+    "materialize",
+    "num_blocks_for",
+    "point_from_mask",
+    "probe",
+    "probe_linear",
+    "publish",
+    "reconcile",
+    "release",
+    "reuse_mask",
+    "snapshot_floor",
+    "usage",
+]
