@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-PURE = ["wavepp.state"]
+PURE = ["wavepp.state", "wavepp.plan"]
 
 
 @pytest.mark.parametrize("package", PURE)

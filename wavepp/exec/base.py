@@ -1,0 +1,49 @@
+"""The executor protocol: what a stage runs for one wave (DESIGN §6)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from wavepp.state import BlockHash, RequestId, SlotId
+
+
+@attrs.frozen
+class ChunkWork:
+    """One chunk as this stage runs it, with the cache effects already decided."""
+
+    request_id: RequestId
+    start: int  # first token computed; tokens 0..start-1 are in the cache (KV + snapshot)
+    end: int  # one past the last token computed
+    num_tokens: int  # the whole prompt; end == num_tokens means the request ends here
+    block_table: tuple[SlotId, ...]  # KV slot of every block 0..blocks(end)-1
+    snapshot_points: tuple[int, ...]  # block counts after which to save recurrent state
+    free: bool  # warm-up chunk: run for its cache effects, not charged
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.num_tokens
+
+
+@attrs.frozen
+class StageOutput:
+    activations: torch.Tensor | None  # to the next stage; None on the last stage
+    seconds: float  # executor busy time charged to this stage
+    results: dict[RequestId, tuple[int, float]]  # last stage: first token, top logit
+
+
+class Executor(Protocol):
+    simulated: bool
+
+    async def run(
+        self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
+    ) -> StageOutput:
+        """Run one wave; ``activations`` come from the previous stage (None on stage 0)."""
+        ...
+
+    def forget(self, evicted: Sequence[BlockHash]) -> None:
+        """The state dropped these blocks (and their snapshots)."""
+        ...

@@ -1,0 +1,107 @@
+"""The simulated executor: each wave takes the time a cost model gives (DESIGN §6).
+
+Admission, cache effects, planning and the data plane all run for real; only the
+model math is replaced by ``anyio.sleep`` of the predicted stage time. Every output
+of a run with this executor says ``simulated``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import torch
+
+from wavepp.exec.base import ChunkWork, StageOutput
+from wavepp.exec.profiles import DeviceProfile, ModelProfile
+from wavepp.state import BlockHash
+
+
+@attrs.frozen
+class WaveCost:
+    seconds: float
+    flops: float
+    bytes: float
+
+
+@attrs.frozen
+class StageCostModel:
+    """Predicted time of one wave on one stage: a roofline of FLOPs and bytes."""
+
+    model: ModelProfile
+    device: DeviceProfile
+    layers: range
+    is_last: bool
+
+    def cost(self, chunks: Sequence[tuple[int, int]], num_finished: int) -> WaveCost:
+        """``chunks``: (start, end) token ranges; start is the chunk's attention prefix."""
+        m, dev = self.model, self.device
+        tokens = sum(end - start for start, end in chunks)
+        if tokens == 0:
+            return WaveCost(0.0, 0.0, 0.0)
+        kinds = [m.kind(layer) for layer in self.layers]
+        n_attn, n_lin = kinds.count("A"), kinds.count("L")
+        mixer = sum(m.mixer_params(layer) for layer in self.layers)
+        active = mixer + len(kinds) * m.mlp_active_params
+        gemm = 2.0 * active * tokens
+        if self.is_last:
+            gemm += 2.0 * m.d_model * m.vocab * num_finished  # head on each last position
+        q_width = m.num_heads * m.head_dim
+        attn = (
+            sum(
+                4.0 * q_width * (end - start) * (start + (end - start) / 2) for start, end in chunks
+            )
+            * n_attn
+        )
+        # Chunked linear attention: per token and value head, update and read a
+        # head_dim x head_dim state.
+        recurrent = 4.0 * tokens * m.linear_v_dim * m.linear_head_dim * n_lin
+        # Bytes: every weight of the stage once (MoE: the experts the tokens can touch),
+        # the cached KV of every chunk's prefix, and the activations.
+        active_share = m.mlp_active_params / m.mlp_total_params
+        touched = min(1.0, tokens * active_share)
+        weights = mixer + len(kinds) * m.mlp_total_params * max(touched, active_share)
+        kv_per_token = 2 * m.num_kv_heads * m.head_dim * n_attn
+        kv = sum(start for start, _ in chunks) * kv_per_token
+        act = tokens * m.d_model * 2 * len(kinds)
+        nbytes = (weights + kv + act) * m.bytes_per_param
+        compute = (gemm + recurrent) / (dev.peak_flops * dev.gemm_efficiency) + attn / (
+            dev.peak_flops * dev.attention_efficiency
+        )
+        memory = nbytes / dev.hbm_bytes_s
+        seconds = max(compute, memory) + dev.wave_overhead_s
+        flops = gemm + attn + recurrent
+        # Roofline guard: no wave may beat the device's peak on either axis.
+        if seconds < flops / dev.peak_flops or seconds < nbytes / dev.hbm_bytes_s:
+            raise AssertionError(f"wave of {tokens} tokens predicted faster than peak")
+        return WaveCost(seconds, flops, nbytes)
+
+
+class SimExecutor:
+    """Sleeps the predicted time of each wave; passes a token-sized tensor along."""
+
+    simulated = True
+
+    def __init__(self, cost_model: StageCostModel, time_scale: float = 1.0) -> None:
+        if time_scale <= 0:
+            raise ValueError(f"time scale must be positive, got {time_scale}")
+        self.cost_model = cost_model
+        self.time_scale = time_scale
+
+    async def run(
+        self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
+    ) -> StageOutput:
+        charged = [(c.start, c.end) for c in chunks if not c.free]
+        finished = sum(1 for c in chunks if c.is_last and not c.free)
+        cost = self.cost_model.cost(charged, finished)
+        if cost.seconds:
+            await anyio.sleep(cost.seconds * self.time_scale)
+        tokens = sum(c.end - c.start for c in chunks)
+        # activations: [tokens] float16, a stand-in for the [tokens, d_model] hidden states
+        out = None if self.cost_model.is_last else torch.zeros(tokens, dtype=torch.float16)
+        results = {c.request_id: (-1, 0.0) for c in chunks if c.is_last}
+        return StageOutput(out, cost.seconds, results)
+
+    def forget(self, evicted: Sequence[BlockHash]) -> None:
+        """Nothing is stored for a simulated block."""

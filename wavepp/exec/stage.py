@@ -1,0 +1,168 @@
+"""One pipeline stage's execution side (the LOOP of DESIGN §3), minus the transport.
+
+``Stage.execute`` takes a wave descriptor and incoming activations, applies the cache
+effects the reducers decide — materialize just before first use, publish computed
+blocks, release finished requests — and runs the executor in between.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import torch
+
+from wavepp.exec.base import ChunkWork, Executor, StageOutput
+from wavepp.rounds.admission import Offer, StageBook
+from wavepp.rounds.messages import ChunkMsg, OracleAdmit, WaveMsg, unpack_hashes
+from wavepp.state import (
+    RequestId,
+    block_table,
+    cancel,
+    escrow,
+    lease,
+    materialize,
+    num_blocks_for,
+    publish,
+    release,
+)
+
+
+@attrs.frozen
+class Admitted:
+    offer: Offer
+    point: int  # agreed reuse point in blocks
+
+
+def offer_from_entry(entry) -> Offer:
+    return Offer(entry.request_id, entry.num_tokens, unpack_hashes(entry.hashes), entry.probe_limit)
+
+
+class Stage:
+    def __init__(
+        self,
+        index: int,
+        book: StageBook,
+        executor: Executor,
+        block_size: int,
+        snapshot_interval: int,
+        has_recurrent: bool,
+    ) -> None:
+        self.index = index
+        self.book = book
+        self.executor = executor
+        self.block_size = block_size
+        self.snapshot_interval = snapshot_interval
+        self.has_recurrent = has_recurrent
+        self.requests: dict[RequestId, Admitted] = {}
+        self._arrivals: dict[RequestId, anyio.Event] = {}
+        self.busy_s = 0.0
+        self.first_start: float | None = None
+        self.last_end = 0.0
+        self.num_waves = 0
+
+    # -- admission side -----------------------------------------------------------
+
+    def register(self, admitted: Admitted) -> None:
+        """An admission round (or the oracle) admitted this request on this stage."""
+        rid = admitted.offer.request_id
+        self.requests[rid] = admitted
+        self._arrivals.setdefault(rid, anyio.Event()).set()
+
+    async def wait_admitted(self, rid: RequestId) -> Admitted:
+        if rid not in self.requests:
+            await self._arrivals.setdefault(rid, anyio.Event()).wait()
+        return self.requests[rid]
+
+    def apply_oracle(self, admits: Sequence[OracleAdmit]) -> None:
+        """Oracle rung: apply rank 0's decisions; equal pools make them exact."""
+        for admit in admits:
+            offer = offer_from_entry(admit.entry)
+            self.book.cache, got = lease(
+                self.book.cache, offer.request_id, offer.hashes, admit.point
+            )
+            need = num_blocks_for(offer.num_tokens, self.block_size) - got
+            self.book.cache, ok = escrow(self.book.cache, offer.request_id, need)
+            if got != admit.point or not ok:
+                raise RuntimeError(
+                    f"oracle: stage {self.index} cannot follow rank 0 for {offer.request_id!r} "
+                    f"(point {got} vs {admit.point}, escrow {ok}); use equal --capacity-blocks"
+                )
+            self.register(Admitted(offer, got))
+
+    def drop(self, rid: RequestId) -> None:
+        """Cancel whatever the request holds here."""
+        self.book.cache = cancel(self.book.cache, rid)
+        self.requests.pop(rid, None)
+
+    # -- execution side -----------------------------------------------------------
+
+    def _prepare(self, chunk: ChunkMsg, admitted: Admitted) -> ChunkWork:
+        bs = self.block_size
+        rid = chunk.request_id
+        claim = self.book.cache.claims[rid]
+        have = claim.held() + len(claim.pending_slots)
+        need = num_blocks_for(chunk.end, bs) - have
+        if need > 0:
+            self.book.cache, done = materialize(self.book.cache, rid, need)
+            self.executor.forget(done.evicted)
+        held = claim.held()
+        end_blocks = chunk.end // bs
+        points: list[int] = []
+        if self.has_recurrent:
+            step = self.snapshot_interval
+            points = [k for k in range(held + 1, end_blocks + 1) if k % step == 0]
+            if chunk.end == chunk.num_tokens and end_blocks > held and end_blocks not in points:
+                points.append(end_blocks)  # a snapshot at every request end
+        return ChunkWork(
+            request_id=rid,
+            start=chunk.start,
+            end=chunk.end,
+            num_tokens=chunk.num_tokens,
+            block_table=block_table(self.book.cache, rid),
+            snapshot_points=tuple(points),
+            free=chunk.free,
+        )
+
+    def _publish(self, work: ChunkWork) -> None:
+        admitted = self.requests[work.request_id]
+        end_blocks = work.end // self.block_size
+        self.book.cache = publish(
+            self.book.cache,
+            work.request_id,
+            admitted.offer.hashes,
+            end_blocks,
+            work.snapshot_points,
+        )
+        if work.is_last:
+            self.book.cache = release(self.book.cache, work.request_id)
+            del self.requests[work.request_id]
+            self._arrivals.pop(work.request_id, None)
+
+    async def execute(
+        self, wave: WaveMsg, activations: torch.Tensor | None
+    ) -> tuple[StageOutput, list[tuple[RequestId, int]]]:
+        """Run one wave on this stage; returns the output and (request, cached tokens) ended."""
+        if wave.oracle and self.index != 0:  # rank 0 decided them on its own cache
+            self.apply_oracle(wave.oracle)
+        works = []
+        for chunk in wave.chunks:
+            admitted = await self.wait_admitted(chunk.request_id)
+            works.append(self._prepare(chunk, admitted))
+        started = time.time()
+        output = await self.executor.run(works, activations)
+        ended = []
+        for work in works:
+            if work.is_last:
+                ended.append(
+                    (work.request_id, self.requests[work.request_id].point * self.block_size)
+                )
+            self._publish(work)
+        if output.seconds and not all(w.free for w in works):
+            self.busy_s += output.seconds
+            self.first_start = started if self.first_start is None else self.first_start
+            self.last_end = time.time()
+            self.num_waves += 1
+        return output, ended

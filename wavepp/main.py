@@ -1,0 +1,167 @@
+"""``torchrun --nproc-per-node P -m wavepp.main``: one pipeline stage per rank.
+
+Sets up the process groups (rounds plane, data-plane links), the stage and its
+executor, runs the rank's tasks, checks every stage for leaks, and on rank 0 prints
+the report and writes the JSON record.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import anyio
+import attrs
+import torch
+import torch.distributed as dist
+
+from wavepp.config import RUNG_PLANNER, RunConfig, load, resolve
+from wavepp.exec.planes import build_planes
+from wavepp.exec.profiles import DEVICES, MODELS, split_layers
+from wavepp.exec.sim import SimExecutor, StageCostModel
+from wavepp.exec.stage import Stage
+from wavepp.metrics import summarize, table
+from wavepp.plan import PLANNERS
+from wavepp.rounds.admission import Policy, StageBook
+from wavepp.rounds.messages import StageReport, decode_untrusted, encode
+from wavepp.runtime import Coordinator, RankConfig, eager, follow_rounds, follow_waves
+from wavepp.state import audit, empty_cache, num_blocks_for, usage
+from wavepp.workload import cold, mixed, seeded, short_suffix, trace
+
+
+def log(message: str) -> None:
+    print(f"[wavepp rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
+
+
+def build_workload(c: RunConfig):
+    if c.workload == "cold":
+        return cold(c.requests, c.prompt_tokens, c.seed, c.block_size)
+    if c.workload == "seeded":
+        return seeded(c.requests, c.prompt_tokens, c.seed, c.block_size)
+    if c.workload == "mixed":
+        return mixed(c.requests, c.prompt_tokens, c.cold_tokens or 2 * c.prompt_tokens, c.seed,
+                     c.block_size)  # fmt: skip
+    if c.workload == "short-suffix":
+        return short_suffix(c.requests, c.prompt_tokens, c.seed, c.block_size, c.suffix_tokens)
+    return trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale)
+
+
+def pick_planner(c: RunConfig):
+    name = c.planner or RUNG_PLANNER[c.rung]
+    if name in PLANNERS:
+        return PLANNERS[name]
+    if ":" not in name and "." not in name:
+        raise SystemExit(f"wavepp: planner {name!r} is not built in ({', '.join(PLANNERS)}) "
+                         "nor a dotted path")  # fmt: skip
+    return resolve(name)
+
+
+def auto_capacity(c: RunConfig, specs) -> int:
+    longest = max(s.num_tokens for s in specs)
+    return max(num_blocks_for(longest, c.block_size),
+               int(1.5 * c.concurrency * num_blocks_for(longest, c.block_size)))  # fmt: skip
+
+
+async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, int]:
+    plane, inbound, outbound, done = build_planes(c.timeout_s)
+    specs = build_workload(c) if rank == 0 else None
+    # Every rank needs the capacity; rank 0 derives it from the workload.
+    capacity = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 else 0)
+    capacity = -(await plane.all_min([-capacity]))[0] if not c.capacity_blocks else capacity
+    min_capacity = (await plane.all_min([capacity]))[0]
+
+    if c.executor != "sim":
+        raise SystemExit("wavepp: --executor torch is not available yet; use --executor sim")
+    model, device = MODELS[c.model], DEVICES[c.device]
+    counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
+    layers = split_layers(model.num_layers, world, counts)[rank]
+    recurrent = any(model.kind(layer) == "L" for layer in layers)
+    executor = SimExecutor(StageCostModel(model, device, layers, rank == world - 1), c.time_scale)
+    book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
+    stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent)
+    policy = Policy(
+        block_size=c.block_size,
+        linear_probe=c.rung == "R1",
+        eager=eager(c.rung),
+        probe_fn=resolve(c.probe) if c.probe else None,
+    )
+    if c.rung == "oracle" and min_capacity != capacity:
+        raise SystemExit("wavepp: the oracle rung needs equal --capacity-blocks on every stage")
+
+    coordinator = None
+    if rank == 0:
+        ring = c.ring or 2 * world
+        cfg = RankConfig(c.rung, c.block_size, c.budget, c.min_budget, ring, c.concurrency,
+                         c.max_batch, c.heartbeat_s, c.time_scale, c.progress)  # fmt: skip
+        coordinator = Coordinator(cfg, plane, stage, outbound, done, specs, pick_planner(c),
+                                  policy, min_capacity, log)  # fmt: skip
+        await coordinator.run()
+    else:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow_rounds, plane, stage, policy)
+            tg.start_soon(follow_waves, stage, inbound, outbound, done)
+
+    # Leak check on every stage, gathered on rank 0.
+    error = ""
+    try:
+        audit(book.cache)
+    except Exception as failure:  # reported, and fails the run below
+        error = str(failure)
+    use = usage(book.cache)
+    report = StageReport(
+        stage=rank, busy_s=stage.busy_s, first_start=stage.first_start or 0.0,
+        last_end=stage.last_end, num_waves=stage.num_waves, probe_us=book.probe_us[-4096:],
+        leases=use.num_leases, escrowed=use.num_escrowed, referenced=use.num_referenced,
+        pending=use.num_pending, cached=use.num_cached, free=use.num_free,
+        capacity=use.capacity, balanced=use.balanced and not error, error=error,
+    )  # fmt: skip
+    gathered = await plane.gather(encode(report))
+    if rank != 0:
+        return None, 0 if report.balanced else 1
+    reports = [decode_untrusted(raw, StageReport) for raw in gathered]
+    record = summarize(
+        list(coordinator.records.values()), reports,
+        measure_start=coordinator.measure_start or 0.0,
+        measure_end=coordinator.measure_end or 0.0,
+        round_seconds=coordinator.round_seconds, time_scale=c.time_scale,
+        simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
+                                              "capacity_blocks": capacity},
+    )  # fmt: skip
+    status = 0 if all(r.balanced for r in reports) else 1
+    return record, status
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = load(argv)
+    torch.set_num_threads(1)
+    if "RANK" not in os.environ:  # plain `python -m wavepp.main`: a one-stage run
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        record, status = anyio.run(rank_main, config, rank, world)
+    except SystemExit:
+        raise
+    except BaseException as error:  # a failed rank exits now; peers time out or see EOF
+        log(f"failed: {error!r}")
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    if record is not None:
+        print(table(record))
+        if config.json:
+            Path(config.json).write_text(json.dumps(record, indent=2) + "\n")
+            log(f"wrote {config.json}")
+        if status:
+            log("leak check FAILED on some stage (see leak_check in the record)")
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""One JSON record per run (DESIGN §7) and its readable table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from wavepp.bench._stats import percentile
+from wavepp.rounds.messages import StageReport
+
+
+def _p(values: Sequence[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def summarize(
+    records: Sequence, reports: Sequence[StageReport], *, measure_start: float,
+    measure_end: float, round_seconds: Sequence[float], time_scale: float, simulated: bool,
+    config: dict,
+) -> dict:  # fmt: skip
+    """Figures in simulated seconds where the executor is simulated (real / time_scale)."""
+    measured = [r for r in records if not r.spec.warmup]
+    ok = [r for r in measured if r.error is None]
+    wall = max(measure_end - measure_start, 1e-9)
+    span = wall / time_scale
+    tokens = sum(r.spec.num_tokens for r in ok)
+    completion = [(r.done_at - r.released_at) / time_scale for r in ok]
+    queued = [(r.admitted_at - r.released_at) / time_scale for r in ok]
+    expecting = [r for r in ok if r.spec.expected_reuse > 0]
+    good = [r for r in expecting if r.cached_tokens >= 0.8 * r.spec.expected_reuse]
+    utilization = [min(1.0, rep.busy_s / wall) for rep in reports]
+    probes = [us for rep in reports for us in rep.probe_us]
+    return {
+        "simulated": simulated,
+        "rung": config["rung"],
+        "workload": config["workload"],
+        "concurrency": config["concurrency"],
+        "stages": len(reports),
+        "throughput_tok_s": tokens / span,
+        "completion_p50_s": _p(completion, 50),
+        "completion_p99_s": _p(completion, 99),
+        "queue_p50_s": _p(queued, 50),
+        "good_hit_rate": len(good) / len(expecting) if expecting else None,
+        "reused_share": sum(r.cached_tokens for r in ok) / tokens if tokens else 0.0,
+        "stage_utilization": utilization,
+        "bubble_share": [1.0 - u for u in utilization],
+        "probe_p50_us": _p(probes, 50),
+        "probe_p99_us": _p(probes, 99),
+        "admission_p50_ms": (_p(round_seconds, 50) or 0.0) * 1e3 if round_seconds else None,
+        "admission_rounds": len(round_seconds),
+        "makespan_s": span,
+        "measured_requests": len(measured),
+        "failed_requests": len(measured) - len(ok),
+        "input_tokens": tokens,
+        "leak_check": [
+            {
+                "stage": rep.stage,
+                "leases": rep.leases,
+                "escrowed": rep.escrowed,
+                "referenced": rep.referenced,
+                "pending": rep.pending,
+                "cached": rep.cached,
+                "free": rep.free,
+                "capacity": rep.capacity,
+                "balanced": rep.balanced,
+            }
+            for rep in reports
+        ],  # fmt: skip
+        "requests": [
+            {
+                "id": r.spec.request_id,
+                "num_tokens": r.spec.num_tokens,
+                "cached_tokens": r.cached_tokens,
+                "first_token": r.first_token,
+                "completion_s": None
+                if r.done_at is None or r.error
+                else (r.done_at - r.released_at) / time_scale,
+                "error": r.error,
+            }
+            for r in measured
+        ],  # fmt: skip
+        "config": config,
+    }
+
+
+def table(record: dict) -> str:
+    cfg = record["config"]
+    kind = (
+        f"SIMULATED — sim executor, {cfg['model']} on {cfg['device']}"
+        if record["simulated"]
+        else "real model (torch executor)"
+    )
+
+    def fmt(value, unit="", scale=1.0, digits=2):
+        return "n/a" if value is None else f"{value * scale:,.{digits}f}{unit}"
+
+    lines = [
+        f"WavePP run — {kind}",
+        f"  rung {record['rung']}, {record['stages']} stages, workload {record['workload']}, "
+        f"{record['measured_requests']} requests at concurrency {record['concurrency']}",
+        f"  throughput          {fmt(record['throughput_tok_s'], ' tok/s', digits=0)}"
+        f"   (input tokens incl. cached / makespan {fmt(record['makespan_s'], ' s')})",
+        f"  completion p50/p99  {fmt(record['completion_p50_s'], ' s')} / "
+        f"{fmt(record['completion_p99_s'], ' s')}",
+        f"  good-hit rate       {fmt(record['good_hit_rate'], '%', 100, 1)}"
+        f"   reused share {fmt(record['reused_share'], '%', 100, 1)}",
+        f"  admission p50       {fmt(record['admission_p50_ms'], ' ms')} over "
+        f"{record['admission_rounds']} rounds   probe p50/p99 {fmt(record['probe_p50_us'], ' us')}"
+        f" / {fmt(record['probe_p99_us'], ' us')}",
+        "  stage  utilization  leases  escrowed  referenced  cached/capacity  balanced",
+    ]
+    for util, leak in zip(record["stage_utilization"], record["leak_check"], strict=True):
+        lines.append(
+            f"  {leak['stage']:>5}  {util:>11.3f}  {leak['leases']:>6}  {leak['escrowed']:>8}  "
+            f"{leak['referenced']:>10}  {leak['cached']:>7}/{leak['capacity']:<7}  "
+            f"{'yes' if leak['balanced'] else 'NO'}"
+        )
+    if record["failed_requests"]:
+        lines.append(f"  failed requests: {record['failed_requests']} (see 'requests' in the JSON)")
+    return "\n".join(lines)

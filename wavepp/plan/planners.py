@@ -1,0 +1,97 @@
+"""Wave planners (DESIGN §5): pure functions from the admitted work to the next wave.
+
+A planner sees the admitted requests in FCFS order, each with the next token to compute,
+and returns the next wave (or None when nothing is left). Every token of every admitted
+request is planned exactly once and in order: a request's chunks are consecutive and a
+later chunk never comes before an earlier one.
+
+Researchers plug their own planner in by dotted path (``--planner pkg.mod:fn``); it must
+have the signature of :data:`Planner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from wavepp.plan.wave import Chunk, Wave
+from wavepp.state.ids import RequestId
+
+
+@attrs.frozen
+class Pending:
+    """An admitted request as the planner sees it."""
+
+    request_id: RequestId
+    next_token: int  # first token not yet planned (starts at the reuse point, in tokens)
+    num_tokens: int  # whole prompt length
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.next_token
+
+
+@attrs.frozen
+class PlanContext:
+    """What the planner may know besides the queue."""
+
+    budget: int  # M: max tokens in one wave
+    ring: int  # R: waves the pipeline holds in flight (2P by default)
+    min_budget: int  # smallest budget MPU may halve to
+
+
+Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]
+"""``planner(queue, wave_id, ctx) -> Wave | None``."""
+
+
+def fill(queue: Sequence[Pending], wave_id: int, budget: int) -> Wave | None:
+    """Greedy FCFS fill of one wave up to ``budget`` tokens."""
+    chunks: list[Chunk] = []
+    room = budget
+    for item in queue:
+        if room == 0:
+            break
+        if item.remaining <= 0:
+            continue
+        size = min(item.remaining, room)
+        chunks.append(
+            Chunk(item.request_id, item.next_token, item.next_token + size, item.num_tokens)
+        )
+        room -= size
+    if not chunks:
+        return None
+    return Wave(wave_id, budget, tuple(chunks))
+
+
+def static(queue: Sequence[Pending], wave_id: int, ctx: PlanContext) -> Wave | None:
+    """Fill every wave to the full budget M, first come first served."""
+    return fill(queue, wave_id, ctx.budget)
+
+
+def estimated_waves(queue: Sequence[Pending], budget: int) -> float:
+    """MPU's n(b) = max(W / b, N(b)): W remaining tokens, N(b) requests with > b/2 left."""
+    work = sum(max(0, p.remaining) for p in queue)
+    big = sum(1 for p in queue if p.remaining > budget / 2)
+    return max(work / budget, big)
+
+
+def mpu_budget(queue: Sequence[Pending], ctx: PlanContext) -> int:
+    """The largest b in {M, M/2, M/4, ..., b_min} whose n(b) feeds the ring (≥ R).
+
+    If even b_min cannot feed the ring, b_min: the most waves the work can make.
+    """
+    budget = ctx.budget
+    while budget > ctx.min_budget:
+        if estimated_waves(queue, budget) >= ctx.ring:
+            return budget
+        budget = max(ctx.min_budget, budget // 2)
+    return budget
+
+
+def mpu(queue: Sequence[Pending], wave_id: int, ctx: PlanContext) -> Wave | None:
+    """Maximum Pipeline Utilization (the paper's planner): halve the budget to feed the ring."""
+    return fill(queue, wave_id, mpu_budget(queue, ctx))
+
+
+PLANNERS: dict[str, Planner] = {"static": static, "mpu": mpu}

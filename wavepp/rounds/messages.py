@@ -1,0 +1,173 @@
+"""Typed messages between ranks and their codec (STYLE §4). No pickle crosses ranks.
+
+Every message is a frozen ``msgspec.Struct`` encoded as msgpack. Bytes from a peer
+are input, not objects: :func:`decode_untrusted` checks the size first, decodes into
+exactly the expected type (with bounds on every field), and raises ``CodecError`` for
+anything else — never a crash, never an unbounded allocation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+import numpy as np
+
+MAX_MESSAGE_BYTES = 64 << 20  # one round or wave descriptor; more is refused undecoded
+MAX_ENTRIES = 65_536  # requests in one round / chunks in one wave
+MAX_HASH_BYTES = 8 << 22  # 4M blocks: a 268M-token prompt at block 64
+MAX_ID_CHARS = 256
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Mask = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class CodecError(ValueError):
+    """Bytes from a peer that are not a valid message of the expected type."""
+
+
+class _Msg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+# -- rounds plane (rank 0 -> all, by broadcast) ---------------------------------------
+
+
+class AdmitEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request offered to an admission round."""
+
+    request_id: Id
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**40)]  # whole prompt length
+    hashes: Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]  # packed <u8 block hashes
+    probe_limit: Count  # reuse point cap in blocks: leaves ≥ 1 token to compute
+
+
+class AdmitRound(_Msg, frozen=True):
+    """Open one admission round over these requests, in FCFS order."""
+
+    round_id: Count
+    entries: Annotated[list[AdmitEntry], msgspec.Meta(max_length=MAX_ENTRIES)]
+
+
+class Cancel(_Msg, frozen=True):
+    """Drop these requests everywhere (whatever they hold)."""
+
+    round_id: Count
+    request_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)]
+
+
+class Heartbeat(_Msg, frozen=True):
+    """Rank 0 is alive and has nothing to admit."""
+
+    round_id: Count
+
+
+class Stop(_Msg, frozen=True):
+    """The run is over; ``reason`` is logged."""
+
+    round_id: Count
+    reason: Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+RoundMessage = AdmitRound | Cancel | Heartbeat | Stop
+
+
+# -- data plane (stage s -> s+1, and last stage -> rank 0) ----------------------------
+
+
+class ChunkMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    request_id: Id
+    start: Count
+    end: Count
+    num_tokens: Count
+    free: bool  # warm-up work: executed for its cache effects, not charged or measured
+
+
+class OracleAdmit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Oracle rung only: an admission decided on rank 0, applied by every stage for free."""
+
+    entry: AdmitEntry
+    point: Count  # agreed reuse point in blocks
+
+
+class WaveMsg(_Msg, frozen=True):
+    """A wave's descriptor; its activations follow as a tensor."""
+
+    wave_id: Count
+    budget: Count
+    chunks: Annotated[list[ChunkMsg], msgspec.Meta(max_length=MAX_ENTRIES)]
+    oracle: Annotated[list[OracleAdmit], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    stop: bool = False  # no chunks: the run is over, forward and exit
+
+
+class Finished(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    request_id: Id
+    cached_tokens: Count  # tokens reused from the cache (reuse point × block size)
+    first_token: Annotated[int, msgspec.Meta(ge=-1)]  # argmax of the last logits; -1 if simulated
+    top_logit: float
+
+
+class WaveDone(_Msg, frozen=True):
+    """Last stage -> rank 0: a wave left the pipeline."""
+
+    wave_id: Count
+    finished: Annotated[list[Finished], msgspec.Meta(max_length=MAX_ENTRIES)]
+    stop: bool = False  # the stop wave reached the last stage: no more will come
+
+
+class StageReport(_Msg, frozen=True):
+    """Each stage's figures at the end of a run, gathered on rank 0."""
+
+    stage: Count
+    busy_s: float  # executor time of measured waves
+    first_start: float  # wall clock (time.time) of the first measured wave
+    last_end: float
+    num_waves: Count
+    probe_us: list[float]  # sampled hint-probe latencies
+    leases: Count
+    escrowed: Count
+    referenced: Count
+    pending: Count
+    cached: Count
+    free: Count
+    capacity: Count
+    balanced: bool
+    error: str = ""
+
+
+DataMessage = WaveMsg | WaveDone
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[object, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_untrusted(data: bytes | bytearray | memoryview, kind: object):
+    """Decode a peer's bytes into ``kind`` (a message type or union), or raise CodecError."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise CodecError(f"message of {len(data):,} bytes exceeds {MAX_MESSAGE_BYTES:,}")
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        message = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as error:
+        raise CodecError(f"bad message from peer: {error}") from None
+    for entry in getattr(message, "entries", ()):
+        if len(entry.hashes) % 8:
+            raise CodecError(f"hashes of {entry.request_id!r} are {len(entry.hashes)} bytes")
+    return message
+
+
+def pack_hashes(hashes: tuple[int, ...]) -> bytes:
+    return np.asarray(hashes, dtype="<u8").tobytes()
+
+
+def unpack_hashes(data: bytes) -> tuple[int, ...]:
+    if len(data) % 8:
+        raise CodecError(f"packed hashes of {len(data)} bytes are not whole uint64s")
+    return tuple(np.frombuffer(data, dtype="<u8").tolist())

@@ -1,0 +1,22 @@
+"""Request generators and trace readers (DESIGN §7). Deterministic by seed."""
+
+from wavepp.workload.generators import (
+    WORKLOADS,
+    RequestSpec,
+    cold,
+    mixed,
+    seeded,
+    short_suffix,
+)
+from wavepp.workload.trace import read_trace, trace
+
+__all__ = [
+    "WORKLOADS",
+    "RequestSpec",
+    "cold",
+    "mixed",
+    "read_trace",
+    "seeded",
+    "short_suffix",
+    "trace",
+]

@@ -1,0 +1,92 @@
+"""Synthetic workloads of the paper (DESIGN §7).
+
+Each returns the requests in release order. ``warmup`` requests run first (their cost
+is not charged, their cache effects are kept: the seeded prefixes, the cold traffic
+before short suffixes); measurement starts when they have all finished.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+VOCAB = 32_000
+
+
+@attrs.frozen
+class RequestSpec:
+    request_id: str
+    tokens: np.ndarray  # int32 token ids
+    warmup: bool  # run before measurement, not measured
+    expected_reuse: int  # tokens a perfect cache would reuse (0: none expected)
+    arrival_s: float | None = None  # open-loop arrival after the start; None: closed loop
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, VOCAB, size=n, dtype=np.int32)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return tokens // block_size * block_size
+
+
+def cold(n: int, prompt_tokens: int, seed: int, block_size: int = 64) -> list[RequestSpec]:
+    """Unique prompts of L tokens."""
+    rng = np.random.default_rng(seed)
+    return [RequestSpec(f"cold-{i}", _tokens(rng, prompt_tokens), False, 0) for i in range(n)]
+
+
+def seeded(
+    n: int, prompt_tokens: int, seed: int, block_size: int = 64, reuse: float = 0.9,
+    num_prefixes: int | None = None,
+) -> list[RequestSpec]:  # fmt: skip
+    """Shared prefixes of ``reuse``·L seeded before measurement, each request a new suffix."""
+    rng = np.random.default_rng(seed)
+    prefix_len = _blocks(int(prompt_tokens * reuse), block_size)
+    k = num_prefixes or max(1, n // 4)
+    prefixes = [_tokens(rng, prefix_len) for _ in range(k)]
+    out = [RequestSpec(f"seed-{j}", p, True, 0) for j, p in enumerate(prefixes)]
+    for i in range(n):
+        suffix = _tokens(rng, prompt_tokens - prefix_len)
+        out.append(
+            RequestSpec(f"warm-{i}", np.concatenate([prefixes[i % k], suffix]), False, prefix_len)
+        )
+    return out
+
+
+def mixed(
+    n: int, warm_tokens: int, cold_tokens: int, seed: int, block_size: int = 64,
+    warm_share: float = 0.75,
+) -> list[RequestSpec]:  # fmt: skip
+    """75% warm seeded requests of L1, 25% cold requests of L2, interleaved."""
+    rng = np.random.default_rng(seed + 1)
+    num_warm = round(n * warm_share)
+    warm = seeded(num_warm, warm_tokens, seed, block_size)
+    cold_reqs = [
+        RequestSpec(f"cold-{i}", _tokens(rng, cold_tokens), False, 0) for i in range(n - num_warm)
+    ]
+    seeds = [r for r in warm if r.warmup]
+    measured = [r for r in warm if not r.warmup] + cold_reqs
+    order = rng.permutation(len(measured))
+    return seeds + [measured[i] for i in order]
+
+
+def short_suffix(
+    n: int, prompt_tokens: int, seed: int, block_size: int = 64, suffix_tokens: int = 4096
+) -> list[RequestSpec]:
+    """Cold traffic of n prompts (kept, with its eviction history), then n requests that
+    each extend one earlier prompt by ``suffix_tokens``."""
+    rng = np.random.default_rng(seed)
+    prompts = [_tokens(rng, prompt_tokens) for _ in range(n)]
+    out = [RequestSpec(f"doc-{i}", p, True, 0) for i, p in enumerate(prompts)]
+    for i, j in enumerate(rng.permutation(n)):
+        tokens = np.concatenate([prompts[j], _tokens(rng, suffix_tokens)])
+        out.append(RequestSpec(f"turn-{i}", tokens, False, _blocks(prompt_tokens, block_size)))
+    return out
+
+
+WORKLOADS = ("cold", "seeded", "mixed", "short-suffix", "trace")

@@ -1,0 +1,71 @@
+"""Mooncake-format trace replay (DESIGN §7).
+
+Each line: ``timestamp`` (ms), ``input_length``, ``hash_ids`` (one id per 512 tokens;
+equal ids at equal positions mean a shared prefix). Token ids are made from hash ids:
+the same id always gives the same 512 tokens, the last block cut to ``input_length``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from wavepp.workload.generators import VOCAB, RequestSpec
+
+TRACE_BLOCK = 512
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if limit is not None and len(rows) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ids = [int(h) for h in row["hash_ids"]]
+                rows.append(
+                    {"timestamp": float(row["timestamp"]), "input_length": int(row["input_length"]),
+                     "hash_ids": ids}
+                )  # fmt: skip
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{number}: not a Mooncake trace line ({error})") from None
+    return rows
+
+
+def _block_tokens(seed: int, hash_id: int) -> np.ndarray:
+    return np.random.default_rng([seed, hash_id]).integers(0, VOCAB, TRACE_BLOCK, dtype=np.int32)
+
+
+def trace(
+    path: str | Path, limit: int | None, seed: int, block_size: int = 64,
+    open_loop: bool = False, time_scale: float = 1.0,
+) -> list[RequestSpec]:  # fmt: skip
+    """Replay a trace prefix. ``expected_reuse`` is the longest leading run of hash ids
+    that an earlier request of the trace already had (what a perfect cache reuses)."""
+    rows = read_trace(path, limit)
+    cache: dict[int, np.ndarray] = {}
+    seen: set[int] = set()
+    out = []
+    for i, row in enumerate(rows):
+        parts = []
+        key, shared, sharing = 0, 0, True
+        for h in row["hash_ids"]:
+            if h not in cache:
+                cache[h] = _block_tokens(seed, h)
+            parts.append(cache[h])
+            key = hash((key, h))
+            if sharing and key in seen:
+                shared += 1
+            else:
+                sharing = False
+            seen.add(key)
+        tokens = np.concatenate(parts)[: row["input_length"]] if parts else np.zeros(0, np.int32)
+        expected = min(shared * TRACE_BLOCK, max(len(tokens) - 1, 0)) // block_size * block_size
+        arrival = row["timestamp"] / 1000 * time_scale if open_loop else None
+        out.append(RequestSpec(f"trace-{i}", tokens, False, expected, arrival))
+    return out
