@@ -22,11 +22,11 @@ class RunConfig:
     executor: str = "sim"
     workload: str = "short-suffix"
     trace: str | None = None
-    requests: int = 32
+    requests: int = 256
     prompt_tokens: int = 16384
     cold_tokens: int | None = None
     suffix_tokens: int = 4096
-    concurrency: int = 16
+    concurrency: int = 64
     open_loop: bool = False
     rung: str = "R4"
     planner: str | None = None

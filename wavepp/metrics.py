@@ -64,7 +64,7 @@ def summarize(
                 "balanced": rep.balanced,
             }
             for rep in reports
-        ],  # fmt: skip
+        ],
         "requests": [
             {
                 "id": r.spec.request_id,
@@ -77,7 +77,7 @@ def summarize(
                 "error": r.error,
             }
             for r in measured
-        ],  # fmt: skip
+        ],
         "config": config,
     }
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-PURE = ["wavepp.state", "wavepp.plan"]
+PURE = ["wavepp.state", "wavepp.plan", "wavepp.rounds"]
 
 
 @pytest.mark.parametrize("package", PURE)

@@ -2,9 +2,9 @@
 
 from wavepp.plan.planners import (
     PLANNERS,
+    Pending,
     PlanContext,
     Planner,
-    Pending,
     estimated_waves,
     fill,
     mpu,
@@ -16,8 +16,8 @@ from wavepp.plan.wave import Chunk, Wave, parse_wave
 __all__ = [
     "PLANNERS",
     "Chunk",
-    "PlanContext",
     "Pending",
+    "PlanContext",
     "Planner",
     "Wave",
     "estimated_waves",

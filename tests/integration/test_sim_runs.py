@@ -1,0 +1,78 @@
+"""Real multi-process runs of the runtime on the simulated executor."""
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+TRACE = (
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
+)
+
+SMALL = ["--executor", "sim", "--prompt-tokens", "2048", "--suffix-tokens", "512",
+         "--budget", "1024", "--min-budget", "128", "--block-size", "32"]  # fmt: skip
+
+
+def check_clean(record: dict, stages: int) -> None:
+    assert record["simulated"] is True
+    assert record["stages"] == stages and len(record["stage_utilization"]) == stages
+    for leak in record["leak_check"]:
+        assert leak["balanced"], leak
+        assert leak["leases"] == leak["escrowed"] == leak["referenced"] == leak["pending"] == 0
+        assert leak["cached"] + leak["free"] == leak["capacity"]
+    assert record["failed_requests"] == 0
+    assert all(0.0 < u <= 1.0 for u in record["stage_utilization"])
+
+
+def test_p2_short_suffix_reuses_every_prompt(run_wavepp):
+    record, stdout = run_wavepp(2, *SMALL, "--workload", "short-suffix", "--requests", "24",
+                                "--concurrency", "8", "--rung", "R4",
+                                "--capacity-blocks", "4096")  # fmt: skip
+    check_clean(record, 2)
+    assert "SIMULATED" in stdout
+    assert record["good_hit_rate"] == 1.0  # a pool of 4,096 blocks keeps every prompt
+    # Each request extends a 2,048-token prompt by 512: 80% of its tokens come from cache.
+    assert record["reused_share"] == pytest.approx(2048 / 2560)
+    assert all(r["cached_tokens"] == 2048 for r in record["requests"])
+    assert record["throughput_tok_s"] > 0 and record["admission_rounds"] >= 1
+
+
+def test_p4_rungs_finish_clean(run_wavepp):
+    results = {}
+    for rung in ("R1", "R3", "oracle"):
+        record, _ = run_wavepp(4, *SMALL, "--workload", "seeded", "--requests", "16",
+                               "--concurrency", "8", "--rung", rung)  # fmt: skip
+        check_clean(record, 4)
+        assert record["rung"] == rung
+        assert record["good_hit_rate"] == 1.0
+        results[rung] = record
+    # R1 admits on the execution path, one request per round (4 seeds + 16 requests).
+    assert results["R1"]["admission_rounds"] >= 16 + 4
+    # The others batch: fewer rounds than requests.
+    assert results["R3"]["admission_rounds"] < 16 + 4
+
+
+def test_custom_planner_and_probe_by_dotted_path(run_wavepp):
+    record, _ = run_wavepp(2, *SMALL, "--workload", "cold", "--requests", "6",
+                           "--concurrency", "3", "--rung", "R3",
+                           "--planner", "tests.integration.custom:tiny_waves",
+                           "--probe", "tests.integration.custom:never_reuse")  # fmt: skip
+    check_clean(record, 2)
+    assert record["config"]["planner"] == "tests.integration.custom:tiny_waves"
+    assert record["reused_share"] == 0.0
+    assert record["probe_p50_us"] is not None
+
+
+def test_trace_replay_reports_good_hit_rate(run_wavepp):
+    record, _ = run_wavepp(2, "--executor", "sim", "--workload", "trace", "--trace", str(TRACE),
+                           "--requests", "120", "--concurrency", "16", "--time-scale", "0.05",
+                           "--rung", "R4")  # fmt: skip
+    check_clean(record, 2)
+    assert record["measured_requests"] == 120
+    assert record["good_hit_rate"] is not None and 0.0 <= record["good_hit_rate"] <= 1.0
+
+
+def test_one_stage_run(run_wavepp):
+    record, _ = run_wavepp(1, *SMALL, "--workload", "mixed", "--requests", "8",
+                           "--concurrency", "4", "--rung", "R2")  # fmt: skip
+    check_clean(record, 1)
