@@ -17,28 +17,41 @@ RUNG_PLANNER = {"R1": "static", "R2": "static", "R3": "static", "R4": "mpu", "R5
                 "oracle": "mpu"}  # fmt: skip
 
 
+# Defaults that depend on the executor: paper-scale shapes for the simulation, sizes a
+# 2-core CPU runs in about a minute for the real model.
+EXECUTOR_DEFAULTS = {
+    "sim": {"workload": "short-suffix", "requests": 256, "prompt_tokens": 16384,
+            "concurrency": 64, "budget": 8192, "min_budget": 512, "block_size": 64,
+            "model": "qwen3-next-80b", "suffix_tokens": 4096},
+    "torch": {"workload": "seeded", "requests": 24, "prompt_tokens": 1024, "concurrency": 8,
+              "budget": 512, "min_budget": 64, "block_size": 16, "model": "tiny-hybrid",
+              "suffix_tokens": 256},
+}  # fmt: skip
+
+
 @attrs.frozen
 class RunConfig:
-    executor: str = "sim"
-    workload: str = "short-suffix"
+    executor: str = "torch"
+    workload: str | None = None
     trace: str | None = None
-    requests: int = 256
-    prompt_tokens: int = 16384
+    requests_file: str | None = None
+    requests: int | None = None
+    prompt_tokens: int | None = None
     cold_tokens: int | None = None
-    suffix_tokens: int = 4096
-    concurrency: int = 64
+    suffix_tokens: int | None = None
+    concurrency: int | None = None
     open_loop: bool = False
     rung: str = "R4"
     planner: str | None = None
     probe: str | None = None
-    block_size: int = 64
+    block_size: int | None = None
     capacity_blocks: int = 0
     snapshot_interval: int = 16
-    budget: int = 8192
-    min_budget: int = 512
+    budget: int | None = None
+    min_budget: int | None = None
     ring: int = 0
     max_batch: int = 256
-    model: str = "qwen3-next-80b"
+    model: str | None = None
     device: str = "h200"
     layers_per_stage: str | None = None
     time_scale: float = 1.0
@@ -53,6 +66,7 @@ HELP: dict[str, str] = {
     "executor": "what runs a wave: 'sim' (cost model, labelled simulated) or 'torch' (real model)",
     "workload": "request mix: " + ", ".join(WORKLOADS) + " (DESIGN §7)",
     "trace": "Mooncake-format JSONL for --workload trace (timestamp, input_length, hash_ids)",
+    "requests_file": 'JSONL of {"id": ..., "tokens": [...]} to run instead of a workload',
     "requests": "measured requests (for trace: how many lines of the trace to replay)",
     "prompt_tokens": "prompt length L in tokens (mixed: the warm L1)",
     "cold_tokens": "mixed workload: length L2 of the cold requests (default: 2 x L)",
@@ -69,11 +83,12 @@ HELP: dict[str, str] = {
     "min_budget": "smallest wave budget MPU may halve to",
     "ring": "waves in flight (0: 2 x stages)",
     "max_batch": "most requests offered to one admission round",
-    "model": "model profile (sim) — llama3-70b or qwen3-next-80b",
+    "model": "sim: profile llama3-70b or qwen3-next-80b; torch: tiny-hybrid, tiny-llama, or a "
+    "checkpoint directory (Hugging Face Llama, or WavePP's layout)",
     "device": "device profile (sim) — h100, h200 or b200",
     "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
-    "seed": "seed of the workload (and of torch weights)",
+    "seed": "seed of the workload and of the random weights",
     "json": "write the run's JSON record here",
     "heartbeat_s": "rank 0 heartbeat on the rounds plane when idle, seconds",
     "timeout_s": "timeout of every process group, seconds",
@@ -91,7 +106,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
     for field in attrs.fields(RunConfig):
         flag = "--" + field.name.replace("_", "-")
-        text = f"{HELP[field.name]} [default: {field.default}]"
+        default = field.default
+        if default is None and field.name in EXECUTOR_DEFAULTS["sim"]:
+            default = " / ".join(f"{k}: {v[field.name]}" for k, v in EXECUTOR_DEFAULTS.items())
+        text = f"{HELP[field.name]} [default: {default}]"
         if field.type in ("bool", bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
             continue
@@ -99,6 +117,8 @@ def parser() -> argparse.ArgumentParser:
         if str(field.type).startswith("int |"):
             kind = int
         choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS}
+        if field.name == "workload":
+            kind = str
         p.add_argument(flag, type=kind, choices=choices.get(field.name), help=text)
     return p
 
@@ -116,6 +136,12 @@ def load(argv: list[str] | None = None) -> RunConfig:
                 raise SystemExit(f"{path}: unknown option {key!r}")
             values[name] = value
     values.update(args)
+    executor = values.get("executor", attrs.fields(RunConfig).executor.default)
+    for key, value in EXECUTOR_DEFAULTS.get(executor, {}).items():
+        if values.get(key) is None:
+            values[key] = value
+    if values.get("requests_file"):
+        values["workload"] = "file"
     config = RunConfig(**values)
     validate(config)
     return config
@@ -135,6 +161,7 @@ def validate(c: RunConfig) -> None:
         f"need --budget ≥ --min-budget ≥ 1, got {c.budget}, {c.min_budget}",
     )
     need(c.workload != "trace" or c.trace, "--workload trace needs --trace PATH")
+    need(c.workload in (*WORKLOADS, "file"), f"--workload {c.workload!r} unknown")
     need(c.time_scale > 0, f"--time-scale must be positive, got {c.time_scale}")
 
 

@@ -19,34 +19,70 @@ import torch
 import torch.distributed as dist
 
 from wavepp.config import RUNG_PLANNER, RunConfig, load, resolve
+from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
+from wavepp.exec.model import BUILTIN, build_stage, random_weights
 from wavepp.exec.planes import build_planes
 from wavepp.exec.profiles import DEVICES, MODELS, split_layers
 from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
+from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.metrics import summarize, table
 from wavepp.plan import PLANNERS
 from wavepp.rounds.admission import Policy, StageBook
 from wavepp.rounds.messages import StageReport, decode_untrusted, encode
 from wavepp.runtime import Coordinator, RankConfig, eager, follow_rounds, follow_waves
 from wavepp.state import audit, empty_cache, num_blocks_for, usage
-from wavepp.workload import cold, mixed, seeded, short_suffix, trace
+from wavepp.workload import cold, mixed, read_requests_file, seeded, short_suffix, trace
+from wavepp.workload.generators import VOCAB
 
 
 def log(message: str) -> None:
     print(f"[wavepp rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
 
 
-def build_workload(c: RunConfig):
+def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict]]:
+    """The requests in release order, and the lines of a requests file that were refused."""
+    if c.workload == "file":
+        specs, rejected = read_requests_file(c.requests_file, vocab)
+        for bad in rejected:
+            log(f"skipped {bad['error']}")
+        return specs, rejected
     if c.workload == "cold":
-        return cold(c.requests, c.prompt_tokens, c.seed, c.block_size)
+        return cold(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab), []
     if c.workload == "seeded":
-        return seeded(c.requests, c.prompt_tokens, c.seed, c.block_size)
+        return seeded(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab=vocab), []
     if c.workload == "mixed":
         return mixed(c.requests, c.prompt_tokens, c.cold_tokens or 2 * c.prompt_tokens, c.seed,
-                     c.block_size)  # fmt: skip
+                     c.block_size, vocab=vocab), []  # fmt: skip
     if c.workload == "short-suffix":
-        return short_suffix(c.requests, c.prompt_tokens, c.seed, c.block_size, c.suffix_tokens)
-    return trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale)
+        return short_suffix(c.requests, c.prompt_tokens, c.seed, c.block_size, c.suffix_tokens,
+                            vocab), []  # fmt: skip
+    return trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale, vocab), []
+
+
+def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
+    """(executor, vocabulary, has recurrent layers) for this rank's stage."""
+    counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
+    if c.executor == "sim":
+        if c.model not in MODELS:
+            raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
+        model = MODELS[c.model]
+        layers = split_layers(model.num_layers, world, counts)[rank]
+        cost = StageCostModel(model, DEVICES[c.device], layers, rank == world - 1)
+        recurrent = any(model.kind(layer) == "L" for layer in layers)
+        return SimExecutor(cost, c.time_scale), VOCAB, recurrent
+    if c.model in BUILTIN:
+        cfg = BUILTIN[c.model]
+        weights = random_weights(cfg, c.seed)
+    elif Path(c.model).is_dir():
+        cfg, weights = load_checkpoint(c.model)
+    else:
+        raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
+                         f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
+    layers = split_layers(cfg.num_layers, world, counts)[rank]
+    modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights)
+    recurrent = any(cfg.kind(layer) == "L" for layer in layers)
+    return TorchExecutor(modules, capacity, c.block_size), cfg.vocab_size, recurrent
 
 
 def pick_planner(c: RunConfig):
@@ -59,6 +95,23 @@ def pick_planner(c: RunConfig):
     return resolve(name)
 
 
+MODELS_VOCAB = {"sim": VOCAB}
+
+
+def _vocab(c: RunConfig) -> int:
+    if c.model in BUILTIN:
+        return BUILTIN[c.model].vocab_size
+    config = Path(c.model) / "config.json"
+    own = Path(c.model) / OWN_CONFIG
+    source = own if own.exists() else config
+    try:
+        return int(json.loads(source.read_text())["vocab_size"])
+    except (OSError, KeyError, ValueError) as error:
+        raise SystemExit(
+            f"wavepp: cannot read the vocabulary size of {c.model!r}: {error}"
+        ) from None
+
+
 def auto_capacity(c: RunConfig, specs) -> int:
     longest = max(s.num_tokens for s in specs)
     return max(num_blocks_for(longest, c.block_size),
@@ -67,19 +120,15 @@ def auto_capacity(c: RunConfig, specs) -> int:
 
 async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, int]:
     plane, inbound, outbound, done = build_planes(c.timeout_s)
-    specs = build_workload(c) if rank == 0 else None
+    vocab = MODELS_VOCAB.get(c.executor, 0) or _vocab(c)
+    specs, rejected = build_workload(c, vocab) if rank == 0 else (None, [])
+    if rank == 0 and not specs:
+        log("no requests to run")
     # Every rank needs the capacity; rank 0 derives it from the workload.
-    capacity = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 else 0)
+    capacity = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 and specs else 0)
     capacity = -(await plane.all_min([-capacity]))[0] if not c.capacity_blocks else capacity
     min_capacity = (await plane.all_min([capacity]))[0]
-
-    if c.executor != "sim":
-        raise SystemExit("wavepp: --executor torch is not available yet; use --executor sim")
-    model, device = MODELS[c.model], DEVICES[c.device]
-    counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
-    layers = split_layers(model.num_layers, world, counts)[rank]
-    recurrent = any(model.kind(layer) == "L" for layer in layers)
-    executor = SimExecutor(StageCostModel(model, device, layers, rank == world - 1), c.time_scale)
+    executor, _, recurrent = build_executor(c, rank, world, capacity)
     book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent)
     policy = Policy(
@@ -98,6 +147,7 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
                          c.max_batch, c.heartbeat_s, c.time_scale, c.progress)  # fmt: skip
         coordinator = Coordinator(cfg, plane, stage, outbound, done, specs, pick_planner(c),
                                   policy, min_capacity, log)  # fmt: skip
+        stage.tokens_of = lambda rid: coordinator.records[rid].spec.tokens
         await coordinator.run()
     else:
         async with anyio.create_task_group() as tg:
@@ -130,6 +180,7 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
                                               "capacity_blocks": capacity},
     )  # fmt: skip
+    record["rejected"] = rejected
     status = 0 if all(r.balanced for r in reports) else 1
     return record, status
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
+import numpy as np
 import torch
 
 from wavepp.state import BlockHash, RequestId, SlotId
@@ -22,6 +23,9 @@ class ChunkWork:
     block_table: tuple[SlotId, ...]  # KV slot of every block 0..blocks(end)-1
     snapshot_points: tuple[int, ...]  # block counts after which to save recurrent state
     free: bool  # warm-up chunk: run for its cache effects, not charged
+    snapshot_keys: tuple[BlockHash, ...] = ()  # hash of block k-1 for each snapshot point k
+    prefix_key: BlockHash | None = None  # hash of block start/bs - 1: the snapshot to resume
+    tokens: np.ndarray | None = None  # stage 0: token ids start..end-1
 
     @property
     def is_last(self) -> bool:

@@ -8,10 +8,11 @@ blocks, release finished requests — and runs the executor in between.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
+import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
@@ -49,6 +50,7 @@ class Stage:
         block_size: int,
         snapshot_interval: int,
         has_recurrent: bool,
+        tokens_of: Callable[[RequestId], np.ndarray] | None = None,
     ) -> None:
         self.index = index
         self.book = book
@@ -56,6 +58,7 @@ class Stage:
         self.block_size = block_size
         self.snapshot_interval = snapshot_interval
         self.has_recurrent = has_recurrent
+        self.tokens_of = tokens_of  # stage 0 of the torch executor: a request's token ids
         self.requests: dict[RequestId, Admitted] = {}
         self._arrivals: dict[RequestId, anyio.Event] = {}
         self.busy_s = 0.0
@@ -116,6 +119,12 @@ class Stage:
             points = [k for k in range(held + 1, end_blocks + 1) if k % step == 0]
             if chunk.end == chunk.num_tokens and end_blocks > held and end_blocks not in points:
                 points.append(end_blocks)  # a snapshot at every request end
+        hashes = admitted.offer.hashes
+        start_block = chunk.start // bs
+        resumable = chunk.start % bs == 0 and start_block > 0
+        tokens = None
+        if self.tokens_of is not None:
+            tokens = self.tokens_of(rid)[chunk.start : chunk.end]
         return ChunkWork(
             request_id=rid,
             start=chunk.start,
@@ -124,6 +133,9 @@ class Stage:
             block_table=block_table(self.book.cache, rid),
             snapshot_points=tuple(points),
             free=chunk.free,
+            snapshot_keys=tuple(hashes[k - 1] for k in points),
+            prefix_key=hashes[start_block - 1] if resumable else None,
+            tokens=tokens,
         )
 
     def _publish(self, work: ChunkWork) -> None:

@@ -8,6 +8,7 @@ from wavepp.workload.generators import (
     seeded,
     short_suffix,
 )
+from wavepp.workload.requests_file import read_requests_file
 from wavepp.workload.trace import read_trace, trace
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "RequestSpec",
     "cold",
     "mixed",
+    "read_requests_file",
     "read_trace",
     "seeded",
     "short_suffix",

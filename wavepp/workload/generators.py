@@ -26,32 +26,36 @@ class RequestSpec:
         return len(self.tokens)
 
 
-def _tokens(rng: np.random.Generator, n: int) -> np.ndarray:
-    return rng.integers(0, VOCAB, size=n, dtype=np.int32)
+def _tokens(rng: np.random.Generator, n: int, vocab: int = VOCAB) -> np.ndarray:
+    return rng.integers(0, vocab, size=n, dtype=np.int32)
 
 
 def _blocks(tokens: int, block_size: int) -> int:
     return tokens // block_size * block_size
 
 
-def cold(n: int, prompt_tokens: int, seed: int, block_size: int = 64) -> list[RequestSpec]:
+def cold(
+    n: int, prompt_tokens: int, seed: int, block_size: int = 64, vocab: int = VOCAB
+) -> list[RequestSpec]:
     """Unique prompts of L tokens."""
     rng = np.random.default_rng(seed)
-    return [RequestSpec(f"cold-{i}", _tokens(rng, prompt_tokens), False, 0) for i in range(n)]
+    return [
+        RequestSpec(f"cold-{i}", _tokens(rng, prompt_tokens, vocab), False, 0) for i in range(n)
+    ]
 
 
 def seeded(
     n: int, prompt_tokens: int, seed: int, block_size: int = 64, reuse: float = 0.9,
-    num_prefixes: int | None = None,
+    num_prefixes: int | None = None, vocab: int = VOCAB,
 ) -> list[RequestSpec]:  # fmt: skip
     """Shared prefixes of ``reuse``·L seeded before measurement, each request a new suffix."""
     rng = np.random.default_rng(seed)
     prefix_len = _blocks(int(prompt_tokens * reuse), block_size)
     k = num_prefixes or max(1, n // 4)
-    prefixes = [_tokens(rng, prefix_len) for _ in range(k)]
+    prefixes = [_tokens(rng, prefix_len, vocab) for _ in range(k)]
     out = [RequestSpec(f"seed-{j}", p, True, 0) for j, p in enumerate(prefixes)]
     for i in range(n):
-        suffix = _tokens(rng, prompt_tokens - prefix_len)
+        suffix = _tokens(rng, prompt_tokens - prefix_len, vocab)
         out.append(
             RequestSpec(f"warm-{i}", np.concatenate([prefixes[i % k], suffix]), False, prefix_len)
         )
@@ -60,14 +64,15 @@ def seeded(
 
 def mixed(
     n: int, warm_tokens: int, cold_tokens: int, seed: int, block_size: int = 64,
-    warm_share: float = 0.75,
+    warm_share: float = 0.75, vocab: int = VOCAB,
 ) -> list[RequestSpec]:  # fmt: skip
     """75% warm seeded requests of L1, 25% cold requests of L2, interleaved."""
     rng = np.random.default_rng(seed + 1)
     num_warm = round(n * warm_share)
-    warm = seeded(num_warm, warm_tokens, seed, block_size)
+    warm = seeded(num_warm, warm_tokens, seed, block_size, vocab=vocab)
     cold_reqs = [
-        RequestSpec(f"cold-{i}", _tokens(rng, cold_tokens), False, 0) for i in range(n - num_warm)
+        RequestSpec(f"cold-{i}", _tokens(rng, cold_tokens, vocab), False, 0)
+        for i in range(n - num_warm)
     ]
     seeds = [r for r in warm if r.warmup]
     measured = [r for r in warm if not r.warmup] + cold_reqs
@@ -76,15 +81,16 @@ def mixed(
 
 
 def short_suffix(
-    n: int, prompt_tokens: int, seed: int, block_size: int = 64, suffix_tokens: int = 4096
-) -> list[RequestSpec]:
+    n: int, prompt_tokens: int, seed: int, block_size: int = 64, suffix_tokens: int = 4096,
+    vocab: int = VOCAB,
+) -> list[RequestSpec]:  # fmt: skip
     """Cold traffic of n prompts (kept, with its eviction history), then n requests that
     each extend one earlier prompt by ``suffix_tokens``."""
     rng = np.random.default_rng(seed)
-    prompts = [_tokens(rng, prompt_tokens) for _ in range(n)]
+    prompts = [_tokens(rng, prompt_tokens, vocab) for _ in range(n)]
     out = [RequestSpec(f"doc-{i}", p, True, 0) for i, p in enumerate(prompts)]
     for i, j in enumerate(rng.permutation(n)):
-        tokens = np.concatenate([prompts[j], _tokens(rng, suffix_tokens)])
+        tokens = np.concatenate([prompts[j], _tokens(rng, suffix_tokens, vocab)])
         out.append(RequestSpec(f"turn-{i}", tokens, False, _blocks(prompt_tokens, block_size)))
     return out
 

@@ -37,13 +37,13 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
     return rows
 
 
-def _block_tokens(seed: int, hash_id: int) -> np.ndarray:
-    return np.random.default_rng([seed, hash_id]).integers(0, VOCAB, TRACE_BLOCK, dtype=np.int32)
+def _block_tokens(seed: int, hash_id: int, vocab: int) -> np.ndarray:
+    return np.random.default_rng([seed, hash_id]).integers(0, vocab, TRACE_BLOCK, dtype=np.int32)
 
 
 def trace(
     path: str | Path, limit: int | None, seed: int, block_size: int = 64,
-    open_loop: bool = False, time_scale: float = 1.0,
+    open_loop: bool = False, time_scale: float = 1.0, vocab: int = VOCAB,
 ) -> list[RequestSpec]:  # fmt: skip
     """Replay a trace prefix. ``expected_reuse`` is the longest leading run of hash ids
     that an earlier request of the trace already had (what a perfect cache reuses)."""
@@ -56,7 +56,7 @@ def trace(
         key, shared, sharing = 0, 0, True
         for h in row["hash_ids"]:
             if h not in cache:
-                cache[h] = _block_tokens(seed, h)
+                cache[h] = _block_tokens(seed, h, vocab)
             parts.append(cache[h])
             key = hash((key, h))
             if sharing and key in seen:

@@ -1,0 +1,57 @@
+"""Round and wave messages: exact round trips, and clean errors for a peer's bad bytes."""
+
+import msgspec
+import pytest
+
+from wavepp.rounds.messages import (
+    AdmitEntry,
+    AdmitRound,
+    ChunkMsg,
+    CodecError,
+    DataMessage,
+    Heartbeat,
+    RoundMessage,
+    WaveDone,
+    WaveMsg,
+    decode_untrusted,
+    encode,
+    pack_hashes,
+    unpack_hashes,
+)
+
+
+def test_round_trip_of_every_message():
+    hashes = (0, 1, 2**64 - 1)
+    messages = [
+        AdmitRound(3, [AdmitEntry("req-1", 200, pack_hashes(hashes), 2)]),
+        Heartbeat(4),
+        WaveMsg(9, 8192, [ChunkMsg("req-1", 128, 200, 200, False)]),
+        WaveDone(9, [], stop=True),
+    ]
+    for message in messages:
+        kind = RoundMessage if isinstance(message, AdmitRound | Heartbeat) else DataMessage
+        assert decode_untrusted(encode(message), kind) == message
+    assert unpack_hashes(pack_hashes(hashes)) == hashes
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",  # never-used msgpack byte
+        encode(Heartbeat(1))[:-1],
+        msgspec.msgpack.encode({"type": "AdmitRound", "round_id": -1, "entries": []}),
+        msgspec.msgpack.encode({"type": "AdmitRound", "round_id": 1, "entries": [
+            {"request_id": "a", "num_tokens": 5, "hashes": b"123", "probe_limit": 0}]}),
+        msgspec.msgpack.encode({"type": "Heartbeat", "round_id": 1, "extra": 2}),
+        msgspec.msgpack.encode({"type": "Pickle", "round_id": 1}),
+    ],
+)  # fmt: skip
+def test_bad_bytes_give_a_codec_error(raw):
+    with pytest.raises(CodecError):
+        decode_untrusted(raw, RoundMessage)
+
+
+def test_a_wave_is_not_a_round_message():
+    with pytest.raises(CodecError):
+        decode_untrusted(encode(WaveMsg(1, 1, [])), RoundMessage)

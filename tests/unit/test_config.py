@@ -1,0 +1,31 @@
+import attrs
+import pytest
+
+from wavepp.config import RunConfig, load, parser
+
+
+def test_help_documents_every_option():
+    text = parser().format_help()
+    for field in attrs.fields(RunConfig):
+        assert "--" + field.name.replace("_", "-") in text
+
+
+def test_toml_then_command_line(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('workload = "cold"\nrequests = 7\nrung = "R2"\nprogress = false\n')
+    config = load(["--config", str(path), "--requests", "9"])
+    assert (config.workload, config.requests, config.rung, config.progress) == (
+        "cold",
+        9,
+        "R2",
+        False,
+    )
+
+
+def test_bad_options_say_what(tmp_path):
+    with pytest.raises(SystemExit, match="--workload trace needs --trace PATH"):
+        load(["--workload", "trace"])
+    path = tmp_path / "bad.toml"
+    path.write_text("reqests = 3\n")
+    with pytest.raises(SystemExit, match="unknown option 'reqests'"):
+        load(["--config", str(path)])

@@ -1,0 +1,93 @@
+"""Weights on disk: Hugging Face Llama-family directories and WavePP's own layout.
+
+- A Hugging Face directory (``config.json`` + ``*.safetensors``) of a Llama-family model
+  (``model_type`` llama, SiLU MLP, default RoPE) loads as an ``A``-only model; tensor
+  names are Llama's.
+- WavePP's own layout, for hybrids: ``wavepp_config.json`` (the ``ModelConfig`` fields)
+  + ``model.safetensors`` with the same names, ``linear_attn`` for L layers. Write one
+  with ``python -m wavepp.exec.checkpoint --model tiny-hybrid --seed 0 --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import attrs
+import torch
+from safetensors.torch import load_file, save_file
+
+from wavepp.exec.model import BUILTIN, ModelConfig, random_weights
+
+OWN_CONFIG = "wavepp_config.json"
+
+
+def config_from_hf(data: dict) -> ModelConfig:
+    kind = data.get("model_type")
+    if kind != "llama":
+        raise ValueError(f"only Llama-family checkpoints load as they are; model_type is {kind!r}")
+    if data.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {data['hidden_act']!r} is not SiLU")
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"RoPE scaling {rope!r} is not supported")
+    if data.get("attention_bias") or data.get("mlp_bias"):
+        raise ValueError("biased attention or MLP projections are not supported")
+    heads = data["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=data["vocab_size"],
+        d_model=data["hidden_size"],
+        num_layers=data["num_hidden_layers"],
+        pattern="A",
+        num_heads=heads,
+        num_kv_heads=data.get("num_key_value_heads") or heads,
+        head_dim=data.get("head_dim") or data["hidden_size"] // heads,
+        d_ff=data["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10_000.0))),
+        norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+    )
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    root = Path(path)
+    if (root / OWN_CONFIG).exists():
+        cfg = ModelConfig(**json.loads((root / OWN_CONFIG).read_text()))
+    elif (root / "config.json").exists():
+        cfg = config_from_hf(json.loads((root / "config.json").read_text()))
+    else:
+        raise FileNotFoundError(f"{root} has neither {OWN_CONFIG} nor a Hugging Face config.json")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {root}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+    cfg.validate()
+    return cfg, weights
+
+
+def write_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / OWN_CONFIG).write_text(json.dumps(attrs.asdict(cfg), indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(root / "model.safetensors"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m wavepp.exec.checkpoint",
+        description="Write a built-in model with seeded random weights in WavePP's layout.",
+    )
+    parser.add_argument("--model", default="tiny-hybrid", choices=sorted(BUILTIN))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="directory to write")
+    args = parser.parse_args(argv)
+    cfg = BUILTIN[args.model]
+    write_checkpoint(args.out, cfg, random_weights(cfg, args.seed))
+    print(f"wrote {args.model} (seed {args.seed}) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""A decoder LM from a config: attention (A) and gated linear attention (L) layers.
+
+Pure-attention configs follow the Llama layout and its weight names, so Llama-family
+checkpoints load as they are; hybrid configs add ``linear_attn`` layers under the same
+naming scheme. Layer kinds live in a small registry (``MIXERS``) so that published
+hybrid families (Gated DeltaNet, KDA + MLA) can be added as new kinds.
+
+Everything here is plain PyTorch. The paged, chunked, prefix-reusing forward is in
+``wavepp.exec.torch_exec``; :func:`reference_logits` is the plain full forward the
+parity tests compare it with.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@attrs.frozen
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    pattern: str  # layer kinds, repeated: "A" (Llama), "LLLA" (hybrid)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    linear_heads: int = 0  # L layers: heads, each with a head_dim x head_dim state
+    linear_head_dim: int = 0
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def kind(self, layer: int) -> str:
+        return self.pattern[layer % len(self.pattern)]
+
+    def validate(self) -> None:
+        if set(self.pattern) - set(MIXERS):
+            raise ValueError(
+                f"unknown layer kinds in pattern {self.pattern!r}; known: {sorted(MIXERS)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.num_heads} heads do not group over {self.num_kv_heads} KV heads"
+            )
+        if "L" in self.pattern and not (self.linear_heads and self.linear_head_dim):
+            raise ValueError("a pattern with L layers needs linear_heads and linear_head_dim")
+
+
+BUILTIN: dict[str, ModelConfig] = {
+    # The embedded default: small enough for four ranks on two CPU cores.
+    "tiny-hybrid": ModelConfig(
+        vocab_size=512, d_model=128, num_layers=8, pattern="LLLA", num_heads=4,
+        num_kv_heads=2, head_dim=32, d_ff=256, linear_heads=4, linear_head_dim=32,
+    ),
+    "tiny-llama": ModelConfig(
+        vocab_size=512, d_model=128, num_layers=8, pattern="A", num_heads=4,
+        num_kv_heads=2, head_dim=32, d_ff=256,
+    ),
+    # For the CPU benchmarks: big enough that the math, not the runtime, dominates.
+    "small-llama": ModelConfig(
+        vocab_size=4096, d_model=512, num_layers=8, pattern="A", num_heads=8,
+        num_kv_heads=2, head_dim=64, d_ff=1536,
+    ),
+    "small-hybrid": ModelConfig(
+        vocab_size=4096, d_model=512, num_layers=8, pattern="LLLA", num_heads=8,
+        num_kv_heads=2, head_dim=64, d_ff=1536, linear_heads=8, linear_head_dim=64,
+    ),
+}  # fmt: skip
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, dim]
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, Llama's rotate-half convention. x: [tokens, heads, head_dim]."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [tokens, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    half = dim // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE (kind ``A``; Llama's ``self_attn``)."""
+
+    attr = "self_attn"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, q, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, kv, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, kv, bias=False)
+        self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
+
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor):
+        # h: [n, d_model] -> q: [n, H, hd], k/v: [n, KV, hd]
+        cfg, n = self.cfg, h.shape[0]
+        q = self.q_proj(h).view(n, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)
+        return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+
+    def attend(self, q, k, v, q_positions: torch.Tensor) -> torch.Tensor:
+        """q: [n, H, hd] at q_positions; k/v: [m, KV, hd] at positions 0..m-1."""
+        n, m = q.shape[0], k.shape[0]
+        if n == m:  # no cached prefix: plain causal attention
+            mask, causal = None, True
+        else:
+            mask, causal = torch.arange(m)[None, :] <= q_positions[:, None], False  # [n, m]
+        # 4-D inputs take the fused CPU kernel (3-D ones fall back to the math path).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=True,
+        )  # [1, H, n, hd]; fmt: skip
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(h.shape[0])
+        q, k, v = self.qkv(h, positions)
+        return self.attend(q, k, v, positions)
+
+
+class GatedLinearAttention(nn.Module):
+    """Gated linear attention (kind ``L``): per head, a head_dim x head_dim state
+
+        S_t = exp(a_t) S_{t-1} + k_t^T v_t,   o_t = (q_t S_t) * silu(g_t)
+
+    with a data-dependent scalar decay a_t = -softplus(w_a x_t) per head. Prefill uses
+    the chunked-parallel form; :meth:`full` is the token-by-token recurrence.
+    """
+
+    attr = "linear_attn"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inner = cfg.linear_heads * cfg.linear_head_dim
+        self.q_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.a_proj = nn.Linear(cfg.d_model, cfg.linear_heads, bias=True)
+        self.g_proj = nn.Linear(cfg.d_model, inner, bias=False)
+        self.o_proj = nn.Linear(inner, cfg.d_model, bias=False)
+
+    def state_shape(self) -> tuple[int, int, int]:
+        d = self.cfg.linear_head_dim
+        return (self.cfg.linear_heads, d, d)
+
+    def project(self, h: torch.Tensor):
+        # h: [n, d_model] -> q, k, v: [n, Hl, dl]; a: [n, Hl] (log decay ≤ 0)
+        cfg, n = self.cfg, h.shape[0]
+        shape = (n, cfg.linear_heads, cfg.linear_head_dim)
+        q = self.q_proj(h).view(shape) * cfg.linear_head_dim**-0.5
+        k = F.normalize(self.k_proj(h).view(shape), dim=-1)
+        v = self.v_proj(h).view(shape)
+        a = -F.softplus(self.a_proj(h))
+        return q, k, v, a
+
+    def finish(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        # o: [n, Hl, dl]
+        return self.o_proj(o.reshape(o.shape[0], -1) * F.silu(self.g_proj(h)))
+
+    @staticmethod
+    def scan(q, k, v, a, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunked-parallel form over one piece. q,k,v: [m, Hl, dl]; a: [m, Hl];
+        state: [Hl, dl, dl]. Returns (o: [m, Hl, dl], state after the piece)."""
+        b = a.cumsum(0)  # [m, Hl]
+        m = q.shape[0]
+        causal = torch.ones(m, m, dtype=torch.bool).tril()
+        decay = (b[:, None, :] - b[None, :, :]).masked_fill(~causal[:, :, None], -math.inf).exp()
+        scores = torch.einsum("thd,shd->hts", q, k) * decay.permute(2, 0, 1)  # [Hl, m, m]
+        o = torch.einsum("hts,shd->thd", scores, v)
+        o = o + torch.einsum("thd,hde->the", q, state) * b.exp()[:, :, None]
+        tail = (b[-1][None, :] - b).exp()  # [m, Hl]
+        state = state * b[-1].exp()[:, None, None] + torch.einsum("sh,shd,she->hde", tail, k, v)
+        return o, state
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v, a = self.project(h)
+        state = torch.zeros(self.state_shape(), dtype=h.dtype)
+        outs = []
+        for t in range(h.shape[0]):
+            state = state * a[t].exp()[:, None, None] + torch.einsum("hd,he->hde", k[t], v[t])
+            outs.append(torch.einsum("hd,hde->he", q[t], state))
+        return self.finish(h, torch.stack(outs))
+
+
+MIXERS: dict[str, type[nn.Module]] = {"A": Attention, "L": GatedLinearAttention}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        mixer = MIXERS[kind](cfg)
+        setattr(self, mixer.attr, mixer)
+        self.mixer_name = mixer.attr
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+
+class StageModules(nn.Module):
+    """The modules one stage holds: its layers, plus embeddings (first) / head (last).
+
+    Parameter names match the full model's (``model.layers.{i}...``), so a checkpoint's
+    tensors load by name on every stage.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.layer_ids = list(layers)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, cfg.kind(i)) for i in layers})
+        if first or (last and cfg.tie_embeddings):
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if last:
+            self.model.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            if not cfg.tie_embeddings:
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.first, self.last = first, last
+
+    def layer(self, i: int) -> DecoderLayer:
+        return self.model.layers[str(i)]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [n, d_model] -> logits [n, vocab]
+        h = self.model.norm(h)
+        if self.cfg.tie_embeddings:
+            return h @ self.model.embed_tokens.weight.T
+        return self.lm_head(h)
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The full model's weights from a seed, the same on every rank whatever the split."""
+    generator = torch.Generator().manual_seed(seed)
+    full = StageModules(cfg, range(cfg.num_layers), first=True, last=True)
+    state = {}
+    for name, param in full.state_dict().items():
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            state[name] = 1.0 + 0.1 * torch.randn(param.shape, generator=generator)
+        elif name.endswith("a_proj.bias"):
+            state[name] = torch.full(param.shape, 1.0) + 0.5 * torch.randn(
+                param.shape, generator=generator
+            )
+        else:
+            fan_in = param.shape[-1] if param.dim() > 1 else 1
+            std = 1.0 if "embed_tokens" in name else fan_in**-0.5
+            state[name] = std * torch.randn(param.shape, generator=generator)
+    return state
+
+
+def build_stage(cfg: ModelConfig, layers: range, first: bool, last: bool,
+                weights: dict[str, torch.Tensor]) -> StageModules:  # fmt: skip
+    modules = StageModules(cfg, layers, first, last)
+    wanted = modules.state_dict().keys()
+    missing = [k for k in wanted if k not in weights]
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    modules.load_state_dict({k: weights[k] for k in wanted})
+    return modules.eval()
+
+
+@torch.inference_mode()
+def reference_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokens) -> torch.Tensor:
+    """Plain single-process forward of the whole model: logits at the last position."""
+    model = build_stage(cfg, range(cfg.num_layers), True, True, weights)
+    x = model.model.embed_tokens(torch.as_tensor(tokens, dtype=torch.long))  # [n, d_model]
+    for i in model.layer_ids:
+        layer = model.layer(i)
+        x = x + layer.mixer.full(layer.input_layernorm(x))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.head(x[-1:])[0]

@@ -1,0 +1,147 @@
+"""The torch executor: one stage of a real decoder LM over a paged KV pool (DESIGN §6).
+
+Per stage it holds, for every attention layer, a KV pool ``[capacity, block, KV, hd]``
+indexed by the slots the state reducers hand out, and, for linear-attention layers,
+the live recurrent state of each running request plus snapshots at block boundaries
+keyed by the hash of the block they follow. The cache effects are exactly the ones the
+reducers decided: this class only reads and writes the slots and snapshots it is told.
+
+A wave's token-wise work (projections, MLP) runs on all its chunks at once; attention
+and the recurrence run chunk by chunk. The forward runs in a worker thread, so the
+event loop keeps admitting while it computes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import anyio.to_thread
+import torch
+
+from wavepp.exec.base import ChunkWork, StageOutput
+from wavepp.exec.model import Attention, GatedLinearAttention, StageModules
+from wavepp.state import BlockHash, RequestId
+
+
+class TorchExecutor:
+    simulated = False
+
+    def __init__(self, modules: StageModules, capacity: int, block_size: int) -> None:
+        self.m = modules
+        self.cfg = modules.cfg
+        self.block_size = block_size
+        cfg = self.cfg
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in modules.layer_ids:
+            if cfg.kind(i) == "A":
+                shape = (capacity * block_size, cfg.num_kv_heads, cfg.head_dim)
+                self.kv[i] = (torch.zeros(shape), torch.zeros(shape))  # [slot*bs+off, KV, hd]
+        self.recurrent = [i for i in modules.layer_ids if cfg.kind(i) == "L"]
+        self.live: dict[RequestId, dict[int, torch.Tensor]] = {}  # running requests' states
+        self.snapshots: dict[BlockHash, dict[int, torch.Tensor]] = {}
+        self.last_logits: dict[RequestId, torch.Tensor] = {}  # last stage, for inspection
+
+    # -- the protocol ---------------------------------------------------------------
+
+    async def run(
+        self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
+    ) -> StageOutput:
+        started = time.perf_counter()
+        out, results = await anyio.to_thread.run_sync(self.forward, list(chunks), activations)
+        return StageOutput(out, time.perf_counter() - started, results)
+
+    def forget(self, evicted: Sequence[BlockHash]) -> None:
+        for block in evicted:
+            self.snapshots.pop(block, None)
+
+    def cancel(self, rid: RequestId) -> None:
+        self.live.pop(rid, None)
+
+    # -- the math -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ChunkWork], x: torch.Tensor | None):
+        """x: [tokens, d_model] from the previous stage (None on stage 0)."""
+        if x is None:
+            tokens = torch.cat([torch.as_tensor(c.tokens, dtype=torch.long) for c in chunks])
+            x = self.m.model.embed_tokens(tokens)
+        spans, at = [], 0
+        for c in chunks:
+            spans.append((at, at + c.end - c.start))
+            at += c.end - c.start
+        if at != x.shape[0]:
+            raise ValueError(f"wave of {at} tokens got activations for {x.shape[0]}")
+        for i in self.m.layer_ids:
+            layer = self.m.layer(i)
+            h = layer.input_layernorm(x)
+            mixer = layer.mixer
+            if isinstance(mixer, Attention):
+                mixed = torch.cat(
+                    [
+                        self._attention(i, mixer, c, h[a:b])
+                        for c, (a, b) in zip(chunks, spans, strict=True)
+                    ]
+                )
+            else:
+                mixed = torch.cat(
+                    [
+                        self._recurrence(i, mixer, c, h[a:b])
+                        for c, (a, b) in zip(chunks, spans, strict=True)
+                    ]
+                )
+            x = x + mixed
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for c in chunks:
+            if c.is_last:
+                self.live.pop(c.request_id, None)
+        if not self.m.last:
+            return x, {}
+        results = {}
+        for c, (_, b) in zip(chunks, spans, strict=True):
+            if c.is_last:
+                logits = self.m.head(x[b - 1 : b])[0]
+                self.last_logits[c.request_id] = logits
+                results[c.request_id] = (int(logits.argmax()), float(logits.max()))
+        return None, results
+
+    def _slots(self, c: ChunkWork, positions: torch.Tensor) -> torch.Tensor:
+        table = torch.as_tensor(c.block_table, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _attention(self, i: int, mixer: Attention, c: ChunkWork, h: torch.Tensor) -> torch.Tensor:
+        # h: [n, d_model] at positions c.start..c.end-1; the prefix is in the pool.
+        positions = torch.arange(c.start, c.end)
+        q, k, v = mixer.qkv(h, positions)
+        keys, values = self.kv[i]
+        keys[self._slots(c, positions)] = k
+        values[self._slots(c, positions)] = v
+        every = self._slots(c, torch.arange(c.end))
+        return mixer.attend(q, keys[every], values[every], positions)
+
+    def _recurrence(
+        self, i: int, mixer: GatedLinearAttention, c: ChunkWork, h: torch.Tensor
+    ) -> torch.Tensor:
+        states = self.live.setdefault(c.request_id, {})
+        if i not in states:
+            if c.prefix_key is not None:
+                states[i] = self.snapshots[c.prefix_key][i].clone()
+            elif c.start == 0:
+                states[i] = torch.zeros(mixer.state_shape())
+            else:
+                raise RuntimeError(f"{c.request_id}: no state to resume at token {c.start}")
+        q, k, v, a = mixer.project(h)
+        bs = self.block_size
+        saves = dict(zip(c.snapshot_points, c.snapshot_keys, strict=True))
+        outs, state, at = [], states[i], c.start
+        while at < c.end:  # pieces end on block boundaries, where snapshots are taken
+            stop = min(c.end, (at // bs + 1) * bs)
+            a0, a1 = at - c.start, stop - c.start
+            o, state = mixer.scan(q[a0:a1], k[a0:a1], v[a0:a1], a[a0:a1], state)
+            outs.append(o)
+            if stop % bs == 0 and stop // bs in saves:
+                self.snapshots.setdefault(saves[stop // bs], {})[i] = state.clone()
+            at = stop
+        states[i] = state
+        return mixer.finish(h, torch.cat(outs))

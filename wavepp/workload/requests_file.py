@@ -1,0 +1,51 @@
+"""Requests from a JSONL file: one ``{"id": ..., "tokens": [...]}`` per line.
+
+A bad line — not JSON, no tokens, token ids outside the vocabulary, a repeated id — is
+reported with its line number and skipped; the other lines run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from wavepp.workload.generators import RequestSpec
+
+
+def read_requests_file(path: str | Path, vocab: int) -> tuple[list[RequestSpec], list[dict]]:
+    """Returns (requests, rejected) where each rejected line is {line, id, error}."""
+    specs: list[RequestSpec] = []
+    rejected: list[dict] = []
+    seen: set[str] = set()
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rid = None
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
+                if "id" not in row:
+                    raise ValueError("no 'id'")
+                rid = str(row["id"])
+                tokens = row.get("tokens")
+                if not isinstance(tokens, list) or not tokens:
+                    raise ValueError("no tokens (need a non-empty list of token ids)")
+                if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                    raise ValueError("token ids must be integers")
+                bad = [t for t in tokens if not 0 <= t < vocab]
+                if bad:
+                    raise ValueError(
+                        f"{len(bad)} token ids outside the vocabulary 0..{vocab - 1}, e.g. {bad[0]}"
+                    )
+                if rid in seen:
+                    raise ValueError(f"duplicate request id {rid!r}")
+            except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+                rejected.append({"line": number, "id": rid, "error": f"{path}:{number}: {error}"})
+                continue
+            seen.add(rid)
+            specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), False, 0))
+    return specs, rejected
