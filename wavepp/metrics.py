@@ -71,6 +71,7 @@ def summarize(
                 "num_tokens": r.spec.num_tokens,
                 "cached_tokens": r.cached_tokens,
                 "first_token": r.first_token,
+                "top_logit": r.top_logit,
                 "completion_s": None
                 if r.done_at is None or r.error
                 else (r.done_at - r.released_at) / time_scale,
