@@ -57,6 +57,7 @@ class RunConfig:
     time_scale: float = 1.0
     seed: int = 0
     json: str | None = None
+    trace_out: str | None = None
     heartbeat_s: float = 2.0
     timeout_s: float = 120.0
     progress: bool = True
@@ -74,7 +75,7 @@ HELP: dict[str, str] = {
     "concurrency": "closed loop: requests outstanding at once (c)",
     "open_loop": "trace workload: release requests at their timestamps instead of closed loop",
     "rung": "runtime configuration of the ablation ladder: " + ", ".join(RUNGS) + " (DESIGN §8)",
-    "planner": "override the rung's planner: 'static', 'mpu', or a dotted path 'pkg.mod:fn'",
+    "planner": "override the rung's planner: 'static', 'mpu', 'cost', or a dotted path 'pkg.mod:fn'",
     "probe": "override the hint probe with a dotted path 'pkg.mod:fn' (signature of state.probe)",
     "block_size": "tokens per cached block",
     "capacity_blocks": "KV pool per stage in blocks (0: enough for 1.5 x concurrency prompts)",
@@ -90,6 +91,7 @@ HELP: dict[str, str] = {
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
     "json": "write the run's JSON record here",
+    "trace_out": "write a Chrome-trace timeline (Perfetto): waves and bubbles per stage, rounds",
     "heartbeat_s": "rank 0 heartbeat on the rounds plane when idle, seconds",
     "timeout_s": "timeout of every process group, seconds",
     "progress": "show a progress bar on rank 0 (--no-progress to hide)",

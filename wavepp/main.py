@@ -27,11 +27,12 @@ from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.metrics import summarize, table
-from wavepp.plan import PLANNERS
+from wavepp.plan import PLANNERS, CostFit, CostModel
 from wavepp.rounds.admission import Policy, StageBook
 from wavepp.rounds.messages import StageReport, decode_untrusted, encode
 from wavepp.runtime import Coordinator, RankConfig, eager, follow_rounds, follow_waves
 from wavepp.state import audit, empty_cache, num_blocks_for, usage
+from wavepp.timeline import chrome_trace, write_trace
 from wavepp.workload import cold, mixed, read_requests_file, seeded, short_suffix, trace
 from wavepp.workload.generators import VOCAB
 
@@ -87,6 +88,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
 
 def pick_planner(c: RunConfig):
     name = c.planner or RUNG_PLANNER[c.rung]
+    if name == "cost":
+        return None  # the coordinator plans with its online cost fit
     if name in PLANNERS:
         return PLANNERS[name]
     if ":" not in name and "." not in name:
@@ -131,6 +134,8 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
     executor, _, recurrent = build_executor(c, rank, world, capacity)
     book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent)
+    if c.trace_out:
+        stage.spans = []
     policy = Policy(
         block_size=c.block_size,
         linear_probe=c.rung == "R1",
@@ -145,8 +150,12 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
         ring = c.ring or 2 * world
         cfg = RankConfig(c.rung, c.block_size, c.budget, c.min_budget, ring, c.concurrency,
                          c.max_batch, c.heartbeat_s, c.time_scale, c.progress)  # fmt: skip
-        coordinator = Coordinator(cfg, plane, stage, outbound, done, specs, pick_planner(c),
-                                  policy, min_capacity, log)  # fmt: skip
+        planner = pick_planner(c)
+        fit = None
+        if planner is None:
+            fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
+        coordinator = Coordinator(cfg, plane, stage, outbound, done, specs, planner,
+                                  policy, min_capacity, log, cost_fit=fit)  # fmt: skip
         stage.tokens_of = lambda rid: coordinator.records[rid].spec.tokens
         await coordinator.run()
     else:
@@ -167,6 +176,7 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
         leases=use.num_leases, escrowed=use.num_escrowed, referenced=use.num_referenced,
         pending=use.num_pending, cached=use.num_cached, free=use.num_free,
         capacity=use.capacity, balanced=use.balanced and not error, error=error,
+        spans=stage.spans or [],
     )  # fmt: skip
     gathered = await plane.gather(encode(report))
     if rank != 0:
@@ -181,6 +191,9 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
                                               "capacity_blocks": capacity},
     )  # fmt: skip
     record["rejected"] = rejected
+    if c.trace_out:
+        write_trace(c.trace_out, chrome_trace(reports, coordinator.round_spans, executor.simulated))
+        log(f"wrote timeline {c.trace_out}")
     status = 0 if all(r.balanced for r in reports) else 1
     return record, status
 

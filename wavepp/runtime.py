@@ -30,7 +30,7 @@ import attrs
 from wavepp.exec.base import StageOutput
 from wavepp.exec.planes import Link, TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage, offer_from_entry
-from wavepp.plan import Pending, PlanContext, Planner
+from wavepp.plan import CostFit, Pending, PlanContext, Planner, cost_plan, observe
 from wavepp.rounds.admission import Offer, Policy, probe_points, run_round
 from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
@@ -197,6 +197,7 @@ class Coordinator:
         policy: Policy,
         min_capacity: int,
         log: Callable[[str], None],
+        cost_fit: CostFit | None = None,
     ) -> None:
         self.cfg = config
         self.plane = plane
@@ -204,6 +205,7 @@ class Coordinator:
         self.outbound = outbound
         self.done_link = done
         self.planner = planner
+        self.cost_fit = cost_fit  # R5: the cost planner's online fit of stage time
         self.policy = policy
         self.log = log
         self.world = plane.world_size
@@ -228,6 +230,7 @@ class Coordinator:
         self.stopping = False
         self.unfinished = 0
         self.round_seconds: list[float] = []
+        self.round_spans: list[tuple[float, float, int]] = []  # (start, end, requests) wall
         self.measure_start: float | None = None
         self.measure_end: float | None = None
 
@@ -352,10 +355,12 @@ class Coordinator:
             AdmitEntry(o.request_id, o.num_tokens, pack_hashes(o.hashes), o.probe_limit)
             for o in offers
         ]
+        started = time.time()
         async with self.plane.lock:
             await self.plane.broadcast(encode(AdmitRound(self.round_id, entries)))
             result = await run_round(self.plane, self.stage.book, offers, self.policy)
         self.round_seconds.append(result.seconds)
+        self.round_spans.append((started, time.time(), len(offers)))
         for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
             if ok:
                 self.stage.register(Admitted(offer, point))
@@ -420,7 +425,10 @@ class Coordinator:
 
     def _plan(self):
         ctx = PlanContext(self.cfg.budget, self.cfg.ring, self.cfg.min_budget)
-        wave = self.planner(self.queue, self.wave_id, ctx)
+        if self.cost_fit is not None:
+            wave = cost_plan(self.queue, self.wave_id, ctx, self.cost_fit.model())
+        else:
+            wave = self.planner(self.queue, self.wave_id, ctx)
         if wave is None:
             return None
         if wave.num_tokens > wave.budget or wave.budget > self.cfg.budget:
@@ -466,6 +474,9 @@ class Coordinator:
                     self.oracle_admits = []
                     self.in_flight += 1
                     output, ended = await self.stage.execute(message, None)
+                    if self.cost_fit is not None and output.seconds and not chunks[0].free:
+                        shape = [(c.end - c.start, c.start) for c in wave.chunks]
+                        self.cost_fit = observe(self.cost_fit, shape, output.seconds)
                     if self.outbound is None:
                         self.in_flight -= 1
                         self._complete(_finished(output, ended))

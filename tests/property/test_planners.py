@@ -1,6 +1,7 @@
 """Planner properties: every admitted token planned once, in order, within the budget."""
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from wavepp.plan import PLANNERS, Pending, PlanContext, estimated_waves, mpu_budget
@@ -70,3 +71,68 @@ def test_mpu_picks_the_largest_halving_that_feeds_the_ring(sizes, ctx):
     candidates.append(max(size, ctx.min_budget))
     feeding = [c for c in candidates if estimated_waves(queue, c) >= ctx.ring]
     assert b == (max(feeding) if feeding else candidates[-1])
+
+
+# -- the cost-aware planner (R5) -------------------------------------------------------
+
+from wavepp.plan import CostFit, CostModel, cost_plan, mpu, observe  # noqa: E402
+
+models = st.builds(
+    CostModel,
+    a=st.floats(1e-7, 1e-3),
+    c=st.one_of(st.just(0.0), st.floats(1e-12, 1e-7)),
+    d=st.floats(0, 1e-2),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=queues, data=st.data(), ctx=contexts, arrivals=st.integers(0, 4), model=models)
+def test_cost_planner_plans_every_token_once_in_order(sizes, data, ctx, arrivals, model):
+    starts = [data.draw(st.integers(0, n - 1)) for n in sizes]
+
+    def planner(queue, wave_id, ctx):
+        return cost_plan(queue, wave_id, ctx, model)
+
+    queue, waves = drain(planner, sizes, starts, ctx, arrivals)
+    covered = {p.request_id: p.next_token for p in queue}
+    for wave in waves:
+        assert 0 < wave.num_tokens <= ctx.budget, "never more than M tokens"
+        for chunk in wave.chunks:
+            assert chunk.start == covered[chunk.request_id]
+            covered[chunk.request_id] = chunk.end
+    assert covered == {p.request_id: p.num_tokens for p in queue}
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=queues, data=st.data(), ctx=contexts, a=st.floats(1e-7, 1e-3), d=st.floats(0, 1))
+def test_cost_planner_plans_what_mpu_plans_when_chunks_cost_alike(sizes, data, ctx, a, d):
+    starts = [data.draw(st.integers(0, n - 1)) for n in sizes]
+    model = CostModel(a=a, c=0.0, d=d)  # a token costs the same whatever its prefix
+
+    def planner(queue, wave_id, ctx):
+        return cost_plan(queue, wave_id, ctx, model)
+
+    assert drain(planner, sizes, starts, ctx, 2)[1] == drain(mpu, sizes, starts, ctx, 2)[1]
+
+
+def test_cost_planner_gives_long_prefix_chunks_fewer_tokens():
+    model = CostModel(a=1e-6, c=1e-10, d=0.0)
+    ctx = PlanContext(budget=8192, ring=1, min_budget=512)
+    deep = [Pending("deep", 100_000, 140_000), Pending("fresh", 0, 40_000)]
+    wave = cost_plan(deep, 0, ctx, model)
+    assert [c.request_id for c in wave.chunks] == ["deep"]
+    assert wave.chunks[0].size == 8192  # the head sets the time budget
+    fresh_first = cost_plan(deep[::-1], 0, ctx, model)
+    assert fresh_first.chunks[0].size == 8192 and fresh_first.num_tokens == 8192
+
+
+def test_fit_recovers_coefficients_from_measured_waves():
+    truth = CostModel(a=2e-6, c=3e-11, d=1e-3)
+    fit = CostFit(prior=CostModel(a=1e-6, c=1e-11, d=5e-4), weight=1.0)
+    shapes = [(512, 0), (4096, 0), (2048, 50_000), (8192, 120_000), (1024, 9000)]
+    assert fit.model() == fit.prior  # before any measurement: the prior
+    for tokens, prefix in shapes * 20:  # a hundred measured waves
+        fit = observe(fit, [(tokens, prefix)], truth.wave([(tokens, prefix)]))
+    got = fit.model()
+    assert got.a == pytest.approx(truth.a, rel=0.05)
+    assert got.c == pytest.approx(truth.c, rel=0.05)

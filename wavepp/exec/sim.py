@@ -105,3 +105,13 @@ class SimExecutor:
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
         """Nothing is stored for a simulated block."""
+
+    def prior_cost(self) -> tuple[float, float, float]:
+        """(a, c, d) of ``d + a·t + c·t·(p + t/2)`` read off the cost model (real seconds)."""
+        t, p = 4096, 65_536
+        d = self.cost_model.device.wave_overhead_s
+        near = self.cost_model.cost([(0, t)], 0).seconds
+        far = self.cost_model.cost([(p, p + t)], 0).seconds
+        c = max(0.0, (far - near) / (t * p))
+        a = max(1e-12, (near - d - c * t * t / 2) / t)
+        return a * self.time_scale, c * self.time_scale, d * self.time_scale

@@ -17,7 +17,7 @@ import torch
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
 from wavepp.rounds.admission import Offer, StageBook
-from wavepp.rounds.messages import ChunkMsg, OracleAdmit, WaveMsg, unpack_hashes
+from wavepp.rounds.messages import ChunkMsg, OracleAdmit, Span, WaveMsg, unpack_hashes
 from wavepp.state import (
     RequestId,
     block_table,
@@ -65,6 +65,7 @@ class Stage:
         self.first_start: float | None = None
         self.last_end = 0.0
         self.num_waves = 0
+        self.spans: list[Span] | None = None  # set to a list to record the timeline
 
     # -- admission side -----------------------------------------------------------
 
@@ -165,6 +166,10 @@ class Stage:
             works.append(self._prepare(chunk, admitted))
         started = time.time()
         output = await self.executor.run(works, activations)
+        if self.spans is not None:
+            tokens = sum(w.end - w.start for w in works)
+            free = all(w.free for w in works)
+            self.spans.append(Span(wave.wave_id, started, time.time(), tokens, free))
         ended = []
         for work in works:
             if work.is_last:

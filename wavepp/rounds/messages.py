@@ -116,6 +116,16 @@ class WaveDone(_Msg, frozen=True):
     stop: bool = False  # the stop wave reached the last stage: no more will come
 
 
+class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One wave on one stage, for the timeline (wall-clock seconds)."""
+
+    wave_id: Count
+    start: float
+    end: float
+    num_tokens: Count
+    free: bool
+
+
 class StageReport(_Msg, frozen=True):
     """Each stage's figures at the end of a run, gathered on rank 0."""
 
@@ -134,6 +144,7 @@ class StageReport(_Msg, frozen=True):
     capacity: Count
     balanced: bool
     error: str = ""
+    spans: Annotated[list[Span], msgspec.Meta(max_length=1 << 20)] = []  # with --trace-out
 
 
 DataMessage = WaveMsg | WaveDone

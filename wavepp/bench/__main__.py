@@ -1,0 +1,3 @@
+from wavepp.bench.matrix import main
+
+main()

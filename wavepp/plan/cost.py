@@ -1,0 +1,122 @@
+"""The cost-aware planner (R5, beyond the paper; DESIGN §5).
+
+MPU sizes waves by token count, but a chunk's time grows with its attention prefix::
+
+    time(wave) ≈ d + Σ_chunks a·t + c·t·(p + t/2)      (t tokens after a prefix of p)
+
+This planner keeps MPU's choice of how many waves feed the ring (its budget b*), turns
+b* into a *time* budget — the predicted time of b* tokens at the prefix of the chunk
+MPU would start with — and fills the wave first come first served until the predicted
+time reaches it (never more than M tokens). Chunks deep into long prompts get fewer
+tokens, short-prefix chunks more, so waves take equal time. Where cost does not depend
+on the prefix (c = 0) it plans exactly what MPU plans.
+
+The coefficients are fitted online from measured stage times (:func:`observe`), by
+ridge regression toward a prior taken from the executor's cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from wavepp.plan.planners import Pending, PlanContext, mpu_budget
+from wavepp.plan.wave import Chunk, Wave
+
+
+@attrs.frozen
+class CostModel:
+    """Predicted seconds of one stage's wave: ``d + Σ a·t + c·t·(p + t/2)``."""
+
+    a: float  # seconds per token, prefix-free part (GEMMs)
+    c: float  # seconds per token per token of attention prefix
+    d: float  # seconds per wave (launch, transport)
+
+    def chunk(self, tokens: int, prefix: int) -> float:
+        return self.a * tokens + self.c * tokens * (prefix + tokens / 2)
+
+    def wave(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """chunks: (tokens, prefix) pairs."""
+        return self.d + sum(self.chunk(t, p) for t, p in chunks)
+
+    def largest_chunk(self, prefix: int, seconds: float) -> int:
+        """Most tokens t with chunk(t, prefix) ≤ seconds."""
+        if seconds <= 0:
+            return 0
+        if self.c <= 0:
+            return int(seconds / self.a) if self.a > 0 else 2**62
+        # c/2 t² + (a + c p) t - seconds = 0
+        half, lin = self.c / 2, self.a + self.c * prefix
+        return max(0, int((-lin + math.sqrt(lin * lin + 4 * half * seconds)) / (2 * half)))
+
+
+@attrs.frozen
+class CostFit:
+    """Online least squares for (a, c, d), regularized toward a prior (a value, STYLE §2)."""
+
+    prior: CostModel
+    weight: float  # strength of the prior, in observations
+    xtx: tuple[tuple[float, ...], ...] = ((0.0,) * 3,) * 3
+    xty: tuple[float, ...] = (0.0, 0.0, 0.0)
+    count: int = 0
+
+    def model(self) -> CostModel:
+        if self.count == 0:
+            return self.prior
+        p = np.array([self.prior.a, self.prior.c, self.prior.d])
+        scale = np.maximum(np.abs(p), 1e-12)  # fit relative to the prior's magnitudes
+        xtx = np.array(self.xtx) * np.outer(scale, scale)
+        xty = np.array(self.xty) * scale
+        reg = self.weight * np.diag(np.diag(xtx) / max(self.count, 1) + 1e-12)
+        theta = np.linalg.solve(xtx + reg, xty + reg @ np.ones(3)) * scale
+        a, c, d = (max(float(v), 0.0) for v in theta)
+        return CostModel(a if a > 0 else self.prior.a, c, d)
+
+
+def observe(fit: CostFit, chunks: Sequence[tuple[int, int]], seconds: float) -> CostFit:
+    """Add one measured wave: its (tokens, prefix) chunks and its stage time."""
+    x = np.array(
+        [sum(t for t, _ in chunks), sum(t * (p + t / 2) for t, p in chunks), 1.0], dtype=float
+    )
+    xtx = np.array(fit.xtx) + np.outer(x, x)
+    xty = np.array(fit.xty) + x * seconds
+    return attrs.evolve(
+        fit,
+        xtx=tuple(tuple(row) for row in xtx.tolist()),
+        xty=tuple(xty.tolist()),
+        count=fit.count + 1,
+    )
+
+
+def cost_plan(
+    queue: Sequence[Pending], wave_id: int, ctx: PlanContext, model: CostModel
+) -> Wave | None:
+    """Fill one wave up to the time of MPU's budget at the head chunk's prefix."""
+    live = [p for p in queue if p.remaining > 0]
+    if not live:
+        return None
+    budget = mpu_budget(live, ctx)
+    target = model.chunk(budget, live[0].next_token)
+    chunks: list[Chunk] = []
+    spent, used = 0.0, 0
+    for item in live:
+        if used == ctx.budget:
+            break
+        if model.c <= 0:  # prefix-free cost: time is proportional to tokens, as in MPU
+            fits = budget - used
+        else:
+            fits = model.largest_chunk(item.next_token, target - spent)
+        size = min(item.remaining, ctx.budget - used, fits)
+        if size <= 0:
+            if chunks:
+                break
+            size = min(item.remaining, budget)  # a wave is never empty
+        chunks.append(
+            Chunk(item.request_id, item.next_token, item.next_token + size, item.num_tokens)
+        )
+        spent += model.chunk(size, item.next_token)
+        used += size
+    return Wave(wave_id, max(budget, used), tuple(chunks))
