@@ -75,7 +75,7 @@ HELP: dict[str, str] = {
     "concurrency": "closed loop: requests outstanding at once (c)",
     "open_loop": "trace workload: release requests at their timestamps instead of closed loop",
     "rung": "runtime configuration of the ablation ladder: " + ", ".join(RUNGS) + " (DESIGN §8)",
-    "planner": "override the rung's planner: 'static', 'mpu', 'cost', or a dotted path 'pkg.mod:fn'",
+    "planner": "override the rung's planner: 'static', 'mpu', 'cost', or 'pkg.mod:fn'",
     "probe": "override the hint probe with a dotted path 'pkg.mod:fn' (signature of state.probe)",
     "block_size": "tokens per cached block",
     "capacity_blocks": "KV pool per stage in blocks (0: enough for 1.5 x concurrency prompts)",

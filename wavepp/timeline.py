@@ -31,11 +31,13 @@ def chrome_trace(
         previous = None
         for span in sorted(report.spans, key=lambda s: s.start):
             if previous is not None and span.start > previous:
+                gap = us(span.start) - us(previous)
                 events.append({"ph": "X", "name": "bubble", "cat": "bubble", "pid": 0,
-                               "tid": tid, "ts": us(previous), "dur": us(span.start) - us(previous)})  # fmt: skip
+                               "tid": tid, "ts": us(previous), "dur": gap})  # fmt: skip
             events.append({
-                "ph": "X", "name": f"wave {span.wave_id}", "cat": "warm-up" if span.free else "wave",
-                "pid": 0, "tid": tid, "ts": us(span.start), "dur": us(span.end) - us(span.start),
+                "ph": "X", "name": f"wave {span.wave_id}",
+                "cat": "warm-up" if span.free else "wave", "pid": 0, "tid": tid,
+                "ts": us(span.start), "dur": us(span.end) - us(span.start),
                 "args": {"tokens": span.num_tokens},
             })  # fmt: skip
             previous = span.end
