@@ -104,10 +104,10 @@ def test_cost_planner_plans_every_token_once_in_order(sizes, data, ctx, arrivals
 
 
 @settings(max_examples=200, deadline=None)
-@given(sizes=queues, data=st.data(), ctx=contexts, a=st.floats(1e-7, 1e-3), d=st.floats(0, 1))
-def test_cost_planner_plans_what_mpu_plans_when_chunks_cost_alike(sizes, data, ctx, a, d):
+@given(sizes=queues, data=st.data(), ctx=contexts, a=st.floats(1e-7, 1e-3))
+def test_cost_planner_plans_what_mpu_plans_when_chunks_cost_alike(sizes, data, ctx, a):
     starts = [data.draw(st.integers(0, n - 1)) for n in sizes]
-    model = CostModel(a=a, c=0.0, d=d)  # a token costs the same whatever its prefix
+    model = CostModel(a=a, c=0.0, d=0.0)  # every token costs the same, wherever it is
 
     def planner(queue, wave_id, ctx):
         return cost_plan(queue, wave_id, ctx, model)
@@ -116,14 +116,24 @@ def test_cost_planner_plans_what_mpu_plans_when_chunks_cost_alike(sizes, data, c
 
 
 def test_cost_planner_gives_long_prefix_chunks_fewer_tokens():
-    model = CostModel(a=1e-6, c=1e-10, d=0.0)
-    ctx = PlanContext(budget=8192, ring=1, min_budget=512)
+    model = CostModel(a=1e-6, c=1e-10, d=1e-2)
+    ctx = PlanContext(budget=8192, ring=2, min_budget=512)
     deep = [Pending("deep", 100_000, 140_000), Pending("fresh", 0, 40_000)]
     wave = cost_plan(deep, 0, ctx, model)
     assert [c.request_id for c in wave.chunks] == ["deep"]
     assert wave.chunks[0].size == 8192  # the head sets the time budget
     fresh_first = cost_plan(deep[::-1], 0, ctx, model)
     assert fresh_first.chunks[0].size == 8192 and fresh_first.num_tokens == 8192
+
+
+def test_a_large_per_wave_cost_keeps_waves_large():
+    # Memory-bound waves: 8 ms whatever the size, 0.25 us a token. MPU halves to 1,024 to
+    # feed a ring of 8 with 13K tokens of work; eight times the waves cost eight times the
+    # weight reads, so the cost planner keeps waves four times larger.
+    queue = [Pending(f"r{i}", 0, 820) for i in range(16)]
+    ctx = PlanContext(budget=8192, ring=8, min_budget=512)
+    assert mpu(queue, 0, ctx).budget == 1024
+    assert cost_plan(queue, 0, ctx, CostModel(a=2.5e-7, c=0.0, d=8e-3)).budget == 4096
 
 
 def test_fit_recovers_coefficients_from_measured_waves():

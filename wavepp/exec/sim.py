@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import anyio
 import attrs
+import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, StageOutput
@@ -106,12 +107,19 @@ class SimExecutor:
     def forget(self, evicted: Sequence[BlockHash]) -> None:
         """Nothing is stored for a simulated block."""
 
-    def prior_cost(self) -> tuple[float, float, float]:
-        """(a, c, d) of ``d + a·t + c·t·(p + t/2)`` read off the cost model (real seconds)."""
-        t, p = 4096, 65_536
+    def prior_cost(self) -> tuple[float, float, float, float]:
+        """(a, c, d, floor) of ``d + max(floor, a·t + c·t·(p + t/2))`` read off the cost
+        model: d its per-wave overhead, floor a 256-token wave (every expert touched, little
+        compute), a and c a least-squares
+        fit of its compute-bound waves (real seconds, time scale applied)."""
         d = self.cost_model.device.wave_overhead_s
-        near = self.cost_model.cost([(0, t)], 0).seconds
-        far = self.cost_model.cost([(p, p + t)], 0).seconds
-        c = max(0.0, (far - near) / (t * p))
-        a = max(1e-12, (near - d - c * t * t / 2) / t)
-        return a * self.time_scale, c * self.time_scale, d * self.time_scale
+        floor = self.cost_model.cost([(0, 256)], 0).seconds - d
+        rows, times = [], []
+        for t in (4096, 8192, 16384, 32768):
+            for p in (0, 16_384, 131_072):
+                rows.append([t, t * (p + t / 2)])
+                times.append(self.cost_model.cost([(p, p + t)], 0).seconds - d)
+        (a, c), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+        a, c = max(float(a), 1e-12), max(float(c), 0.0)
+        k = self.time_scale
+        return a * k, c * k, d * k, floor * k

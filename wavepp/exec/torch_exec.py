@@ -56,12 +56,17 @@ class TorchExecutor:
         for block in evicted:
             self.snapshots.pop(block, None)
 
-    def prior_cost(self) -> tuple[float, float, float]:
-        """A rough (a, c, d) prior for the cost planner: FLOPs at 10 GFLOP/s on one core."""
+    def prior_cost(self) -> tuple[float, float, float, float]:
+        """A rough (a, c, d, floor) prior for the cost planner: FLOPs at 10 GFLOP/s."""
         params = sum(p.numel() for p in self.m.model.layers.parameters())
         attn = sum(1 for i in self.m.layer_ids if self.cfg.kind(i) == "A")
         rate = 10e9
-        return 2 * params / rate, 4 * self.cfg.num_heads * self.cfg.head_dim * attn / rate, 1e-3
+        return (
+            2 * params / rate,
+            4 * self.cfg.num_heads * self.cfg.head_dim * attn / rate,
+            1e-3,
+            0.0,
+        )
 
     def cancel(self, rid: RequestId) -> None:
         self.live.pop(rid, None)

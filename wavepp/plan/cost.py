@@ -2,14 +2,19 @@
 
 MPU sizes waves by token count, but a chunk's time grows with its attention prefix::
 
-    time(wave) ≈ d + Σ_chunks a·t + c·t·(p + t/2)      (t tokens after a prefix of p)
+    time(wave) ≈ d + max(floor, Σ_chunks a·t + c·t·(p + t/2))   (t tokens after a prefix p)
 
-This planner keeps MPU's choice of how many waves feed the ring (its budget b*), turns
-b* into a *time* budget — the predicted time of b* tokens at the prefix of the chunk
-MPU would start with — and fills the wave first come first served until the predicted
-time reaches it (never more than M tokens). Chunks deep into long prompts get fewer
-tokens, short-prefix chunks more, so waves take equal time. Where cost does not depend
-on the prefix (c = 0) it plans exactly what MPU plans.
+``floor`` is the roofline's flat part: a wave streams the stage's weights however few
+tokens it holds (MoE experts make it large).
+
+This planner chooses the wave budget b among MPU's halvings by predicted throughput —
+busy stages times tokens per predicted second, so a large per-wave cost (memory-bound
+MoE weights, launches) is weighed against an under-fed ring — then turns b into a
+*time* budget, the predicted time of b tokens at the head chunk's prefix, and fills the
+wave first come first served until the predicted time reaches it (never more than M
+tokens). Chunks deep into long prompts get fewer tokens, short-prefix chunks more, so
+waves take equal time. Where a token's cost depends on neither its prefix nor its wave
+(c = d = 0) it plans exactly what MPU plans.
 
 The coefficients are fitted online from measured stage times (:func:`observe`), by
 ridge regression toward a prior taken from the executor's cost model.
@@ -23,24 +28,25 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from wavepp.plan.planners import Pending, PlanContext, mpu_budget
+from wavepp.plan.planners import Pending, PlanContext, estimated_waves, mpu_budget
 from wavepp.plan.wave import Chunk, Wave
 
 
 @attrs.frozen
 class CostModel:
-    """Predicted seconds of one stage's wave: ``d + Σ a·t + c·t·(p + t/2)``."""
+    """Predicted seconds of one stage's wave: ``d + max(floor, Σ a·t + c·t·(p + t/2))``."""
 
     a: float  # seconds per token, prefix-free part (GEMMs)
     c: float  # seconds per token per token of attention prefix
     d: float  # seconds per wave (launch, transport)
+    floor: float = 0.0  # least compute-or-memory time of any wave (weights read once)
 
     def chunk(self, tokens: int, prefix: int) -> float:
         return self.a * tokens + self.c * tokens * (prefix + tokens / 2)
 
     def wave(self, chunks: Sequence[tuple[int, int]]) -> float:
         """chunks: (tokens, prefix) pairs."""
-        return self.d + sum(self.chunk(t, p) for t, p in chunks)
+        return self.d + max(self.floor, sum(self.chunk(t, p) for t, p in chunks))
 
     def largest_chunk(self, prefix: int, seconds: float) -> int:
         """Most tokens t with chunk(t, prefix) ≤ seconds."""
@@ -48,9 +54,15 @@ class CostModel:
             return 0
         if self.c <= 0:
             return int(seconds / self.a) if self.a > 0 else 2**62
-        # c/2 t² + (a + c p) t - seconds = 0
+        # c/2 t² + (a + c p) t - seconds = 0, then fix the float rounding by a token
         half, lin = self.c / 2, self.a + self.c * prefix
-        return max(0, int((-lin + math.sqrt(lin * lin + 4 * half * seconds)) / (2 * half)))
+        t = max(0, int((-lin + math.sqrt(lin * lin + 4 * half * seconds)) / (2 * half)))
+        limit = seconds * (1 + 1e-12)
+        while self.chunk(t + 1, prefix) <= limit:
+            t += 1
+        while t > 0 and self.chunk(t, prefix) > limit:
+            t -= 1
+        return t
 
 
 @attrs.frozen
@@ -73,11 +85,16 @@ class CostFit:
         reg = self.weight * np.diag(np.diag(xtx) / max(self.count, 1) + 1e-12)
         theta = np.linalg.solve(xtx + reg, xty + reg @ np.ones(3)) * scale
         a, c, d = (max(float(v), 0.0) for v in theta)
-        return CostModel(a if a > 0 else self.prior.a, c, d)
+        return CostModel(a if a > 0 else self.prior.a, c, d, self.prior.floor)
 
 
 def observe(fit: CostFit, chunks: Sequence[tuple[int, int]], seconds: float) -> CostFit:
-    """Add one measured wave: its (tokens, prefix) chunks and its stage time."""
+    """Add one measured wave: its (tokens, prefix) chunks and its stage time.
+
+    Waves at the floor say nothing about a and c, and are skipped."""
+    prior = fit.prior
+    if seconds <= 1.05 * (prior.d + prior.floor):
+        return fit
     x = np.array(
         [sum(t for t, _ in chunks), sum(t * (p + t / 2) for t, p in chunks), 1.0], dtype=float
     )
@@ -91,21 +108,54 @@ def observe(fit: CostFit, chunks: Sequence[tuple[int, int]], seconds: float) -> 
     )
 
 
+def candidate_budgets(ctx: PlanContext) -> list[int]:
+    """M, M/2, M/4, ... down to b_min: the budgets MPU chooses among."""
+    out, budget = [], ctx.budget
+    while budget > ctx.min_budget:
+        out.append(budget)
+        budget = max(ctx.min_budget, budget // 2)
+    out.append(budget)
+    return out
+
+
+def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) -> int:
+    """The budget with the best predicted steady throughput.
+
+    With n(b) waves of work (MPU's estimate), ``min(1, n(b)/P)`` of the P stages stay
+    busy, each wave taking t(b) at the head chunk's prefix: throughput(b) =
+    ``min(1, n(b)/P) * b / t(b)``. A per-wave cost (d) favours fewer, larger waves; an
+    idle stage favours more, smaller ones. Ties go to MPU's own choice, so where a
+    token costs the same whatever its prefix and waves cost nothing more (c = d = 0)
+    this is exactly MPU.
+    """
+    stages = max(ctx.ring / 2, 1.0)
+    prefix = queue[0].next_token
+    scores = {
+        b: min(1.0, estimated_waves(queue, b) / stages) * b / max(model.wave([(b, prefix)]), 1e-30)
+        for b in candidate_budgets(ctx)
+    }
+    best = max(scores.values())
+    tied = [b for b, v in scores.items() if v >= best * (1 - 1e-9)]
+    mpu_choice = mpu_budget(queue, ctx)
+    return mpu_choice if mpu_choice in tied else max(tied)
+
+
 def cost_plan(
     queue: Sequence[Pending], wave_id: int, ctx: PlanContext, model: CostModel
 ) -> Wave | None:
-    """Fill one wave up to the time of MPU's budget at the head chunk's prefix."""
+    """Pick the budget by predicted throughput, then fill the wave up to the time that
+    budget takes at the head chunk's prefix (never more than M tokens)."""
     live = [p for p in queue if p.remaining > 0]
     if not live:
         return None
-    budget = mpu_budget(live, ctx)
-    target = model.chunk(budget, live[0].next_token)
+    budget = choose_budget(live, ctx, model)
+    target = max(model.floor, model.chunk(budget, live[0].next_token))
     chunks: list[Chunk] = []
     spent, used = 0.0, 0
     for item in live:
         if used == ctx.budget:
             break
-        if model.c <= 0:  # prefix-free cost: time is proportional to tokens, as in MPU
+        if model.c <= 0:  # prefix-free cost: time is proportional to tokens
             fits = budget - used
         else:
             fits = model.largest_chunk(item.next_token, target - spent)
