@@ -59,7 +59,8 @@ class RunConfig:
     json: str | None = None
     trace_out: str | None = None
     heartbeat_s: float = 2.0
-    timeout_s: float = 120.0
+    timeout_s: float = 60.0
+    dead_after_s: float = 10.0
     progress: bool = True
 
 
@@ -94,6 +95,8 @@ HELP: dict[str, str] = {
     "trace_out": "write a Chrome-trace timeline (Perfetto): waves and bubbles per stage, rounds",
     "heartbeat_s": "rank 0 heartbeat on the rounds plane when idle, seconds",
     "timeout_s": "timeout of every process group, seconds",
+    "dead_after_s": "a rank whose watchdog heartbeat stalls this long is named dead or hung "
+    "and the run exits non-zero",
     "progress": "show a progress bar on rank 0 (--no-progress to hide)",
 }
 

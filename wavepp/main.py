@@ -10,7 +10,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import anyio
@@ -21,11 +24,12 @@ import torch.distributed as dist
 from wavepp.config import RUNG_PLANNER, RunConfig, load, resolve
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
-from wavepp.exec.planes import build_planes
+from wavepp.exec.planes import PlaneError, build_planes
 from wavepp.exec.profiles import DEVICES, MODELS, split_layers
 from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.exec.watchdog import Watchdog
 from wavepp.metrics import summarize, table
 from wavepp.plan import PLANNERS, CostFit, CostModel
 from wavepp.rounds.admission import Policy, StageBook
@@ -41,24 +45,25 @@ def log(message: str) -> None:
     print(f"[wavepp rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
 
 
-def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict]]:
-    """The requests in release order, and the lines of a requests file that were refused."""
+def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
+    """The requests in release order, the refused lines of a requests file, its cancels."""
     if c.workload == "file":
-        specs, rejected = read_requests_file(c.requests_file, vocab)
+        specs, rejected, cancels = read_requests_file(c.requests_file, vocab)
         for bad in rejected:
             log(f"skipped {bad['error']}")
-        return specs, rejected
+        return specs, rejected, cancels
     if c.workload == "cold":
-        return cold(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab), []
+        return cold(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab), [], []
     if c.workload == "seeded":
-        return seeded(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab=vocab), []
+        return seeded(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab=vocab), [], []
     if c.workload == "mixed":
         return mixed(c.requests, c.prompt_tokens, c.cold_tokens or 2 * c.prompt_tokens, c.seed,
-                     c.block_size, vocab=vocab), []  # fmt: skip
+                     c.block_size, vocab=vocab), [], []  # fmt: skip
     if c.workload == "short-suffix":
         return short_suffix(c.requests, c.prompt_tokens, c.seed, c.block_size, c.suffix_tokens,
-                            vocab), []  # fmt: skip
-    return trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale, vocab), []
+                            vocab), [], []  # fmt: skip
+    return (trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale, vocab),
+            [], [])  # fmt: skip
 
 
 def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
@@ -121,10 +126,16 @@ def auto_capacity(c: RunConfig, specs) -> int:
                int(1.5 * c.concurrency * num_blocks_for(longest, c.block_size)))  # fmt: skip
 
 
-async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, int]:
+async def rank_main(
+    c: RunConfig, rank: int, world: int, watchdog: Watchdog | None
+) -> tuple[dict | None, int]:
     plane, inbound, outbound, done = build_planes(c.timeout_s)
+    if watchdog is not None:
+        for part in (plane, inbound, outbound, done):
+            if part is not None:
+                part.on_wait = watchdog.set_status
     vocab = MODELS_VOCAB.get(c.executor, 0) or _vocab(c)
-    specs, rejected = build_workload(c, vocab) if rank == 0 else (None, [])
+    specs, rejected, cancels = build_workload(c, vocab) if rank == 0 else (None, [], [])
     if rank == 0 and not specs:
         log("no requests to run")
     # Every rank needs the capacity; rank 0 derives it from the workload.
@@ -157,6 +168,7 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
         coordinator = Coordinator(cfg, plane, stage, outbound, done, specs, planner,
                                   policy, min_capacity, log, cost_fit=fit)  # fmt: skip
         stage.tokens_of = lambda rid: coordinator.records[rid].spec.tokens
+        coordinator.scheduled_cancels = [(rid, after * c.time_scale) for rid, after in cancels]
         await coordinator.run()
     else:
         async with anyio.create_task_group() as tg:
@@ -170,6 +182,10 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
     except Exception as failure:  # reported, and fails the run below
         error = str(failure)
     use = usage(book.cache)
+    if not use.balanced and not error:
+        held = ", ".join(f"{rid} {claim}" for rid, claim in list(book.cache.claims.items())[:5])
+        error = f"stage {rank} still holds claims at the end: {held}"
+        log(error)
     report = StageReport(
         stage=rank, busy_s=stage.busy_s, first_start=stage.first_start or 0.0,
         last_end=stage.last_end, num_waves=stage.num_waves, probe_us=book.probe_us[-4096:],
@@ -198,6 +214,28 @@ async def rank_main(c: RunConfig, rank: int, world: int) -> tuple[dict | None, i
     return record, status
 
 
+def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
+    """Log why this rank fails (and which peer looks gone), tell the peers, exit 1."""
+    leaves = [error]
+    while leaves and isinstance(leaves[0], BaseExceptionGroup):
+        leaves = list(leaves[0].exceptions)
+    reason = "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(error)
+    if isinstance(error, SystemExit) and isinstance(error.code, str):
+        reason = error.code
+    peers = ""
+    if watchdog is not None:
+        deadline = time.monotonic() + 3.0  # let a dead peer's heartbeat go stale
+        while not peers and time.monotonic() < deadline:
+            peers = watchdog.peer_report()
+            time.sleep(0.5)
+        watchdog.finish(failure=reason[:2000])
+    log(f"failed: {reason}" + (f" — {peers}" if peers else ""))
+    if not isinstance(error, SystemExit | PlaneError):
+        traceback.print_exception(error)
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     config = load(argv)
     torch.set_num_threads(1)
@@ -205,17 +243,21 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        record, status = anyio.run(rank_main, config, rank, world)
-    except SystemExit:
-        raise
-    except BaseException as error:  # a failed rank exits now; peers time out or see EOF
-        log(f"failed: {error!r}")
-        import traceback
+    watchdog = None
+    if world > 1:
+        watchdog = Watchdog(rank, world, log, dead_after_s=config.dead_after_s).start()
 
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        def on_sigterm(signum, frame) -> None:  # torchrun stops the group: say why first
+            status = watchdog.status
+            fail_fast(RuntimeError(f"stopped by the launcher while {status}"), watchdog)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        record, status = anyio.run(rank_main, config, rank, world, watchdog)
+    except BaseException as error:  # a failed rank exits now, naming what it waited for
+        fail_fast(error, watchdog)
+    if watchdog is not None:
+        watchdog.finish()
     dist.destroy_process_group()
     if record is not None:
         print(table(record))

@@ -50,6 +50,7 @@ def summarize(
         "makespan_s": span,
         "measured_requests": len(measured),
         "failed_requests": len(measured) - len(ok),
+        "cancelled_requests": sum(1 for r in measured if r.cancelled),
         "input_tokens": tokens,
         "leak_check": [
             {

@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import attrs
@@ -30,7 +30,7 @@ import attrs
 from wavepp.exec.base import StageOutput
 from wavepp.exec.planes import Link, TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage, offer_from_entry
-from wavepp.plan import CostFit, Pending, PlanContext, Planner, cost_plan, observe
+from wavepp.plan import CostFit, Pending, PlanContext, Planner, Wave, cost_plan, observe
 from wavepp.rounds.admission import Offer, Policy, probe_points, run_round
 from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
@@ -85,6 +85,7 @@ class Record:
     first_token: int = -1
     top_logit: float = 0.0
     error: str | None = None
+    cancelled: bool = False  # a cancel was asked for; settled when every stage dropped it
 
 
 @attrs.frozen
@@ -157,7 +158,9 @@ async def follow_waves(
                 if outbound is not None:
                     await to_sender_send.send((encode(wave), output.activations, outbound))
                 else:
-                    message = WaveDone(wave.wave_id, _finished(output, ended))
+                    message = WaveDone(
+                        wave.wave_id, _finished(output, ended), cancelled=wave.cancels
+                    )
                     await to_sender_send.send((encode(message), None, done))
 
     async def sender() -> None:
@@ -220,12 +223,16 @@ class Coordinator:
         self.waiting: deque[RequestId] = deque()
         self.queue: list[Pending] = []  # admitted, with unplanned tokens
         self.oracle_admits: list[OracleAdmit] = []
+        self.in_round: set[RequestId] = set()  # offered to the admission round under way
+        self.pending_cancels: list[RequestId] = []  # admitted, to drop with the next wave
+        self.scheduled_cancels: list[tuple[RequestId, float]] = []  # (id, seconds after start)
         self.in_flight = 0
         self.wave_id = 0
         self.round_id = 0
         self.outstanding = 0
         self.capacity_epoch = 0  # bumped by every completion
         self.refused_at_epoch: int | None = None  # admission blocked until epoch moves
+        self.round_epoch = 0  # capacity_epoch when the current round started
         self.changed = Signal()
         self.stopping = False
         self.unfinished = 0
@@ -238,6 +245,8 @@ class Coordinator:
 
     def _release(self, rid: RequestId) -> None:
         record = self.records[rid]
+        if record.done_at is not None:  # cancelled before it arrived
+            return
         record.released_at = time.time()
         blocks = num_blocks_for(record.offer.num_tokens, self.cfg.block_size)
         if blocks > self.min_capacity:
@@ -262,6 +271,8 @@ class Coordinator:
                 continue
             if not phase:
                 self.measure_start = time.time()
+                for rid, after in self.scheduled_cancels:
+                    self._task_group.start_soon(self._cancel_later, rid, after)
             open_loop = not phase and any(self.records[r].spec.arrival_s is not None for r in rids)
             if open_loop:
                 await self._feed_open(rids)
@@ -312,10 +323,53 @@ class Coordinator:
               file=sys.stderr, flush=True)  # fmt: skip
         return now
 
-    def _complete(self, finished: list[Finished]) -> None:
+    # -- cancellation -------------------------------------------------------------
+
+    def cancel(self, rid: RequestId, reason: str = "cancelled") -> bool:
+        """Cancel a request wherever it is: queued, in an admission round, or running.
+
+        Queued: dropped at once. Admitted or running: no more of its chunks are planned,
+        and the next wave carries the cancel to every stage, which releases its lease,
+        escrow, slots and references after the chunks already in flight. Returns False
+        if the request is unknown or already over.
+        """
+        record = self.records.get(rid)
+        if record is None or record.done_at is not None or record.cancelled:
+            return False
+        record.cancelled = True
+        record.error = reason
+        if rid in self.in_round:
+            pass  # settled by _admit when the round returns
+        elif rid in self.waiting:
+            self.waiting.remove(rid)
+            self._settle_cancel(rid)
+        elif record.released_at is not None:
+            self.queue = [p for p in self.queue if p.request_id != rid]
+            self.pending_cancels.append(rid)
+        else:  # not released yet: it never will be
+            record.done_at = time.time()
+        self.changed.notify()
+        return True
+
+    def _settle_cancel(self, rid: RequestId) -> None:
+        record = self.records[rid]
+        if record.done_at is None:
+            record.done_at = time.time()
+            self.outstanding -= 1
+            self.unfinished -= 1
+            self.capacity_epoch += 1
+        self.changed.notify()
+
+    def _complete(self, finished: list[Finished], cancelled: Sequence[str] = ()) -> None:
+        for rid in cancelled:
+            self._settle_cancel(RequestId(rid))
         now = time.time()
         for item in finished:
             record = self.records[RequestId(item.request_id)]
+            if record.done_at is not None:
+                continue
+            if record.cancelled:  # its last chunk ran before the cancel reached it
+                record.cancelled, record.error = False, None
             record.done_at = now
             record.cached_tokens = item.cached_tokens
             record.first_token = item.first_token
@@ -331,22 +385,35 @@ class Coordinator:
         return self.refused_at_epoch == self.capacity_epoch
 
     def _take_batch(self, limit: int) -> list[Offer]:
-        return [self.records[rid].offer for rid in list(self.waiting)[:limit]]
+        # A refusal blocks retries until a completion *after the round started* frees
+        # room; completions during the round count (else a refusal could wait forever).
+        self.round_epoch = self.capacity_epoch
+        batch = list(self.waiting)[:limit]
+        self.in_round.update(batch)
+        return [self.records[rid].offer for rid in batch]
 
     def _admit(
         self, offers: list[Offer], admitted: tuple[bool, ...], points: tuple[int, ...]
     ) -> None:
         now = time.time()
+        self.in_round.clear()
         for offer, ok, point in zip(offers, admitted, points, strict=True):
             if not ok:
-                self.refused_at_epoch = self.capacity_epoch
+                self.refused_at_epoch = self.round_epoch
                 break
             self.waiting.popleft()
             record = self.records[offer.request_id]
             record.admitted_at = now
+            if record.cancelled:  # cancelled during its round: drop it on every stage
+                self.pending_cancels.append(offer.request_id)
+                continue
             self.queue.append(
                 Pending(offer.request_id, point * self.cfg.block_size, offer.num_tokens)
             )
+        for rid in list(self.waiting):  # cancelled while offered, and refused
+            if self.records[rid].cancelled:
+                self.waiting.remove(rid)
+                self._settle_cancel(rid)
         self.changed.notify()
 
     async def _round(self, offers: list[Offer]) -> None:
@@ -460,6 +527,9 @@ class Coordinator:
                     if self.cfg.rung in ("R1", "oracle"):
                         await self._admit_inline()
                     wave = self._plan() if self.in_flight < self.cfg.ring else None
+                    if wave is None and self.pending_cancels:
+                        wave = Wave(self.wave_id, 0, ())  # carries only the cancels
+                        self.wave_id += 1
                     if wave is None:
                         if self.stopping and not self.unfinished:
                             break
@@ -470,8 +540,9 @@ class Coordinator:
                                  self.records[c.request_id].spec.warmup)
                         for c in wave.chunks
                     ]  # fmt: skip
-                    message = WaveMsg(wave.wave_id, wave.budget, chunks, self.oracle_admits)
-                    self.oracle_admits = []
+                    message = WaveMsg(wave.wave_id, wave.budget, chunks, self.oracle_admits,
+                                      cancels=self.pending_cancels)  # fmt: skip
+                    self.oracle_admits, self.pending_cancels = [], []
                     self.in_flight += 1
                     output, ended = await self.stage.execute(message, None)
                     if self.cost_fit is not None and output.seconds and not chunks[0].free:
@@ -479,7 +550,7 @@ class Coordinator:
                         self.cost_fit = observe(self.cost_fit, shape, output.seconds)
                     if self.outbound is None:
                         self.in_flight -= 1
-                        self._complete(_finished(output, ended))
+                        self._complete(_finished(output, ended), message.cancels)
                     else:
                         await send_side.send((encode(message), output.activations))
                 if self.outbound is not None:
@@ -495,10 +566,16 @@ class Coordinator:
             if message.stop:
                 return
             self.in_flight -= 1
-            self._complete(message.finished)
+            self._complete(message.finished, message.cancelled)
+
+    async def _cancel_later(self, rid: RequestId, after: float) -> None:
+        await anyio.sleep(after)
+        if self.cancel(rid):
+            self.log(f"cancelled {rid} at {after:.3f} s")
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
+            self._task_group = tg
             tg.start_soon(self.admitter)
             tg.start_soon(self.loop0)
             if self.done_link is not None:

@@ -15,12 +15,17 @@ threads are abandoned on cancellation: a rank that fails does not wait for a pee
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.to_thread
 import torch
 import torch.distributed as dist
+
+
+class PlaneError(RuntimeError):
+    """A collective or transfer failed: a peer died, hung past the timeout, or sent junk."""
+
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
 _HEADER = 8  # int64 header: [desc_bytes, dtype code, ndim, dims...(5)]
@@ -42,9 +47,16 @@ class TorchRoundsPlane:
         self.rank = rank
         self.world_size = world_size
         self.lock = anyio.Lock()
+        self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
 
-    async def _run(self, fn):
-        return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+    async def _run(self, fn, what: str = "a collective"):
+        self.on_wait(f"waiting on the rounds plane ({what}, all ranks)")
+        try:
+            return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+        except RuntimeError as error:
+            raise PlaneError(f"rounds plane {what} failed: {error}") from None
+        finally:
+            self.on_wait("running")
 
     async def broadcast(self, payload: bytes | None) -> bytes:
         def work() -> bytes:
@@ -56,9 +68,9 @@ class TorchRoundsPlane:
                 dist.broadcast(buf, src=0, group=self.group)
             return buf.numpy().tobytes()
 
-        return await self._run(work)
+        return await self._run(work, "broadcast from rank 0")
 
-    async def _reduce(self, values: Sequence[int], op) -> list[int]:
+    async def _reduce(self, values: Sequence[int], op, label: str) -> list[int]:
         if not values:
             return []
 
@@ -67,13 +79,13 @@ class TorchRoundsPlane:
             dist.all_reduce(t, op=op, group=self.group)
             return t.tolist()
 
-        return await self._run(work)
+        return await self._run(work, f"all_reduce {label}")
 
     async def all_min(self, values: Sequence[int]) -> list[int]:
-        return await self._reduce(values, dist.ReduceOp.MIN)
+        return await self._reduce(values, dist.ReduceOp.MIN, "MIN")
 
     async def all_and(self, values: Sequence[int]) -> list[int]:
-        return await self._reduce(values, dist.ReduceOp.BAND)
+        return await self._reduce(values, dist.ReduceOp.BAND, "AND")
 
     async def gather(self, payload: bytes) -> list[bytes] | None:
         def work() -> list[bytes] | None:
@@ -89,7 +101,35 @@ class TorchRoundsPlane:
                 return None
             return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
 
-        return await self._run(work)
+        return await self._run(work, "gather of stage reports")
+
+
+MAX_TENSOR_BYTES = 8 << 30  # one wave's activations; more is refused before allocating
+
+
+def parse_header(
+    header: list[int], max_bytes: int, max_tensor_bytes: int
+) -> tuple[int, torch.dtype | None, list[int]]:
+    """Check a peer's data-plane header before allocating anything for it."""
+    if len(header) != _HEADER:
+        raise PlaneError(f"data-plane header of {len(header)} words, expected {_HEADER}")
+    size, code, ndim = header[:3]
+    if not 0 < size <= max_bytes:
+        raise PlaneError(f"data-plane descriptor of {size} bytes (limit {max_bytes})")
+    if not 0 <= code <= len(_DTYPES) or not 0 <= ndim <= _HEADER - 3:
+        raise PlaneError(f"bad data-plane header {header}")
+    if code == 0:
+        return size, None, []
+    shape = header[3 : 3 + ndim]
+    if any(d < 0 for d in shape):
+        raise PlaneError(f"negative tensor shape {shape} in data-plane header")
+    dtype = _DTYPES[code - 1]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * dtype.itemsize > max_tensor_bytes:
+        raise PlaneError(f"tensor of shape {shape} exceeds {max_tensor_bytes:,} bytes")
+    return size, dtype, shape
 
 
 class Link:
@@ -99,6 +139,7 @@ class Link:
         self.group = group
         self.src = src
         self.dst = dst
+        self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
 
     def send_blocking(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
         header = torch.zeros(_HEADER, dtype=torch.int64)

@@ -97,9 +97,13 @@ class Stage:
             self.register(Admitted(offer, got))
 
     def drop(self, rid: RequestId) -> None:
-        """Cancel whatever the request holds here."""
+        """Cancel whatever the request holds here: lease, escrow, slots, live state."""
         self.book.cache = cancel(self.book.cache, rid)
         self.requests.pop(rid, None)
+        self._arrivals.pop(rid, None)
+        drop_state = getattr(self.executor, "cancel", None)
+        if drop_state is not None:
+            drop_state(rid)
 
     # -- execution side -----------------------------------------------------------
 
@@ -165,6 +169,10 @@ class Stage:
             admitted = await self.wait_admitted(chunk.request_id)
             works.append(self._prepare(chunk, admitted))
         started = time.time()
+        if not works:  # a wave that only carries cancels
+            for rid in wave.cancels:
+                self.drop(RequestId(rid))
+            return StageOutput(None, 0.0, {}), []
         output = await self.executor.run(works, activations)
         if self.spans is not None:
             tokens = sum(w.end - w.start for w in works)
@@ -177,6 +185,8 @@ class Stage:
                     (work.request_id, self.requests[work.request_id].point * self.block_size)
                 )
             self._publish(work)
+        for rid in wave.cancels:  # none of their chunks come after this wave
+            self.drop(RequestId(rid))
         if output.seconds and not all(w.free for w in works):
             self.busy_s += output.seconds
             self.first_start = started if self.first_start is None else self.first_start

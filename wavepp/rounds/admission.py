@@ -25,6 +25,7 @@ from wavepp.state import (
     RequestId,
     StageCache,
     block_table,
+    cancel,
     escrow,
     lease,
     materialize,
@@ -33,7 +34,6 @@ from wavepp.state import (
     probe,
     probe_linear,
     reconcile,
-    release,
     reuse_mask,
 )
 
@@ -95,13 +95,27 @@ def serve_masks(
 def settle(
     cache: StageCache, offers: Sequence[Offer], agreed: Sequence[int], block_size: int
 ) -> tuple[StageCache, list[int]]:
-    """Roll back to the agreed points and escrow each suffix; 1 where the escrow held."""
-    ok = []
-    for offer, point in zip(offers, agreed, strict=True):
+    """Roll back to the agreed points and escrow each suffix, in FCFS order; 1 where the
+    escrow held.
+
+    Every offer of the round holds a lease by now. If a request's escrow fails only
+    because later offers' leases protect blocks it could otherwise evict, those later
+    offers give their leases up here (and report 0): nobody overtakes the head.
+    """
+    ok: list[int] = []
+    for i, (offer, point) in enumerate(zip(offers, agreed, strict=True)):
+        if offer.request_id not in cache.claims:  # gave its lease up for an earlier offer
+            ok.append(0)
+            continue
         cache, got = reconcile(cache, offer.request_id, offer.hashes, point)
         if got != point:
             raise AssertionError(f"stage cannot serve agreed point {point} of {offer.request_id}")
-        cache, fits = escrow(cache, offer.request_id, blocks_needed(offer, block_size) - point)
+        need = blocks_needed(offer, block_size) - point
+        cache, fits = escrow(cache, offer.request_id, need)
+        if not fits:
+            for later in offers[i + 1 :]:
+                cache = cancel(cache, later.request_id)
+            cache, fits = escrow(cache, offer.request_id, need)
         ok.append(1 if fits else 0)
     return cache, ok
 
@@ -122,7 +136,7 @@ def commit(
     evicted: list[BlockHash] = []
     for offer, ok in zip(offers, admitted, strict=True):
         if not ok:
-            cache = release(cache, offer.request_id)
+            cache = cancel(cache, offer.request_id)  # it may have given its lease up already
         elif policy.eager:
             cache, done = materialize(cache, offer.request_id)
             block_table(cache, offer.request_id)  # eager rungs build tables up front

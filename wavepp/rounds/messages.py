@@ -99,6 +99,8 @@ class WaveMsg(_Msg, frozen=True):
     chunks: Annotated[list[ChunkMsg], msgspec.Meta(max_length=MAX_ENTRIES)]
     oracle: Annotated[list[OracleAdmit], msgspec.Meta(max_length=MAX_ENTRIES)] = []
     stop: bool = False  # no chunks: the run is over, forward and exit
+    cancels: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    #  requests to drop on every stage after this wave's chunks (none of theirs follow)
 
 
 class Finished(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -114,6 +116,7 @@ class WaveDone(_Msg, frozen=True):
     wave_id: Count
     finished: Annotated[list[Finished], msgspec.Meta(max_length=MAX_ENTRIES)]
     stop: bool = False  # the stop wave reached the last stage: no more will come
+    cancelled: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)] = []
 
 
 class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -1,6 +1,8 @@
 """Requests from a JSONL file: one ``{"id": ..., "tokens": [...]}`` per line.
 
-A bad line — not JSON, no tokens, token ids outside the vocabulary, a repeated id — is
+A line ``{"cancel": "<id>", "after_s": 0.5}`` cancels an earlier line's request that
+long after measurement starts (queued, admitted or running). A bad line — not JSON, no
+tokens, token ids outside the vocabulary, a repeated id, a cancel of an unknown id — is
 reported with its line number and skipped; the other lines run.
 """
 
@@ -14,10 +16,13 @@ import numpy as np
 from wavepp.workload.generators import RequestSpec
 
 
-def read_requests_file(path: str | Path, vocab: int) -> tuple[list[RequestSpec], list[dict]]:
-    """Returns (requests, rejected) where each rejected line is {line, id, error}."""
+def read_requests_file(
+    path: str | Path, vocab: int
+) -> tuple[list[RequestSpec], list[dict], list[tuple[str, float]]]:
+    """Returns (requests, rejected lines as {line, id, error}, cancels as (id, after_s))."""
     specs: list[RequestSpec] = []
     rejected: list[dict] = []
+    cancels: list[tuple[str, float]] = []
     seen: set[str] = set()
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -28,6 +33,15 @@ def read_requests_file(path: str | Path, vocab: int) -> tuple[list[RequestSpec],
                 row = json.loads(line)
                 if not isinstance(row, dict):
                     raise ValueError("not a JSON object")
+                if "cancel" in row:
+                    target = str(row["cancel"])
+                    after = float(row.get("after_s", 0.0))
+                    if target not in seen:
+                        raise ValueError(f"cancel of unknown request {target!r}")
+                    if not 0 <= after < 1e6:
+                        raise ValueError(f"after_s must be in [0, 1e6), got {after}")
+                    cancels.append((target, after))
+                    continue
                 if "id" not in row:
                     raise ValueError("no 'id'")
                 rid = str(row["id"])
@@ -48,4 +62,4 @@ def read_requests_file(path: str | Path, vocab: int) -> tuple[list[RequestSpec],
                 continue
             seen.add(rid)
             specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), False, 0))
-    return specs, rejected
+    return specs, rejected, cancels

@@ -1,0 +1,123 @@
+"""Heartbeats beside the planes, so that a dead or hung rank is named fast (DESIGN §9).
+
+Every rank runs a small thread that, once a second, writes a beat counter and what the
+rank is doing ("waiting for a wave from rank 1", "rounds plane: all_min") to the
+rendezvous store (the TCP store ``torchrun`` hosts, which outlives any rank), and reads
+the others'. A rank whose counter has not moved for ``dead_after_s`` (killed, stopped,
+or stuck with the GIL held) is reported by name with its last status, and this rank
+exits non-zero; ``torchrun`` then stops the rest and reports the failure. A rank that
+fails on its own writes why, so its peers can name it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+_PREFIX = "wavepp/heartbeat/"
+
+
+class Watchdog:
+    def __init__(
+        self, rank: int, world: int, log: Callable[[str], None],
+        interval_s: float = 1.0, dead_after_s: float = 10.0,
+    ) -> None:  # fmt: skip
+        self.rank, self.world, self.log = rank, world, log
+        self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self.status = "starting"
+        self._stop = threading.Event()
+        self._store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=datetime.timedelta(seconds=max(5.0, dead_after_s)), wait_for_workers=False,
+        )  # fmt: skip
+        self._lock = threading.Lock()  # one store client, used from two threads
+        self._seen: dict[int, tuple[str, float]] = {}  # rank -> (beat, when it last moved)
+        self._thread = threading.Thread(target=self._run, name="wavepp-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def set_status(self, text: str) -> None:
+        self.status = text
+
+    def _write(self, value: str) -> None:
+        with self._lock:
+            self._store.set(f"{_PREFIX}{self.rank}", value)
+
+    def _read(self, rank: int) -> str | None:
+        key = f"{_PREFIX}{rank}"
+        with self._lock:
+            if not self._store.check([key]):
+                return None
+            return self._store.get(key).decode(errors="replace")
+
+    def _run(self) -> None:
+        beat, started = 0, time.monotonic()
+        while not self._stop.is_set():
+            beat += 1
+            try:
+                self._write(f"{beat}|{self.status}")
+                problem = self._check(started)
+            except Exception as error:  # the store itself is gone: the launcher died
+                problem = f"lost the rendezvous store ({error})"
+            if problem:
+                self.log(f"rank {self.rank}: {problem}; this rank was {self.status}")
+                os._exit(1)
+            self._stop.wait(self.interval_s)
+
+    def _check(self, started: float) -> str | None:
+        now = time.monotonic()
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            value = self._read(rank)
+            if value is None:
+                if now - started > self.dead_after_s:
+                    return f"rank {rank} never sent a heartbeat in {now - started:.1f} s"
+                continue
+            counter, _, status = value.partition("|")
+            if counter in ("done", "failed"):
+                if counter == "failed":
+                    return f"rank {rank} failed: {status}"
+                continue
+            last = self._seen.get(rank)
+            if last is None or last[0] != counter:
+                self._seen[rank] = (counter, now)
+            elif now - last[1] > self.dead_after_s:
+                return (
+                    f"rank {rank} sent no heartbeat for {now - last[1]:.1f} s "
+                    f"(dead or hung; it was {status})"
+                )
+        return None
+
+    def peer_report(self) -> str:
+        """Which peers failed or look gone, for an error message; empty if none."""
+        notes = []
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            try:
+                value = self._read(rank) or ""
+            except Exception:
+                return ""
+            counter, _, status = value.partition("|")
+            if counter == "failed":
+                notes.append(f"rank {rank} failed: {status}")
+            elif (
+                rank in self._seen and time.monotonic() - self._seen[rank][1] > 2 * self.interval_s
+            ):
+                notes.append(f"rank {rank} stopped beating (it was {status})")
+        return "; ".join(notes)
+
+    def finish(self, failure: str | None = None) -> None:
+        """Stop beating; peers then ignore this rank (or learn why it failed)."""
+        self._stop.set()
+        with contextlib.suppress(Exception):  # the store may be gone with the launcher
+            self._write(f"failed|{failure}" if failure else "done|finished")
