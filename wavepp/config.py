@@ -23,7 +23,7 @@ EXECUTOR_DEFAULTS = {
     "sim": {"workload": "short-suffix", "requests": 256, "prompt_tokens": 16384,
             "concurrency": 64, "budget": 8192, "min_budget": 512, "block_size": 64,
             "model": "qwen3-next-80b", "suffix_tokens": 4096},
-    "torch": {"workload": "seeded", "requests": 24, "prompt_tokens": 1024, "concurrency": 8,
+    "torch": {"workload": "seeded", "requests": 48, "prompt_tokens": 2048, "concurrency": 8,
               "budget": 512, "min_budget": 64, "block_size": 16, "model": "tiny-hybrid",
               "suffix_tokens": 256},
 }  # fmt: skip

@@ -89,7 +89,7 @@ def table(record: dict) -> str:
     kind = (
         f"SIMULATED — sim executor, {cfg['model']} on {cfg['device']}"
         if record["simulated"]
-        else "real model (torch executor)"
+        else f"real model (torch executor, {cfg['model']})"
     )
 
     def fmt(value, unit="", scale=1.0, digits=2):

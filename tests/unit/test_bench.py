@@ -37,10 +37,10 @@ def test_plots_are_written(tmp_path):
 
 def test_matrix_resumes_from_its_results_file(tmp_path, capsys):
     ranks, cells = preset_cells("smoke")
-    assert ranks == 4 and len(cells) == 10
+    assert ranks == 4 and len(cells) == 18
     done = {"cell_key": cells[0].key("smoke"), "workload_label": cells[0].workload}
     out = tmp_path / "results.jsonl"
     out.write_text(json.dumps(done) + "\n")
     matrix_main(["--preset", "smoke", "--out", str(out), "--dry-run"])
     text = capsys.readouterr().out
-    assert "10 cells, 1 already in" in text and "9 to run" in text
+    assert "18 cells, 1 already in" in text and "17 to run" in text

@@ -31,7 +31,8 @@ class Cell:
     args: tuple[str, ...]  # wavepp.main options besides --concurrency and --rung
 
     def key(self, preset: str) -> str:
-        return f"{preset}|{self.workload}|{self.concurrency}|{self.rung}"
+        extra = " ".join(self.args)
+        return f"{preset}|{self.workload}|{self.concurrency}|{self.rung}|{extra}"
 
 
 def _sim(*extra: str) -> tuple[str, ...]:
@@ -47,11 +48,12 @@ def preset_cells(name: str) -> tuple[int, list[Cell]]:
             for rung in rungs:
                 cells.append(Cell(label, c, rung, tuple(args)))
 
-    if name == "smoke":  # under 3 minutes here
-        rungs = ("R1", "R3", "R4", "R5", "oracle")
-        add("seeded-8k", [16], rungs, _sim("--workload", "seeded", "--prompt-tokens", "8192",
+    if name == "smoke":  # about 3 minutes here
+        add("cold-8k", [16], RUNGS, _sim("--workload", "cold", "--prompt-tokens", "8192",
+                                         "--requests", "32"))  # fmt: skip
+        add("seeded-8k", [16], RUNGS, _sim("--workload", "seeded", "--prompt-tokens", "8192",
                                            "--requests", "48"))  # fmt: skip
-        add("short-suffix-8k", [32], rungs, _sim("--workload", "short-suffix", "--prompt-tokens",
+        add("short-suffix-8k", [32], RUNGS, _sim("--workload", "short-suffix", "--prompt-tokens",
                                                  "8192", "--requests", "64"))  # fmt: skip
         return 4, cells
     if name == "paper":  # the paper's shapes, simulated
@@ -156,8 +158,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", default="", help="comma list: only these concurrencies")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     p.add_argument("--dry-run", action="store_true", help="list the cells and exit")
+    p.add_argument(
+        "--extra", default="",
+        help="options appended to every cell, e.g. '--requests 64' (they override the "
+        "preset's and are recorded in each config)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     ranks, cells = preset_cells(args.preset)
+    if args.extra:
+        cells = [attrs.evolve(c, args=(*c.args, *args.extra.split())) for c in cells]
     if args.only:
         cells = [c for c in cells if args.only in c.workload]
     if args.concurrency:
