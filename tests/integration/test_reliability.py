@@ -18,17 +18,18 @@ def test_cancel_queued_and_running_requests_release_everything(run_wavepp, tmp_p
     cfg = BUILTIN["tiny-hybrid"]
     rng = np.random.default_rng(5)
     prompts = {rid: rng.integers(0, cfg.vocab_size, n).tolist()
-               for rid, n in [("long", 3000), ("a", 100), ("b", 120), ("queued", 90)]}  # fmt: skip
+               for rid, n in [("long", 4000), ("a", 100), ("b", 120), ("queued", 90)]}  # fmt: skip
     rows = [{"id": rid, "tokens": toks} for rid, toks in prompts.items()]
-    rows += [{"cancel": "long", "after_s": 0.4}, {"cancel": "queued", "after_s": 0.0}]
+    rows += [{"cancel": "long", "after_s": 0.1}, {"cancel": "queued", "after_s": 0.0}]
     path = tmp_path / "requests.jsonl"
     write_rows(path, rows)
-    # Concurrency 2: "long" runs in 47 waves of 64 tokens; "queued" waits behind it.
+    # Concurrency 2: "long" runs in 125 waves of 32 tokens; "queued" waits behind it.
     record, _ = run_wavepp(2, "--requests-file", str(path), "--concurrency", "2",
-                           "--budget", "64", "--block-size", "16", "--seed", "1")  # fmt: skip
+                           "--budget", "32", "--min-budget", "16", "--block-size", "16",
+                           "--seed", "1")  # fmt: skip
     results = {r["id"]: r for r in record["requests"]}
     assert results["queued"]["error"] == "cancelled"
-    assert results["long"]["error"] == "cancelled", "0.4 s is well before 3,000 tokens finish"
+    assert results["long"]["error"] == "cancelled", "0.1 s is well before 4,000 tokens finish"
     assert record["cancelled_requests"] == 2
     weights = random_weights(cfg, seed=1)
     for rid in ("a", "b"):
@@ -56,9 +57,12 @@ def test_same_config_and_seed_give_the_same_first_tokens(run_wavepp):
     options = ("--requests", "8", "--prompt-tokens", "300", "--concurrency", "4", "--seed", "9")
     first, _ = run_wavepp(2, *options)
     second, _ = run_wavepp(2, *options)
-    tokens = [(r["id"], r["first_token"], r["top_logit"]) for r in first["requests"]]
-    assert tokens == [(r["id"], r["first_token"], r["top_logit"]) for r in second["requests"]]
-    assert all(t >= 0 for _, t, _ in tokens)
+    tokens = [(r["id"], r["first_token"]) for r in first["requests"]]
+    assert tokens == [(r["id"], r["first_token"]) for r in second["requests"]]
+    assert all(t >= 0 for _, t in tokens)
+    # Chunk boundaries follow admission timing, so logits agree to float rounding only.
+    for a, b in zip(first["requests"], second["requests"], strict=True):
+        assert abs(a["top_logit"] - b["top_logit"]) <= 1e-5
 
 
 def test_cache_pressure_finishes_without_deadlock(run_wavepp):
