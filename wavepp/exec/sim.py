@@ -102,7 +102,7 @@ class SimExecutor:
         # activations: [tokens] float16, a stand-in for the [tokens, d_model] hidden states
         out = None if self.cost_model.is_last else torch.zeros(tokens, dtype=torch.float16)
         results = {c.request_id: (-1, 0.0) for c in chunks if c.is_last}
-        return StageOutput(out, cost.seconds, results)
+        return StageOutput(out, cost.seconds * self.time_scale, results)  # real seconds
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
         """Nothing is stored for a simulated block."""
