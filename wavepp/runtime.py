@@ -311,15 +311,16 @@ class Coordinator:
         if not self.cfg.progress:
             return last_shown
         now = time.time()
-        if not final and now - last_shown < 0.5:
+        tty = sys.stderr.isatty()
+        if not final and now - last_shown < (0.5 if tty else 10.0):  # logs get a line / 10 s
             return last_shown
         done = self._num_done(rids) - done_before
         width = 30
         fill = int(width * done / max(total, 1))
         label = "warm-up" if warmup else "measured"
         bar = "#" * fill + "." * (width - fill)
-        end = "\n" if final else ""
-        print(f"\r[{bar}] {label} {done}/{total} in flight {self.in_flight}", end=end,
+        start, end = ("\r", "\n" if final else "") if tty else ("", "\n")
+        print(f"{start}[{bar}] {label} {done}/{total} in flight {self.in_flight}", end=end,
               file=sys.stderr, flush=True)  # fmt: skip
         return now
 
