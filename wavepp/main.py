@@ -160,7 +160,7 @@ async def rank_main(
     if rank == 0:
         ring = c.ring or 2 * world
         cfg = RankConfig(c.rung, c.block_size, c.budget, c.min_budget, ring, c.concurrency,
-                         c.max_batch, c.heartbeat_s, c.time_scale, c.progress)  # fmt: skip
+                         c.max_batch, c.heartbeat_s, c.progress)  # fmt: skip
         planner = pick_planner(c)
         fit = None
         if planner is None:

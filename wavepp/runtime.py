@@ -98,7 +98,6 @@ class RankConfig:
     concurrency: int
     max_batch: int
     heartbeat_s: float
-    time_scale: float
     progress: bool
 
 
