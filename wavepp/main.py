@@ -67,7 +67,7 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
 
 
 def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
-    """(executor, vocabulary, has recurrent layers) for this rank's stage."""
+    """(executor, has recurrent layers) for this rank's stage."""
     counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
     if c.executor == "sim":
         if c.model not in MODELS:
@@ -76,7 +76,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
         layers = split_layers(model.num_layers, world, counts)[rank]
         cost = StageCostModel(model, DEVICES[c.device], layers, rank == world - 1)
         recurrent = any(model.kind(layer) == "L" for layer in layers)
-        return SimExecutor(cost, c.time_scale), VOCAB, recurrent
+        return SimExecutor(cost, c.time_scale), recurrent
     if c.model in BUILTIN:
         cfg = BUILTIN[c.model]
         weights = random_weights(cfg, c.seed)
@@ -88,7 +88,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
     layers = split_layers(cfg.num_layers, world, counts)[rank]
     modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights)
     recurrent = any(cfg.kind(layer) == "L" for layer in layers)
-    return TorchExecutor(modules, capacity, c.block_size), cfg.vocab_size, recurrent
+    return TorchExecutor(modules, capacity, c.block_size), recurrent
 
 
 def pick_planner(c: RunConfig):
@@ -101,9 +101,6 @@ def pick_planner(c: RunConfig):
         raise SystemExit(f"wavepp: planner {name!r} is not built in ({', '.join(PLANNERS)}) "
                          "nor a dotted path")  # fmt: skip
     return resolve(name)
-
-
-MODELS_VOCAB = {"sim": VOCAB}
 
 
 def _vocab(c: RunConfig) -> int:
@@ -134,7 +131,7 @@ async def rank_main(
         for part in (plane, inbound, outbound, done):
             if part is not None:
                 part.on_wait = watchdog.set_status
-    vocab = MODELS_VOCAB.get(c.executor, 0) or _vocab(c)
+    vocab = VOCAB if c.executor == "sim" else _vocab(c)
     specs, rejected, cancels = build_workload(c, vocab) if rank == 0 else (None, [], [])
     if rank == 0 and not specs:
         log("no requests to run")
@@ -142,7 +139,7 @@ async def rank_main(
     capacity = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 and specs else 0)
     capacity = -(await plane.all_min([-capacity]))[0] if not c.capacity_blocks else capacity
     min_capacity = (await plane.all_min([capacity]))[0]
-    executor, _, recurrent = build_executor(c, rank, world, capacity)
+    executor, recurrent = build_executor(c, rank, world, capacity)
     book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent)
     if c.trace_out:
