@@ -1,0 +1,170 @@
+"""Paged layer kinds: GQA with q/k norms, partial RoPE and an optional output gate
+(Qwen3-Next, MiniMax-M2), and multi-head latent attention (Kimi Linear's MLA).
+
+Each declares the per-token entry it keeps in the paged pool (``entry_shape``):
+``[2, KV, hd]`` keys and values for GQA, the compressed latent ``[rank + rope_dim]`` for
+MLA. ``project`` makes a chunk's queries and entries; ``attend`` runs the chunk's
+queries over the entries of tokens 0..m-1 (the cached prefix, then the chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wavepp.exec.families.common import RMSNorm, rope_partial
+
+
+def _sdpa(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, H, d] at q_positions; k: [m, KV, d], v: [m, KV, dv] at 0..m-1 -> [n, H, dv]."""
+    n, m = q.shape[0], k.shape[0]
+    if n == m:
+        mask, causal = None, True
+    else:
+        mask, causal = torch.arange(m)[None, :] <= q_positions[:, None], False  # [n, m]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # [1, H, n, dv]; fmt: skip
+    return out[0].transpose(0, 1)
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention. ``qk_norm``: "head" (per-head, 1+w: Qwen3-Next) or "full"
+    (over all heads: MiniMax-M2); ``gated``: q_proj also yields a sigmoid output gate."""
+
+    paged = True
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_dim: int,
+        rope_theta: float,
+        eps: float,
+        qk_norm: str,
+        gated: bool,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary_dim, self.rope_theta, self.gated = rotary_dim, rope_theta, gated
+        self.qk_norm = qk_norm
+        q_out = num_heads * head_dim * (2 if gated else 1)
+        self.q_proj = nn.Linear(d_model, q_out, bias=False)
+        self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(head_dim, eps, offset=True)
+            self.k_norm = RMSNorm(head_dim, eps, offset=True)
+        else:
+            self.q_norm = RMSNorm(num_heads * head_dim, eps)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
+
+    def entry_shape(self) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, self.head_dim)
+
+    def project(self, h: torch.Tensor, positions: torch.Tensor):
+        # h: [n, d_model] -> (q: [n, H, hd], gate: [n, H*hd] | None), entries: [n, 2, KV, hd]
+        n, hd = h.shape[0], self.head_dim
+        gate = None
+        if self.gated:
+            q, gate = self.q_proj(h).view(n, self.num_heads, 2 * hd).chunk(2, dim=-1)
+            gate = gate.reshape(n, -1)
+        else:
+            q = self.q_proj(h)
+        k = self.k_proj(h)
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(n, self.num_heads, hd))
+            k = self.k_norm(k.view(n, self.num_kv_heads, hd))
+        else:
+            q = self.q_norm(q).view(n, self.num_heads, hd)
+            k = self.k_norm(k).view(n, self.num_kv_heads, hd)
+        v = self.v_proj(h).view(n, self.num_kv_heads, hd)
+        q = rope_partial(q, positions, self.rope_theta, self.rotary_dim)
+        k = rope_partial(k, positions, self.rope_theta, self.rotary_dim)
+        return (q, gate), torch.stack([k, v], dim=1)
+
+    def attend(self, query, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # entries: [m, 2, KV, hd] for tokens 0..m-1
+        q, gate = query
+        out = _sdpa(q, entries[:, 0], entries[:, 1], positions, self.head_dim**-0.5)
+        out = out.reshape(q.shape[0], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(h.shape[0])
+        query, entries = self.project(h, positions)
+        return self.attend(query, entries, positions)
+
+
+class LatentAttention(nn.Module):
+    """MLA as in Kimi Linear (no positional encoding): the pool keeps the normalized
+    latent and the shared key part, ``[kv_lora_rank + qk_rope_head_dim]`` per token;
+    ``kv_b_proj`` expands them to per-head keys and values when attending."""
+
+    paged = True
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        nope_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.rank = num_heads, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
+        qk = nope_dim + rope_dim
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(d_model, num_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk, bias=False)
+        self.q_lora = q_lora_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(d_model, kv_lora_rank + rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (nope_dim + v_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_dim, d_model, bias=False)
+        self.scale = qk**-0.5
+
+    def entry_shape(self) -> tuple[int, ...]:
+        return (self.rank + self.rope_dim,)
+
+    def project(self, h: torch.Tensor, positions: torch.Tensor):
+        # h: [n, d_model] -> q: [n, H, nope + rope], entries: [n, rank + rope]
+        n = h.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(h))) if self.q_lora else self.q_proj(h)
+        latent, k_shared = self.kv_a_proj_with_mqa(h).split([self.rank, self.rope_dim], dim=-1)
+        entries = torch.cat([self.kv_a_layernorm(latent), k_shared], dim=-1)
+        return q.view(n, self.num_heads, -1), entries
+
+    def attend(self, q, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # entries: [m, rank + rope] for tokens 0..m-1
+        m, heads = entries.shape[0], self.num_heads
+        latent, k_shared = entries.split([self.rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(m, heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_shared[:, None, :].expand(m, heads, self.rope_dim)], dim=-1)
+        out = _sdpa(q, k, v, positions, self.scale)  # [n, H, v_dim]
+        return self.o_proj(out.reshape(q.shape[0], -1))
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(h.shape[0])
+        q, entries = self.project(h, positions)
+        return self.attend(q, entries, positions)

@@ -1,0 +1,207 @@
+"""Recurrent layer kinds: Kimi Delta Attention (KDA) and Qwen3-Next's Gated DeltaNet.
+
+Both keep, per request, a delta-rule state ``[heads, dk, dv]`` and the short
+convolution's state ``[K-1, channels]`` (the last K-1 inputs of the convolution). Their
+parameters carry the names ``save_pretrained`` writes. ``chunk`` is the prefill path
+(chunk-parallel kernel); ``full`` is the token-by-token reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wavepp.exec.families.common import GatedRMSNorm, l2norm, short_conv
+from wavepp.exec.families.delta import chunk_delta, recurrent_delta
+
+State = dict[str, torch.Tensor]  # {"delta": [H, dk, dv], "conv": [K-1, channels]}
+
+
+class _Recurrent(nn.Module):
+    paged = False
+    num_heads: int
+    dk: int
+    dv: int
+    conv_kernel: int
+    conv_channels: int
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            "delta": (self.num_heads, self.dk, self.dv),
+            "conv": (self.conv_kernel - 1, self.conv_channels),
+        }
+
+    def zero_state(self, dtype=torch.float32) -> State:
+        return {
+            name: torch.zeros(shape, dtype=dtype) for name, shape in self.state_shapes().items()
+        }
+
+    def _inputs(self, h):  # -> pre-conv channels [n, C], extras for _mix
+        raise NotImplementedError
+
+    def _mix(self, conv_out, extras):  # -> q, k, v, g, beta
+        raise NotImplementedError
+
+    def _finish(self, o, extras) -> torch.Tensor:
+        raise NotImplementedError
+
+    def chunk(self, h: torch.Tensor, state: State | None, cuts: tuple[int, ...] = ()):
+        """h: [n, d_model]; state before h (None: zeros). Returns (out: [n, d_model],
+        state after h, [state after h[:c] for c in cuts])."""
+        state = state if state is not None else self.zero_state(h.dtype)
+        x, extras = self._inputs(h)
+        y, window = short_conv(x, state["conv"].to(x.dtype), self.conv_weight())
+        q, k, v, g, beta = self._mix(y, extras)
+        o, final, saved = chunk_delta(q, k, v, g, beta, state["delta"], cuts)
+        width = self.conv_kernel - 1
+        n = h.shape[0]
+        after = {"delta": final, "conv": window[n : n + width].clone()}
+        at_cuts = [
+            {"delta": s, "conv": window[c : c + width].clone()}
+            for c, s in zip(cuts, saved, strict=True)
+        ]
+        return self._finish(o, extras), after, at_cuts
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        """The reference: plain convolution and the token-by-token recurrence."""
+        state = self.zero_state(h.dtype)
+        x, extras = self._inputs(h)
+        y, _ = short_conv(x, state["conv"], self.conv_weight())
+        q, k, v, g, beta = self._mix(y, extras)
+        o, _ = recurrent_delta(q, k, v, g, beta, state["delta"])
+        return self._finish(o, extras)
+
+
+class KimiDeltaAttention(_Recurrent):
+    """KDA: per-channel forget gate, sigmoid-gated output norm (Kimi Linear ``self_attn``)."""
+
+    def __init__(
+        self, d_model: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.dk, self.dv = num_heads, head_dim, head_dim
+        inner = num_heads * head_dim
+        self.conv_kernel, self.conv_channels = conv_kernel, 3 * inner
+        self.q_proj = nn.Linear(d_model, inner, bias=False)
+        self.k_proj = nn.Linear(d_model, inner, bias=False)
+        self.v_proj = nn.Linear(d_model, inner, bias=False)
+        self.q_conv1d = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=False)
+        self.k_conv1d = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=False)
+        self.v_conv1d = nn.Conv1d(inner, inner, conv_kernel, groups=inner, bias=False)
+        self.f_a_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, inner, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(inner))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1))
+        self.b_proj = nn.Linear(d_model, num_heads, bias=False)
+        self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, inner, bias=False)
+        self.o_norm = GatedRMSNorm(head_dim, eps, "sigmoid")
+        self.o_proj = nn.Linear(inner, d_model, bias=False)
+
+    def conv_weight(self) -> torch.Tensor:  # [3 * inner, K]
+        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
+    def _inputs(self, h):
+        # h: [n, d_model] -> x: [n, 3 * inner] (q | k | v before the convolution)
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        return F.linear(h, w), h
+
+    def _mix(self, y, h):
+        n, heads, d = h.shape[0], self.num_heads, self.dk
+        q, k, v = y.view(n, 3, heads, d).unbind(1)
+        q = l2norm(q.float()) * d**-0.5
+        k = l2norm(k.float())
+        gate = self.f_b_proj(self.f_a_proj(h)).float() + self.dt_bias.float()
+        g = -self.A_log.float().exp().view(heads, 1) * F.softplus(gate.view(n, heads, d))
+        beta = torch.sigmoid(self.b_proj(h).float())
+        return q, k, v.float(), g, beta
+
+    def _finish(self, o, h):
+        # o: [n, H, d]
+        n = h.shape[0]
+        gate = self.g_b_proj(self.g_a_proj(h)).view(n, self.num_heads, self.dv)
+        return self.o_proj(self.o_norm(o.to(h.dtype), gate).reshape(n, -1))
+
+
+class GatedDeltaNet(_Recurrent):
+    """Gated DeltaNet: scalar decay per head, SiLU-gated output norm (Qwen3-Next
+    ``linear_attn``). Key heads are shared by ``num_v_heads / num_k_heads`` value heads."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"{num_v_heads} value heads do not group over {num_k_heads} key heads")
+        self.num_k_heads, self.num_heads = num_k_heads, num_v_heads
+        self.dk, self.dv = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_kernel, self.conv_channels = conv_kernel, 2 * self.key_dim + self.value_dim
+        channels = self.conv_channels
+        self.conv1d = nn.Conv1d(channels, channels, conv_kernel, groups=channels, bias=False)
+        self.in_proj_qkvz = nn.Linear(d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(d_model, 2 * num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, eps, "silu")
+        self.out_proj = nn.Linear(self.value_dim, d_model, bias=False)
+        self._order: torch.Tensor | None = None
+
+    def conv_weight(self) -> torch.Tensor:  # [channels, K]
+        return self.conv1d.weight[:, 0]
+
+    def _row_order(self) -> torch.Tensor:
+        """Rows of [in_proj_qkvz; in_proj_ba] in the order q | k | v | z | b | a (the
+        checkpoint interleaves them per key head)."""
+        if self._order is None:
+            r, hk, hv = self.num_heads // self.num_k_heads, self.dk, self.dv
+            group = 2 * hk + 2 * r * hv
+            parts: list[list[torch.Tensor]] = [[], [], [], []]
+            for h in range(self.num_k_heads):
+                base = h * group
+                for i, (off, size) in enumerate(
+                    [(0, hk), (hk, hk), (2 * hk, r * hv), (2 * hk + r * hv, r * hv)]
+                ):
+                    parts[i].append(torch.arange(base + off, base + off + size))
+            rows = [torch.cat(p) for p in parts]
+            total = self.num_k_heads * group
+            ba_b = [total + h * 2 * r + torch.arange(r) for h in range(self.num_k_heads)]
+            ba_a = [total + h * 2 * r + r + torch.arange(r) for h in range(self.num_k_heads)]
+            self._order = torch.cat([*rows, *ba_b, *ba_a])
+        return self._order
+
+    def _inputs(self, h):
+        # h: [n, d_model] -> x: [n, 2 key_dim + value_dim] (q | k | v), extras (z, b, a)
+        w = torch.cat([self.in_proj_qkvz.weight, self.in_proj_ba.weight])[self._row_order()]
+        out = F.linear(h, w)
+        c, vd, nv = self.conv_channels, self.value_dim, self.num_heads
+        z = out[:, c : c + vd]
+        b, a = out[:, c + vd : c + vd + nv], out[:, c + vd + nv :]
+        return out[:, :c], (h, z, b, a)
+
+    def _mix(self, y, extras):
+        h, _, b, a = extras
+        n, r = h.shape[0], self.num_heads // self.num_k_heads
+        q = y[:, : self.key_dim].reshape(n, self.num_k_heads, self.dk).float()
+        k = y[:, self.key_dim : 2 * self.key_dim].reshape(n, self.num_k_heads, self.dk).float()
+        v = y[:, 2 * self.key_dim :].reshape(n, self.num_heads, self.dv).float()
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        q = l2norm(q) * self.dk**-0.5
+        k = l2norm(k)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [n, nv]
+        return q, k, v, g, torch.sigmoid(b.float())
+
+    def _finish(self, o, extras):
+        h, z, _, _ = extras
+        n = h.shape[0]
+        normed = self.norm(o.to(h.dtype), z.reshape(n, self.num_heads, self.dv))
+        return self.out_proj(normed.reshape(n, -1))

@@ -1,0 +1,131 @@
+"""Mixture-of-experts MLPs of the three families, under their checkpoint names.
+
+Routing:
+- ``kimi``: sigmoid scores, top-k over scores + correction bias within the best expert
+  groups, weights renormalized and scaled by ``routed_scaling_factor``; shared experts.
+- ``qwen``: softmax, top-k, optionally renormalized; a shared expert behind a sigmoid gate.
+- ``minimax``: sigmoid scores, top-k over scores + correction bias, renormalized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wavepp.exec.families.common import SwiGLU
+
+_EXPERT_NAMES = {
+    "kimi": ("w1", "w3", "w2"),
+    "minimax": ("w1", "w3", "w2"),
+    "qwen": ("gate_proj", "up_proj", "down_proj"),
+}
+
+
+class Router(nn.Module):
+    def __init__(self, d_model: int, num_experts: int, with_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, d_model))
+        if with_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        routing: str,
+        d_model: int,
+        d_expert: int,
+        num_experts: int,
+        top_k: int,
+        shared_ff: int = 0,
+        norm_topk: bool = True,
+        scaling: float = 1.0,
+        num_groups: int = 1,
+        topk_groups: int = 1,
+    ) -> None:
+        super().__init__()
+        if routing not in _EXPERT_NAMES:
+            raise ValueError(f"unknown routing {routing!r}; known: {sorted(_EXPERT_NAMES)}")
+        if num_experts % num_groups:
+            raise ValueError(f"{num_experts} experts do not split into {num_groups} groups")
+        self.routing, self.top_k, self.num_experts = routing, top_k, num_experts
+        self.norm_topk, self.scaling = norm_topk, scaling
+        self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.gate = Router(d_model, num_experts, with_bias=routing == "kimi")
+        if routing == "minimax":
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        names = _EXPERT_NAMES[routing]
+        self.experts = nn.ModuleList(SwiGLU(d_model, d_expert, names) for _ in range(num_experts))
+        if routing == "kimi" and shared_ff:
+            self.shared_experts = SwiGLU(d_model, shared_ff)
+        if routing == "qwen" and shared_ff:
+            self.shared_expert = SwiGLU(d_model, shared_ff)
+            self.shared_expert_gate = nn.Linear(d_model, 1, bias=False)
+        self.shared_ff = shared_ff
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self) -> None:
+        """Stack the experts' weights once the checkpoint is loaded."""
+        gate, up, down = _EXPERT_NAMES[self.routing]
+        self._stacked = (
+            torch.stack(
+                [torch.cat([getattr(e, gate).weight, getattr(e, up).weight]) for e in self.experts]
+            ),  # [E, 2 I, D]
+            torch.stack([getattr(e, down).weight for e in self.experts]),  # [E, D, I]
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [n, D] -> (weights [n, k], expert ids [n, k])."""
+        logits = F.linear(x.float(), self.gate.weight.float())  # [n, E]
+        if self.routing == "qwen":
+            probs = logits.softmax(-1)
+            weights, ids = probs.topk(self.top_k, dim=-1)
+            if self.norm_topk:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return weights.to(x.dtype), ids
+        scores = logits.sigmoid()
+        if self.routing == "minimax":
+            _, ids = (scores + self.e_score_correction_bias).topk(self.top_k, dim=-1, sorted=False)
+            weights = scores.gather(1, ids)
+            return weights / weights.sum(-1, keepdim=True), ids
+        choice = scores + self.gate.e_score_correction_bias
+        n, groups = x.shape[0], self.num_groups
+        if groups > 1:
+            group_scores = choice.view(n, groups, -1).topk(2, dim=-1)[0].sum(-1)  # [n, groups]
+            best = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(
+                ~keep.repeat_interleave(self.num_experts // groups, 1), -torch.inf
+            )
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, D]
+        if self._stacked is None:
+            self.prepare()
+        gate_up, down = self._stacked
+        weights, ids = self.route(x)
+        flat = ids.reshape(-1)  # [n k]
+        order = flat.argsort(stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        at = 0
+        for e, count in enumerate(counts):  # one matmul pair per expert hit
+            if not count:
+                continue
+            rows = order[at : at + count]
+            at += count
+            g, u = F.linear(x[token[at - count : at]], gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(g) * u, down[e]) * weights.reshape(-1)[rows, None]
+            out.index_add_(0, token[at - count : at], y.to(x.dtype))
+        if self.routing == "kimi" and self.shared_ff:
+            out = out + self.shared_experts(x)
+        if self.routing == "qwen" and self.shared_ff:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
