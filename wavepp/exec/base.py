@@ -23,6 +23,11 @@ class ChunkWork:
     block_table: tuple[SlotId, ...]  # KV slot of every block 0..blocks(end)-1
     snapshot_points: tuple[int, ...]  # block counts after which to save recurrent state
     free: bool  # warm-up chunk: run for its cache effects, not charged
+    # Snapshot pool slot (0..snapshot_capacity-1) to save the state into, per snapshot
+    # point, same order; empty while the stage passes snapshot_keys instead.
+    snapshot_slots: tuple[int, ...] = ()
+    resume_slot: int | None = None  # slot holding the state after block start/bs - 1
+    # Deprecated (until stage.py passes slots): block-hash keys of the same snapshots.
     snapshot_keys: tuple[BlockHash, ...] = ()  # hash of block k-1 for each snapshot point k
     prefix_key: BlockHash | None = None  # hash of block start/bs - 1: the snapshot to resume
     tokens: np.ndarray | None = None  # stage 0: token ids start..end-1
