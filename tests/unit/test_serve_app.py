@@ -1,0 +1,314 @@
+"""The HTTP front end over a stand-in engine: routes, bad input, cancel, metrics, drain."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+
+from wavepp.serve.app import ServeOptions, build_app
+from wavepp.serve.prom import families, parse_exposition, sample
+from wavepp.serve.server import serve
+from wavepp.serve.testing import FakeEngine, expected_first_token
+
+pytestmark = pytest.mark.anyio
+
+VOCAB = 1000
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class Harness:
+    def __init__(self, engine: FakeEngine, client: httpx.AsyncClient) -> None:
+        self.engine = engine
+        self.client = client
+
+
+def _harness(options: ServeOptions | None = None, **engine_args):
+    engine = FakeEngine(vocab_size=VOCAB, **engine_args)
+    app = build_app(engine, options)
+    transport = httpx.ASGITransport(app=app)
+    return engine, httpx.AsyncClient(transport=transport, base_url="http://wavepp")
+
+
+async def _with_engine(test, options: ServeOptions | None = None, **engine_args):
+    engine, client = _harness(options, **engine_args)
+    async with client, anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        try:
+            await test(Harness(engine, client))
+        finally:
+            engine.drain()
+
+
+async def test_prefill_answers_the_first_token_and_timings():
+    async def test(h: Harness):
+        tokens = list(range(1, 40))
+        reply = await h.client.post("/v1/prefill", json={"tokens": tokens, "id": "a"})
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["id"] == "a"
+        assert body["status"] == "done"
+        assert body["first_token"] == expected_first_token(tokens, VOCAB)
+        assert body["num_tokens"] == 39
+        t = body["timings"]
+        assert t["submitted_at"] <= t["admitted_at"] <= t["done_at"]
+        assert t["total_s"] >= t["queued_s"] >= 0
+        # The same prompt again reuses its full blocks.
+        again = (await h.client.post("/v1/prefill", json={"tokens": tokens})).json()
+        assert again["cached_tokens"] == 32
+        assert again["id"] != "a"
+
+    await _with_engine(test)
+
+
+async def test_completions_in_the_openai_shape():
+    options = ServeOptions(
+        model_name="tiny",
+        tokenize=lambda text: [ord(c) for c in text],
+        detokenize=lambda token: f"<{token}>",
+    )
+
+    async def test(h: Harness):
+        reply = await h.client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 1, "temperature": 0.0},
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        token = expected_first_token([ord(c) for c in "hello"], VOCAB)
+        assert body["object"] == "text_completion"
+        assert body["model"] == "tiny"
+        assert body["choices"][0]["text"] == f"<{token}>"
+        assert body["choices"][0]["token"] == token
+        assert body["usage"]["prompt_tokens"] == 5
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert body["wavepp"]["status"] == "done"
+        ids = await h.client.post("/v1/completions", json={"prompt": [[5, 6, 7]]})
+        assert ids.json()["choices"][0]["token"] == expected_first_token([5, 6, 7], VOCAB)
+        text = await h.client.post("/v1/prefill", json={"text": "hello"})
+        assert text.json()["first_token"] == token
+
+    await _with_engine(test, options)
+
+
+BAD = [
+    ("/v1/prefill", b"{not json", 400, "not valid JSON"),
+    ("/v1/prefill", b"[1, 2]", 400, "invalid request body"),
+    ("/v1/prefill", b'{"tokens": []}', 400, "empty prompt"),
+    ("/v1/prefill", b'{"tokens": [1, 2, 1000]}', 400, "outside the vocabulary 0..999"),
+    ("/v1/prefill", b'{"tokens": [1, -1]}', 400, "outside the vocabulary"),
+    ("/v1/prefill", b'{"tokens": [1, 99999999999999999999999]}', 400, ""),
+    ("/v1/prefill", b'{"tokens": [1, true]}', 400, "Expected `int`"),
+    ("/v1/prefill", b'{"tokens": [1], "priority": "high"}', 400, "priority"),
+    ("/v1/prefill", b'{"tokens": [1], "priority": 99999}', 400, "priority"),
+    ("/v1/prefill", b'{"tokens": [1], "text": "a"}', 400, "exactly one"),
+    ("/v1/prefill", b"{}", 400, "exactly one"),
+    ("/v1/prefill", b'{"text": "abc"}', 400, "no tokenizer"),
+    ("/v1/prefill", b'{"tokens": [1], "id": ""}', 400, "id"),
+    ("/v1/prefill", b'{"tokens": [1], "id": "a\\nb"}', 400, "printable"),
+    ("/v1/prefill", json.dumps({"tokens": [1] * 5000}).encode(), 400, "can never fit"),
+    ("/v1/prefill", b"[" * 100_000, 400, ""),
+    ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 16}', 400, "max_tokens 16"),
+    ("/v1/completions", b'{"prompt": [1, 2], "stream": true}', 400, "stream"),
+    ("/v1/completions", b'{"prompt": [[1], [2]]}', 400, "batched prompts (2)"),
+    ("/v1/completions", b'{"prompt": [1.5]}', 400, "prompt must be"),
+    ("/v1/completions", b'{"max_tokens": 1}', 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("route", "raw", "status", "message"), BAD)
+async def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(route, raw, status, message):
+    async def test(h: Harness):
+        reply = await h.client.post(
+            route, content=raw, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert message in error["message"]
+        assert error["code"] == status
+        ok = await h.client.post("/v1/prefill", json={"tokens": [1, 2, 3]})
+        assert ok.status_code == 200
+        assert h.engine.counts["done"] == 1
+        assert not h.engine.requests.keys() - {ok.json()["id"]}  # nothing else was submitted
+
+    await _with_engine(test, capacity_tokens=4096)
+
+
+async def test_body_over_the_limit_is_refused_before_it_is_read():
+    async def test(h: Harness):
+        big = json.dumps({"tokens": list(range(500))}).encode()
+        reply = await h.client.post("/v1/prefill", content=big)
+        assert reply.status_code == 413
+        assert "over the limit of 1,000 bytes" in reply.json()["error"]["message"]
+
+        async def chunks():  # no Content-Length: the streamed size decides
+            for _ in range(10):
+                yield b" " * 200
+
+        streamed = await h.client.post("/v1/prefill", content=chunks())
+        assert streamed.status_code == 413
+        ok = await h.client.post("/v1/prefill", json={"tokens": [1, 2]})
+        assert ok.status_code == 200
+
+    await _with_engine(test, ServeOptions(max_body_bytes=1000))
+
+
+async def test_duplicate_id_conflicts_and_cancel_by_id():
+    async def test(h: Harness):
+        # A slow engine: the first request is still queued or running when we cancel it.
+        h.engine.tokens_per_s = 100.0
+        results = {}
+
+        async def first():
+            results["a"] = await h.client.post("/v1/prefill", json={"tokens": [1] * 50, "id": "a"})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await wait_for(lambda: "a" in h.engine.requests)
+            dup = await h.client.post("/v1/prefill", json={"tokens": [2], "id": "a"})
+            assert dup.status_code == 409
+            assert "duplicate" in dup.json()["error"]["message"]
+            gone = await h.client.delete("/v1/requests/a")
+            assert gone.status_code == 200
+            assert gone.json() == {"id": "a", "cancelled": True}
+        assert results["a"].status_code == 200
+        assert results["a"].json()["status"] == "cancelled"
+        again = await h.client.delete("/v1/requests/a")
+        assert again.status_code == 404
+        assert "already over" in again.json()["error"]["message"]
+        unknown = await h.client.delete("/v1/requests/nobody")
+        assert unknown.status_code == 404
+
+    await _with_engine(test)
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:
+    with anyio.fail_after(timeout):
+        while not condition():
+            await anyio.sleep(0.01)
+
+
+async def test_health_and_metrics():
+    async def test(h: Harness):
+        assert (await h.client.get("/health")).json() == {"status": "ok"}
+        for i in range(3):
+            await h.client.post("/v1/prefill", json={"tokens": [i + 1] * 40})
+        await h.client.post("/v1/prefill", json={"tokens": []})
+        text = (await h.client.get("/metrics")).text
+        kinds = dict(families(text))
+        assert kinds["wavepp_http_responses_total"] == "counter"
+        assert kinds["wavepp_engine_admission_round_seconds"] == "summary"
+        assert all(name.startswith("wavepp_") for name in kinds)
+        samples = parse_exposition(text)
+        assert sample(samples, "wavepp_http_responses_total", route="/v1/prefill", code="400") == 1
+        assert sample(samples, "wavepp_http_responses_total", route="/v1/prefill", code="200") == 3
+        assert sample(samples, "wavepp_engine_requests", state="done") == 3
+        assert sample(samples, "wavepp_engine_queue_depth") == 0
+        assert sample(samples, "wavepp_engine_stage_utilization", stage="1") is not None
+        assert sample(samples, "wavepp_engine_pool_capacity", stage="0") == 4096
+        assert sample(samples, "wavepp_up") == 1
+        h.engine.healthy = (False, "rank 1 sent no heartbeat for 10.0 s (dead or hung)")
+        sick = await h.client.get("/health")
+        assert sick.status_code == 503
+        assert "rank 1 sent no heartbeat" in sick.json()["error"]
+        assert sample(parse_exposition((await h.client.get("/metrics")).text), "wavepp_up") == 0
+
+    await _with_engine(test)
+
+
+async def test_models_lists_the_vocabulary():
+    async def test(h: Harness):
+        body = (await h.client.get("/v1/models")).json()
+        assert body["data"][0]["wavepp"]["vocab_size"] == VOCAB
+        assert body["data"][0]["wavepp"]["block_size"] == 16
+        missing = await h.client.get("/v1/nothing")
+        assert missing.status_code == 404
+        assert "no such route" in missing.json()["error"]["message"]
+        wrong = await h.client.get("/v1/prefill")
+        assert wrong.status_code == 405
+
+    await _with_engine(test)
+
+
+async def _live_server(engine: FakeEngine, test, options: ServeOptions | None = None):
+    """The real uvicorn server on a free port, the engine running next to it."""
+    ready = anyio.Event()
+    where = {}
+
+    def on_ready(host: str, port: int) -> None:
+        where["url"] = f"http://{host}:{port}"
+        ready.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        tg.start_soon(lambda: serve(engine, "127.0.0.1", 0, options, on_ready=on_ready))
+        with anyio.fail_after(30):
+            await ready.wait()
+        async with httpx.AsyncClient(base_url=where["url"], timeout=30) as client:
+            await test(client)
+        engine.drain()
+
+
+async def test_disconnect_cancels_on_a_real_server():
+    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=200.0)  # 50 tokens: 0.25 s
+
+    async def test(client: httpx.AsyncClient):
+        with anyio.move_on_after(0.1):  # give up mid-request: the connection closes
+            await client.post("/v1/prefill", json={"tokens": [1] * 50, "id": "gone"})
+        await wait_for(lambda: "gone" in engine.requests and engine.requests["gone"].result)
+        assert engine.requests["gone"].result.status == "cancelled"
+        kept = await client.post("/v1/prefill", json={"tokens": [2] * 20, "id": "kept"})
+        assert kept.json()["status"] == "done"
+        samples = parse_exposition((await client.get("/metrics")).text)
+        assert sample(samples, "wavepp_disconnect_cancels_total") == 1
+        assert sample(samples, "wavepp_results_total", status="cancelled") == 1
+        assert sample(samples, "wavepp_results_total", status="done") == 1
+
+    with anyio.fail_after(60):
+        await _live_server(engine, test)
+
+
+async def test_drain_answers_the_requests_in_flight_then_stops():
+    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=400.0)
+    answers = []
+
+    async def test(client: httpx.AsyncClient):
+        async def one(i: int):
+            reply = await client.post("/v1/prefill", json={"tokens": [i + 1] * 40})
+            answers.append(reply.json()["status"])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+            await wait_for(lambda: len(engine.requests) == 4)
+            engine.drain()
+            refused = await client.post("/v1/prefill", json={"tokens": [9]})
+            assert refused.status_code == 503
+            assert "draining" in refused.json()["error"]["message"]
+            health = await client.get("/health")
+            assert health.status_code == 503
+            assert health.json()["status"] == "draining"
+
+    with anyio.fail_after(60):
+        await _live_server(engine, test)
+    assert answers == ["done"] * 4
+    assert engine.counts["done"] == 4
+    assert not engine.queue
+    assert not engine.running
+
+
+def test_token_arrays_are_int32():
+    from wavepp.serve.api import parse_prefill
+
+    sub = parse_prefill(b'{"tokens": [1, 2, 3], "priority": -3}', VOCAB, None)
+    assert sub.tokens.dtype == np.int32
+    assert sub.tokens.tolist() == [1, 2, 3]
+    assert sub.priority == -3
+    assert sub.request_id is None

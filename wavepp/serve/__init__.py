@@ -1,0 +1,13 @@
+"""The HTTP prefill server on rank 0 (``torchrun ... -m wavepp.serve``).
+
+- :func:`build_app`: the Starlette application over an engine (``wavepp.engine``);
+- :func:`serve`: that app under uvicorn on rank 0's event loop, until the engine drains;
+- :mod:`wavepp.serve.api`: request bodies in, result bodies out (pure);
+- :mod:`wavepp.serve.prom`: the Prometheus text format;
+- :mod:`wavepp.serve.testing`: a stand-in engine without torch, for tests.
+"""
+
+from wavepp.serve.app import ServeOptions, build_app
+from wavepp.serve.server import serve
+
+__all__ = ["ServeOptions", "build_app", "serve"]

@@ -1,0 +1,239 @@
+"""The HTTP bodies: decoding untrusted JSON into a submission, and results into JSON.
+
+Pure functions, no I/O, no torch. A body is decoded by ``msgspec`` into typed records
+(so ``true`` is not a token id and a string is not a priority) and then checked against
+the server's limits; every refusal is an :class:`ApiError` with the HTTP status and a
+message that says what and why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import attrs
+import msgspec
+import numpy as np
+
+MAX_ID_CHARS = 128
+PRIORITY_RANGE = (-1000, 1000)
+
+RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]
+
+
+class ApiError(Exception):
+    """A request the server refuses: ``status`` is the HTTP status, the message says why."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
+
+
+class PrefillBody(msgspec.Struct):
+    """``POST /v1/prefill``: exactly one of ``tokens`` and ``text``."""
+
+    tokens: list[int] | None = None
+    text: str | None = None
+    id: RequestIdText | None = None
+    priority: Priority = 0
+
+
+class CompletionBody(msgspec.Struct):
+    """``POST /v1/completions`` (OpenAI shape); unknown fields are ignored."""
+
+    prompt: str | list  # text, token ids, or a batch of one of either
+    model: str | None = None
+    max_tokens: int | None = None
+    stream: bool = False
+    echo: bool = False
+    n: int = 1
+    priority: Priority = 0
+    request_id: RequestIdText | None = None
+    user: str | None = None
+
+
+@attrs.frozen
+class Submission:
+    """What the server submits to the engine for one HTTP request."""
+
+    tokens: np.ndarray  # int32 token ids, 1..max tokens, all in 0..vocab-1
+    request_id: str | None  # the client's id, or None to let the engine name it
+    priority: int  # class: higher is admitted first, FCFS inside a class
+
+
+Tokenize = Callable[[str], list[int]]
+
+
+def _decode(raw: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as error:
+        raise ApiError(400, f"invalid request body: {error}") from None
+    except msgspec.DecodeError as error:
+        raise ApiError(400, f"request body is not valid JSON: {error}") from None
+
+
+def _check_id(request_id: str | None) -> str | None:
+    if request_id is not None and not request_id.isprintable():
+        raise ApiError(400, "request id must be printable text (no control characters)")
+    return request_id
+
+
+def _token_array(tokens: list[int], vocab_size: int | None) -> np.ndarray:
+    """int32 ids, each in 0..vocab_size-1 (vocab_size None: the sim executor, any int32)."""
+    vocab_size = vocab_size if vocab_size is not None else 2**31
+    if not tokens:
+        raise ApiError(400, "empty prompt: send at least one token")
+    try:
+        ids = np.asarray(tokens, dtype=np.int64)
+    except OverflowError:
+        raise ApiError(400, f"token ids outside the vocabulary 0..{vocab_size - 1}") from None
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        first = int(ids[np.argmax(bad)])
+        raise ApiError(
+            400,
+            f"{int(bad.sum()):,} token ids outside the vocabulary 0..{vocab_size - 1}, "
+            f"e.g. {first}",
+        )
+    return ids.astype(np.int32)
+
+
+def _text_tokens(text: str, tokenize: Tokenize | None) -> list[int]:
+    if tokenize is None:
+        raise ApiError(
+            400,
+            "this server has no tokenizer (no tokenizer.json in the checkpoint directory); "
+            "send token ids",
+        )
+    if not text:
+        raise ApiError(400, "empty prompt: the text is empty")
+    return tokenize(text)
+
+
+def parse_prefill(raw: bytes, vocab_size: int | None, tokenize: Tokenize | None) -> Submission:
+    body: PrefillBody = _decode(raw, PrefillBody)
+    if (body.tokens is None) == (body.text is None):
+        raise ApiError(400, 'send exactly one of "tokens" (a list of token ids) and "text"')
+    tokens = body.tokens if body.tokens is not None else _text_tokens(body.text, tokenize)
+    return Submission(_token_array(tokens, vocab_size), _check_id(body.id), body.priority)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def _prompt_tokens(prompt: str | list, tokenize: Tokenize | None) -> list[int]:
+    if isinstance(prompt, str):
+        return _text_tokens(prompt, tokenize)
+    if _is_ids(prompt):
+        return prompt
+    if len(prompt) != 1:
+        raise ApiError(400, f"batched prompts ({len(prompt)}) are not supported: send one")
+    (single,) = prompt
+    if isinstance(single, str):
+        return _text_tokens(single, tokenize)
+    if _is_ids(single):
+        return single
+    raise ApiError(400, "prompt must be text, a list of token ids, or a list of one of those")
+
+
+def parse_completion(
+    raw: bytes, vocab_size: int | None, tokenize: Tokenize | None
+) -> tuple[Submission, CompletionBody]:
+    body: CompletionBody = _decode(raw, CompletionBody)
+    if body.max_tokens is not None and body.max_tokens > 1:
+        raise ApiError(
+            400,
+            f"max_tokens {body.max_tokens} is not supported: this is a prefill server, it "
+            "returns the first token only (max_tokens 1)",
+        )
+    if body.stream:
+        raise ApiError(400, "stream is not supported: a prefill returns one token")
+    if body.n != 1:
+        raise ApiError(400, f"n {body.n} is not supported: one completion per request")
+    tokens = _prompt_tokens(body.prompt, tokenize)
+    submission = Submission(
+        _token_array(tokens, vocab_size), _check_id(body.request_id), body.priority
+    )
+    return submission, body
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _since(end: float | None, start: float | None) -> float | None:
+    return None if end is None or start is None else max(end - start, 0.0)
+
+
+def timings(result: Any) -> dict:
+    """Seconds from submission to each step (None where the request never got there)."""
+    return {
+        "submitted_at": result.submitted_at,
+        "admitted_at": result.admitted_at,
+        "first_chunk_at": result.first_chunk_at,
+        "done_at": result.done_at,
+        "queued_s": _since(result.admitted_at, result.submitted_at),
+        "first_chunk_s": _since(result.first_chunk_at, result.submitted_at),
+        "total_s": _since(result.done_at, result.submitted_at),
+    }
+
+
+def result_body(result: Any) -> dict:
+    """``POST /v1/prefill``'s answer: the engine's result and its timings."""
+    return {
+        "id": result.request_id,
+        "status": result.status,
+        "first_token": result.first_token,
+        "top_logit": _finite(result.top_logit),
+        "num_tokens": result.num_tokens,
+        "cached_tokens": result.cached_tokens,
+        "error": result.error,
+        "timings": timings(result),
+    }
+
+
+def completion_body(
+    result: Any, body: CompletionBody, detokenize: Callable[[int], str] | None
+) -> dict:
+    """``POST /v1/completions``'s answer, in the OpenAI shape plus a ``wavepp`` record."""
+    token = result.first_token
+    text = detokenize(token) if detokenize is not None and token is not None else ""
+    done = result.status == "done"
+    return {
+        "id": f"cmpl-{result.request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or "wavepp",
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "token": token,
+                "logprobs": None,
+                "finish_reason": "length" if done else result.status,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": result.num_tokens,
+            "completion_tokens": 1 if done else 0,
+            "total_tokens": result.num_tokens + (1 if done else 0),
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        },
+        "wavepp": result_body(result),
+    }
+
+
+STATUS_CODE = {"done": 200, "cancelled": 200, "rejected": 400, "failed": 500}
+"""HTTP status for a result's status (a cancelled request answers 200 with its status)."""

@@ -1,0 +1,254 @@
+"""The Starlette application over rank 0's engine.
+
+Routes (all answers JSON except ``/metrics``; every refusal is a 4xx with
+``{"error": {"message", "type", "code"}}`` and the server keeps serving):
+
+- ``POST /v1/prefill``: ``{"tokens": [...]} | {"text": "..."}``, optional ``id`` and
+  ``priority``; answers the result with its timings;
+- ``POST /v1/completions``: the OpenAI shape with ``max_tokens`` ≤ 1;
+- ``DELETE /v1/requests/{id}``: cancel a queued or running request;
+- ``GET /health``, ``GET /metrics``, ``GET /v1/models``.
+
+A client that disconnects while its request waits cancels it: the handler waits on the
+ASGI ``receive`` channel (which yields ``http.disconnect`` when the connection closes)
+next to the result, so nothing polls. Bodies are read up to ``max_body_bytes`` —
+``Content-Length`` first, then the streamed size — before anything is decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import attrs
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from wavepp.serve.api import (
+    STATUS_CODE,
+    ApiError,
+    Submission,
+    Tokenize,
+    completion_body,
+    parse_completion,
+    parse_prefill,
+    result_body,
+)
+from wavepp.serve.prom import ServerMetrics
+
+logger = logging.getLogger("wavepp.serve")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@attrs.frozen
+class ServeOptions:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # largest request body read, in bytes
+    model_name: str = "wavepp"  # what /v1/models and completions call the model
+    tokenize: Tokenize | None = None  # text -> token ids, when a tokenizer is loaded
+    detokenize: Callable[[int], str] | None = None  # one token id -> its text
+
+
+def _error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to be over ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise ApiError(400, f"Content-Length {declared[:40]!r} is not a byte count")
+        if int(declared) > limit:
+            raise ApiError(
+                413,
+                f"request body of {int(declared):,} bytes is over the limit of "
+                f"{limit:,} bytes (--max-body-bytes)",
+            )
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(
+                413, f"request body is over the limit of {limit:,} bytes (--max-body-bytes)"
+            )
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _rejection(error: ValueError) -> ApiError:
+    """The engine refused a submission: 503 while draining, 409 for a repeated id."""
+    message = str(error)
+    if "draining" in message:
+        return ApiError(
+            503, f"the server is draining and takes no new requests ({message})", "unavailable"
+        )
+    if "duplicate" in message or "already" in message:
+        return ApiError(409, message)
+    return ApiError(400, message)
+
+
+class Frontend:
+    """The routes' state: the engine, the options and the server's own counters."""
+
+    def __init__(self, engine: Any, options: ServeOptions, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.options = options
+        self.metrics = metrics or ServerMetrics()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _submit(self, submission: Submission) -> Any:
+        try:
+            return await self.engine.submit(
+                submission.tokens, request_id=submission.request_id, priority=submission.priority
+            )
+        except ValueError as error:  # RequestRejected is a ValueError
+            raise _rejection(error) from None
+
+    async def _outcome(self, request: Request, handle: Any) -> Any:
+        """The handle's result; cancels the request if the client goes away first."""
+        result = None
+
+        async def watch_disconnect() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    if self.engine.cancel(handle.request_id):
+                        self.metrics.disconnect_cancels += 1
+                    return
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_disconnect)
+                result = await handle.result()
+                tg.cancel_scope.cancel()
+        finally:
+            if result is None:  # the handler itself was cancelled (server shutting down)
+                self.engine.cancel(handle.request_id)
+        return result
+
+    def _answer(self, route: str, body: dict, status: int) -> JSONResponse:
+        self.metrics.http_answer(route, status)
+        return JSONResponse(body, status_code=status)
+
+    async def _guarded(self, route: str, request: Request, work) -> Response:
+        try:
+            body, status = await work(request)
+        except ApiError as error:
+            self.metrics.http_answer(route, error.status)
+            return _error(error)
+        return self._answer(route, body, status)
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def prefill(self, request: Request) -> Response:
+        async def work(request: Request) -> tuple[dict, int]:
+            raw = await read_body(request, self.options.max_body_bytes)
+            submission = parse_prefill(raw, self.engine.vocab_size, self.options.tokenize)
+            result = await self._outcome(request, await self._submit(submission))
+            return result_body(result), STATUS_CODE.get(result.status, 500)
+
+        return await self._guarded("/v1/prefill", request, work)
+
+    async def completions(self, request: Request) -> Response:
+        async def work(request: Request) -> tuple[dict, int]:
+            raw = await read_body(request, self.options.max_body_bytes)
+            submission, body = parse_completion(raw, self.engine.vocab_size, self.options.tokenize)
+            result = await self._outcome(request, await self._submit(submission))
+            answer = completion_body(result, body, self.options.detokenize)
+            if result.status in ("rejected", "failed"):
+                kind = "invalid_request_error" if result.status == "rejected" else "server_error"
+                answer["error"] = {"message": result.error, "type": kind}
+            return answer, STATUS_CODE.get(result.status, 500)
+
+        return await self._guarded("/v1/completions", request, work)
+
+    async def cancel(self, request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+
+        async def work(request: Request) -> tuple[dict, int]:
+            if not self.engine.cancel(request_id):
+                raise ApiError(
+                    404,
+                    f"no queued or running request {request_id[:128]!r} (unknown, or already over)",
+                    "not_found",
+                )
+            return {"id": request_id, "cancelled": True}, 200
+
+        return await self._guarded("/v1/requests", request, work)
+
+    async def health(self, request: Request) -> Response:
+        ok, why = self.engine.health()
+        draining = _is_draining(self.engine)
+        if ok and not draining:
+            return self._answer("/health", {"status": "ok"}, 200)
+        status = "draining" if ok else "unhealthy"
+        return self._answer("/health", {"status": status, "error": why or status}, 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        ok, _ = self.engine.health()
+        text = self.metrics.render(self.engine.stats(), ok)
+        self.metrics.http_answer("/metrics", 200)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        info = {
+            "vocab_size": self.engine.vocab_size,
+            "tokenizer": self.options.tokenize is not None,
+        }
+        for key in ("block_size", "num_stages", "capacity_blocks"):
+            value = getattr(self.engine, key, None)
+            if isinstance(value, int):
+                info[key] = value
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.options.model_name,
+                    "object": "model",
+                    "owned_by": "wavepp",
+                    "wavepp": info,
+                }
+            ],
+        }
+        return self._answer("/v1/models", body, 200)
+
+
+def _is_draining(engine: Any) -> bool:
+    draining = getattr(engine, "draining", False)
+    return bool(draining() if callable(draining) else draining)
+
+
+def build_app(
+    engine: Any, options: ServeOptions | None = None, metrics: ServerMetrics | None = None
+) -> Starlette:
+    front = Frontend(engine, options or ServeOptions(), metrics)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = "no such route" if status == 404 else "method not allowed on this route"
+        return _error(ApiError(status, f"{message}: {request.method} {request.url.path}"))
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        front.metrics.http_answer(request.url.path, 500)
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+
+    routes = [
+        Route("/v1/prefill", front.prefill, methods=["POST"]),
+        Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/requests/{request_id:str}", front.cancel, methods=["DELETE"]),
+        Route("/health", front.health, methods=["GET"]),
+        Route("/metrics", front.prometheus, methods=["GET"]),
+        Route("/v1/models", front.models, methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, exception_handlers={404: not_found, 405: not_found, Exception: crashed}
+    )
+    app.state.front = front
+    return app

@@ -1,0 +1,247 @@
+"""A stand-in engine with rank 0's engine interface, for the server's tests (no torch).
+
+It keeps the contract of ``wavepp.engine.Engine``: ``submit`` checks the prompt and
+raises a ``ValueError`` subclass with the reason, requests wait in a
+:class:`~wavepp.queueing.WaitingQueue`, admission offers the queue's head and admits
+the longest prefix that fits a token capacity, an admitted batch "runs" for a time
+proportional to its uncached tokens, and every request ends with one result. The first
+token is a pure function of the prompt, so tests can predict it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import AsyncIterator
+
+import anyio
+import attrs
+import numpy as np
+
+from wavepp.queueing import WaitingQueue
+
+
+class FakeRejected(ValueError):
+    """The stand-in's ``RequestRejected``."""
+
+
+@attrs.frozen
+class FakeResult:
+    request_id: str
+    status: str
+    first_token: int | None
+    top_logit: float | None
+    num_tokens: int
+    cached_tokens: int
+    error: str | None
+    submitted_at: float
+    admitted_at: float | None
+    first_chunk_at: float | None
+    done_at: float
+
+
+def expected_first_token(tokens, vocab_size: int) -> int:
+    """The stand-in's answer for a prompt."""
+    return zlib.crc32(np.asarray(tokens, dtype=np.int32).tobytes()) % vocab_size
+
+
+@attrs.define
+class _Request:
+    request_id: str
+    tokens: np.ndarray
+    priority: int
+    submitted_at: float
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    result: FakeResult | None = None
+    admitted_at: float | None = None
+    cancelled: bool = False
+
+
+class FakeHandle:
+    def __init__(self, request: _Request) -> None:
+        self._request = request
+        self.request_id = request.request_id
+
+    async def result(self) -> FakeResult:
+        await self._request.done.wait()
+        assert self._request.result is not None
+        return self._request.result
+
+
+class FakeEngine:
+    """Call :meth:`run` in a task next to the server; it returns once drained."""
+
+    def __init__(
+        self,
+        vocab_size: int = 1000,
+        capacity_tokens: int = 4096,
+        tokens_per_s: float = 50_000,
+        block_size: int = 16,
+        batch: int = 8,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.capacity_tokens = capacity_tokens
+        self.tokens_per_s = tokens_per_s
+        self.batch = batch
+        self.queue = WaitingQueue()
+        self.requests: dict[str, _Request] = {}
+        self.running: list[_Request] = []
+        self.cached: set[bytes] = set()
+        self.draining = False
+        self.healthy = (True, "")
+        self.counts = dict.fromkeys(
+            ("queued", "admitted", "running", "done", "cancelled", "rejected", "failed"), 0
+        )
+        self.tokens_in = 0
+        self.tokens_cached = 0
+        self.round_seconds: list[float] = []
+        self.busy_s = 0.0
+        self.started_at = time.time()
+        self._wake = anyio.Event()
+        self._subscribers: list = []
+        self._next_id = 0
+
+    # -- the engine interface ------------------------------------------------------------
+
+    async def submit(self, tokens, *, request_id=None, priority=0, warmup=False) -> FakeHandle:
+        if self.draining:
+            raise FakeRejected("draining")
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size == 0:
+            raise FakeRejected("empty prompt")
+        if ((ids < 0) | (ids >= self.vocab_size)).any():
+            raise FakeRejected(f"token ids outside the vocabulary 0..{self.vocab_size - 1}")
+        if ids.size > self.capacity_tokens:
+            raise FakeRejected(
+                f"prompt of {ids.size:,} tokens can never fit: the smallest "
+                f"stage pool holds {self.capacity_tokens:,}"
+            )
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if request_id in self.requests:
+            raise FakeRejected(f"duplicate request id {request_id!r}")
+        request = _Request(request_id, ids.astype(np.int32), priority, time.time())
+        self.requests[request_id] = request
+        self.queue.push(request_id, priority)
+        self.counts["queued"] += 1
+        self._wake.set()
+        return FakeHandle(request)
+
+    def cancel(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        if request is None or request.result is not None or request.cancelled:
+            return False
+        request.cancelled = True
+        if self.queue.remove(request_id):
+            self.counts["queued"] -= 1
+            self._finish(request, "cancelled")
+        return True
+
+    async def results(self) -> AsyncIterator[FakeResult]:
+        send, receive = anyio.create_memory_object_stream[FakeResult](math.inf)
+        self._subscribers.append(send)
+        try:
+            async with receive:
+                async for result in receive:
+                    yield result
+        finally:
+            self._subscribers.remove(send)
+
+    def stats(self) -> dict:
+        wall = max(time.time() - self.started_at, 1e-9)
+        return {
+            "requests": dict(self.counts),
+            "queue_depth": len(self.queue),
+            "tokens_in": self.tokens_in,
+            "tokens_cached": self.tokens_cached,
+            "stage_utilization": [min(1.0, self.busy_s / wall)] * 2,
+            "pool": [{"capacity": self.capacity_tokens, "used": self._used()}] * 2,
+            "admission_round_seconds": list(self.round_seconds[-1000:]),
+            "draining": self.draining,
+        }
+
+    def health(self) -> tuple[bool, str]:
+        return self.healthy
+
+    def drain(self) -> None:
+        self.draining = True
+        self._wake.set()
+
+    # -- the stand-in runtime ------------------------------------------------------------
+
+    def _used(self) -> int:
+        return sum(r.tokens.size for r in self.running)
+
+    def _cached_tokens(self, tokens: np.ndarray) -> int:
+        n = 0
+        for end in range(self.block_size, tokens.size, self.block_size):
+            if tokens[:end].tobytes() not in self.cached:
+                break
+            n = end
+        return n
+
+    def _finish(self, request: _Request, status: str) -> None:
+        now = time.time()
+        cached = self._cached_tokens(request.tokens) if status == "done" else 0
+        done = status == "done"
+        request.result = FakeResult(
+            request.request_id,
+            status,
+            expected_first_token(request.tokens, self.vocab_size) if done else None,
+            1.5 if done else None,
+            int(request.tokens.size),
+            cached,
+            None,
+            request.submitted_at,
+            request.admitted_at,
+            request.admitted_at if done else None,
+            now,
+        )
+        self.counts[status] += 1
+        if done:
+            self.tokens_in += int(request.tokens.size)
+            self.tokens_cached += cached
+            for end in range(self.block_size, request.tokens.size + 1, self.block_size):
+                self.cached.add(request.tokens[:end].tobytes())
+        request.done.set()
+        for send in list(self._subscribers):
+            send.send_nowait(request.result)
+
+    def _admit(self) -> None:
+        t0 = time.perf_counter()
+        room = self.capacity_tokens - self._used()
+        admitted = []
+        for request_id in self.queue.head(self.batch):
+            request = self.requests[request_id]
+            if request.tokens.size > room:
+                break  # FCFS cut: nobody overtakes a refused request
+            room -= request.tokens.size
+            admitted.append(request)
+        self.queue.pop_admitted([r.request_id for r in admitted])
+        for request in admitted:
+            request.admitted_at = time.time()
+            self.counts["queued"] -= 1
+            self.counts["running"] += 1
+            self.running.append(request)
+        self.round_seconds.append(time.perf_counter() - t0)
+
+    async def run(self) -> None:
+        """Admit and run until drained (every request submitted has its result)."""
+        while not (self.draining and not self.queue and not self.running):
+            if not self.queue and not self.running:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+                continue
+            self._admit()
+            batch = list(self.running)
+            work = sum(r.tokens.size - self._cached_tokens(r.tokens) for r in batch)
+            seconds = max(work / self.tokens_per_s, 0.001)
+            await anyio.sleep(seconds)
+            self.busy_s += seconds
+            for request in batch:
+                self.running.remove(request)
+                self.counts["running"] -= 1
+                self._finish(request, "cancelled" if request.cancelled else "done")
