@@ -10,11 +10,10 @@ from typing import Any
 
 import attrs
 
+from wavepp.rungs import RUNGS as LADDER
 from wavepp.workload import WORKLOADS
 
-RUNGS = ("R1", "R2", "R3", "R4", "R5", "oracle")
-RUNG_PLANNER = {"R1": "static", "R2": "static", "R3": "static", "R4": "mpu", "R5": "cost",
-                "oracle": "mpu"}  # fmt: skip
+RUNGS = tuple(LADDER)
 
 
 # Defaults that depend on the executor: paper-scale shapes for the simulation, sizes a

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -21,7 +22,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from wavepp.config import RUNG_PLANNER, RunConfig, load, resolve
+from wavepp.config import RunConfig, load, resolve
+from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
 from wavepp.exec.planes import PlaneError, build_planes
@@ -31,10 +33,14 @@ from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.exec.watchdog import Watchdog
 from wavepp.metrics import summarize, table
-from wavepp.plan import PLANNERS, CostFit, CostModel
+from wavepp.plan import PLANNERS, CostFit, CostModel, PlanContext
 from wavepp.rounds.admission import Policy, StageBook
 from wavepp.rounds.messages import StageReport, decode_untrusted, encode
-from wavepp.runtime import Coordinator, RankConfig, eager, follow_rounds, follow_waves
+from wavepp.rungs import RUNGS, Admission
+from wavepp.runtime.coordinator import Coordinator
+from wavepp.runtime.feed import Feed
+from wavepp.runtime.followers import follow_rounds, follow_waves
+from wavepp.runtime.planning import WavePlanner
 from wavepp.state import audit, empty_cache, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
 from wavepp.workload import cold, mixed, read_requests_file, seeded, short_suffix, trace
@@ -92,7 +98,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
 
 
 def pick_planner(c: RunConfig):
-    name = c.planner or RUNG_PLANNER[c.rung]
+    name = c.planner or RUNGS[c.rung].planner
     if name == "cost":
         return None  # the coordinator plans with its online cost fit
     if name in PLANNERS:
@@ -118,26 +124,64 @@ def _vocab(c: RunConfig) -> int:
 
 
 def auto_capacity(c: RunConfig, specs) -> int:
-    longest = max(s.num_tokens for s in specs)
+    """Enough blocks for 1.5 x concurrency of the longest prompt (--prompt-tokens when
+    the requests come from a client)."""
+    longest = max((s.num_tokens for s in specs), default=c.prompt_tokens)
     return max(num_blocks_for(longest, c.block_size),
                int(1.5 * c.concurrency * num_blocks_for(longest, c.block_size)))  # fmt: skip
 
 
+class Interrupted(Exception):
+    """The user stopped the run (SIGINT / SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def _watch_signals(watchdog: Watchdog | None, on_signal, scope: anyio.CancelScope) -> None:
+    """SIGINT / SIGTERM: a peer's failure (torchrun stops the rest) or the user's."""
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            if watchdog is not None:  # torchrun stops everyone when one rank dies
+                for _ in range(6):
+                    peers = watchdog.peer_report()
+                    if peers:
+                        raise PlaneError(f"stopped by the launcher; {peers}")
+                    await anyio.sleep(0.5)
+            if on_signal(signum):
+                scope.cancel()
+                return
+
+
 async def rank_main(
-    c: RunConfig, rank: int, world: int, watchdog: Watchdog | None
-) -> tuple[dict | None, int]:
+    c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
+    client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
+) -> tuple[dict | None, int]:  # fmt: skip
     plane, inbound, outbound, done = build_planes(c.timeout_s)
     if watchdog is not None:
         for part in (plane, inbound, outbound, done):
             if part is not None:
                 part.on_wait = watchdog.set_status
-    vocab = VOCAB if c.executor == "sim" else _vocab(c)
-    specs, rejected, cancels = build_workload(c, vocab) if rank == 0 else (None, [], [])
-    if rank == 0 and not specs:
-        log("no requests to run")
-    # Every rank needs the capacity; rank 0 derives it from the workload.
-    capacity = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 and specs else 0)
-    capacity = -(await plane.all_min([-capacity]))[0] if not c.capacity_blocks else capacity
+    rung = RUNGS[c.rung]
+    vocab = None if c.executor == "sim" else _vocab(c)
+    specs, rejected, cancels = [], [], []
+    if rank == 0 and client is None:
+        specs, rejected, cancels = build_workload(c, vocab or VOCAB)
+    # Every rank needs the pool size; rank 0 derives it from the workload. A requests
+    # file with no runnable line ends the run on every rank (runnable = 0).
+    runnable = 0 if rank == 0 and client is None and not specs else 1
+    proposed = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 else 0)
+    widest, runnable = await plane.all_min([-proposed, runnable])
+    if not runnable:
+        if rank == 0:
+            lines = "; ".join(f"line {r['line']}: {r['error'].split(': ', 1)[-1]}"
+                              for r in rejected[:5])  # fmt: skip
+            more = f" (and {len(rejected) - 5} more)" if len(rejected) > 5 else ""
+            log(f"{c.requests_file}: no runnable request ({len(rejected)} lines rejected"
+                f"{': ' + lines + more if rejected else ', the file is empty'})")  # fmt: skip
+        return None, 2
+    capacity = c.capacity_blocks or -widest
     min_capacity = (await plane.all_min([capacity]))[0]
     executor, recurrent = build_executor(c, rank, world, capacity)
     book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
@@ -146,40 +190,58 @@ async def rank_main(
         stage.spans = []
     policy = Policy(
         block_size=c.block_size,
-        linear_probe=c.rung == "R1",
-        eager=eager(c.rung),
+        linear_probe=rung.linear_probe,
+        eager=rung.eager,
         probe_fn=resolve(c.probe) if c.probe else None,
     )
-    if c.rung == "oracle" and min_capacity != capacity:
+    if rung.admission is Admission.FREE and min_capacity != capacity:
         raise SystemExit("wavepp: the oracle rung needs equal --capacity-blocks on every stage")
 
-    coordinator = None
-    if rank == 0:
-        ring = c.ring or 2 * world
-        cfg = RankConfig(c.rung, c.block_size, c.budget, c.min_budget, ring, c.concurrency,
-                         c.max_batch, c.heartbeat_s, c.progress)  # fmt: skip
-        planner = pick_planner(c)
-        fit = None
-        if planner is None:
-            fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
-        coordinator = Coordinator(cfg, plane, stage, outbound, done, specs, planner,
-                                  policy, min_capacity, log, cost_fit=fit)  # fmt: skip
-        stage.tokens_of = lambda rid: coordinator.records[rid].spec.tokens
-        coordinator.scheduled_cancels = [(rid, after * c.time_scale) for rid, after in cancels]
-        await coordinator.run()
-    else:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(follow_rounds, plane, stage, policy)
-            tg.start_soon(follow_waves, stage, inbound, outbound, done)
+    coordinator = feed = engine = None
+    interrupted: list[int] = []
 
-    # Leak check on every stage, gathered on rank 0.
+    def on_signal(signum: int) -> bool:
+        if sigterm_drains and signum == signal.SIGTERM:
+            if engine is not None:
+                log("SIGTERM: draining (no new requests; the running ones finish)")
+                engine.drain()
+            return False
+        interrupted.append(signum)
+        return True
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_signals, watchdog, on_signal, scope)
+            if rank == 0:
+                coordinator = Coordinator(
+                    rung, plane, stage, outbound, done, _wave_planner(c, world, executor),
+                    policy, min_capacity=min_capacity, vocab_size=vocab,
+                    ring=c.ring or 2 * world, max_batch=c.max_batch,
+                    heartbeat_s=c.heartbeat_s, log=log,
+                )  # fmt: skip
+                engine = Engine(coordinator, vocab, watchdog)
+                if client is None:
+                    feed = Feed(engine, specs, concurrency=c.concurrency, progress=c.progress,
+                                cancels=[(rid, after * c.time_scale) for rid, after in cancels],
+                                log=log)  # fmt: skip
+                    await coordinator.run(feed)
+                else:
+                    await coordinator.run(lambda: client(engine))
+            else:
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(follow_rounds, plane, stage, policy)
+                    inner.start_soon(follow_waves, stage, inbound, outbound, done)
+            tg.cancel_scope.cancel()  # the run is over: stop watching signals
+
+    # Leak check on every stage, gathered on rank 0 (locally only when interrupted:
+    # the planes may hold abandoned transfers).
     error = ""
     try:
         audit(book.cache)
     except Exception as failure:  # reported, and fails the run below
         error = str(failure)
     use = usage(book.cache)
-    if not use.balanced and not error:
+    if not use.balanced and not error and not interrupted:
         held = ", ".join(f"{rid} {claim}" for rid, claim in list(book.cache.claims.items())[:5])
         error = f"stage {rank} still holds claims at the end: {held}"
         log(error)
@@ -191,24 +253,49 @@ async def rank_main(
         capacity=use.capacity, balanced=use.balanced and not error, error=error,
         spans=stage.spans or [],
     )  # fmt: skip
-    gathered = await plane.gather(encode(report))
-    if rank != 0:
-        return None, 0 if report.balanced else 1
-    reports = [decode_untrusted(raw, StageReport) for raw in gathered]
+    if interrupted:
+        status = 128 + interrupted[0]
+        log(f"interrupted by {signal.Signals(interrupted[0]).name}; stage {rank} holds "
+            f"{use.num_leases} leases, {use.num_escrowed} escrowed and {use.num_pending} "
+            f"pending blocks")  # fmt: skip
+        if rank != 0:
+            return None, status
+        reports = [report]
+    else:
+        gathered = await plane.gather(encode(report))
+        if rank != 0:
+            return None, 0 if report.balanced else 1
+        reports = [decode_untrusted(raw, StageReport) for raw in gathered]
+        status = 0 if all(r.balanced for r in reports) else 1
+    records = list(coordinator.records.values())
+    measure_start = feed.measure_start if feed else engine.started_at
+    measure_end = (feed.measure_end if feed else None) or time.time()
     record = summarize(
-        list(coordinator.records.values()), reports,
-        measure_start=coordinator.measure_start or 0.0,
-        measure_end=coordinator.measure_end or 0.0,
-        round_seconds=coordinator.round_seconds, time_scale=c.time_scale,
+        records, reports, measure_start=measure_start or measure_end, measure_end=measure_end,
+        round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
                                               "capacity_blocks": capacity},
     )  # fmt: skip
     record["rejected"] = rejected
+    if interrupted:
+        ended = sum(1 for r in records if r.done_at is not None and not r.spec.warmup)
+        total = len(feed.specs) - sum(1 for s in feed.specs if s.warmup) if feed else len(records)
+        record["interrupted"] = signal.Signals(interrupted[0]).name
+        log(f"interrupted after {ended} of {total} requests")
     if c.trace_out:
-        write_trace(c.trace_out, chrome_trace(reports, coordinator.round_spans, executor.simulated))
+        write_trace(c.trace_out, chrome_trace(reports, coordinator.admitter.round_spans,
+                                              executor.simulated))  # fmt: skip
         log(f"wrote timeline {c.trace_out}")
-    status = 0 if all(r.balanced for r in reports) else 1
     return record, status
+
+
+def _wave_planner(c: RunConfig, world: int, executor) -> WavePlanner:
+    ctx = PlanContext(c.budget, c.ring or 2 * world, c.min_budget)
+    planner = pick_planner(c)
+    if planner is None:
+        fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
+        return WavePlanner(None, ctx, fit)
+    return WavePlanner(planner, ctx, None)
 
 
 def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
@@ -227,14 +314,21 @@ def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
             time.sleep(0.5)
         watchdog.finish(failure=reason[:2000])
     log(f"failed: {reason}" + (f" — {peers}" if peers else ""))
-    if not isinstance(error, SystemExit | PlaneError):
+    if not any(isinstance(e, SystemExit | PlaneError | KeyboardInterrupt) for e in leaves):
         traceback.print_exception(error)
     sys.stderr.flush()
     os._exit(1)
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = load(argv)
+def run_ranks(
+    config: RunConfig, client: Callable[[Engine], Awaitable[None]] | None = None,
+    sigterm_drains: bool = False,
+) -> int:  # fmt: skip
+    """Run this rank (under torchrun, or alone as a one-stage run); returns the exit status.
+
+    ``client`` None runs the configured workload; otherwise rank 0 calls
+    ``client(engine)`` (see :mod:`wavepp.engine`) and ranks > 0 serve their stage.
+    """
     torch.set_num_threads(1)
     if "RANK" not in os.environ:  # plain `python -m wavepp.main`: a one-stage run
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
@@ -243,27 +337,30 @@ def main(argv: list[str] | None = None) -> None:
     watchdog = None
     if world > 1:
         watchdog = Watchdog(rank, world, log, dead_after_s=config.dead_after_s).start()
-
-        def on_sigterm(signum, frame) -> None:  # torchrun stops the group: say why first
-            status = watchdog.status
-            fail_fast(RuntimeError(f"stopped by the launcher while {status}"), watchdog)
-
-        signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        record, status = anyio.run(rank_main, config, rank, world, watchdog)
+        record, status = anyio.run(rank_main, config, rank, world, watchdog, client,
+                                   sigterm_drains)  # fmt: skip
     except BaseException as error:  # a failed rank exits now, naming what it waited for
         fail_fast(error, watchdog)
     if watchdog is not None:
         watchdog.finish()
-    dist.destroy_process_group()
     if record is not None:
         print(table(record))
         if config.json:
             Path(config.json).write_text(json.dumps(record, indent=2) + "\n")
             log(f"wrote {config.json}")
-        if status:
+        if status == 1:
             log("leak check FAILED on some stage (see leak_check in the record)")
-    sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if status in (2, 130, 143) or (record is None and status):
+        os._exit(status)  # planes may hold abandoned transfers: do not wait on them
+    dist.destroy_process_group()
+    return status
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run_ranks(load(argv)))
 
 
 if __name__ == "__main__":

@@ -5,9 +5,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
-)
+TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 SMALL = ["--executor", "sim", "--prompt-tokens", "2048", "--suffix-tokens", "512",
          "--budget", "1024", "--min-budget", "128", "--block-size", "32"]  # fmt: skip

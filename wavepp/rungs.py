@@ -1,0 +1,46 @@
+"""The ablation ladder (DESIGN §8) as named switches of one runtime. Pure: no torch.
+
+A rung is not a mode string compared in many places: it is a small record that says
+how requests are admitted, how their room is reserved, which planner sizes the waves
+and which probe finds reuse. The runtime reads the switches, never the name.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class Admission(enum.Enum):
+    INLINE = "inline"  # rank 0's LOOP admits, one request per round, on the execution path
+    ROUNDS = "rounds"  # the WAVE task admits in batched rounds, off the execution path
+    FREE = "free"  # rank 0 decides alone for free; decisions ride with the waves (oracle)
+
+
+class Reservation(enum.Enum):
+    EAGER = "eager"  # pin + allocate + evict at admission (R1, R2)
+    DEFERRED = "deferred"  # lease + escrow at admission, slots just before first use
+
+
+@attrs.frozen
+class Rung:
+    name: str
+    admission: Admission
+    reservation: Reservation
+    planner: str  # a name in wavepp.plan.PLANNERS or "cost"
+    linear_probe: bool = False  # walk block by block instead of gallop + bisect
+
+    @property
+    def eager(self) -> bool:
+        return self.reservation is Reservation.EAGER
+
+
+RUNGS: dict[str, Rung] = {
+    "R1": Rung("R1", Admission.INLINE, Reservation.EAGER, "static", linear_probe=True),
+    "R2": Rung("R2", Admission.ROUNDS, Reservation.EAGER, "static"),
+    "R3": Rung("R3", Admission.ROUNDS, Reservation.DEFERRED, "static"),
+    "R4": Rung("R4", Admission.ROUNDS, Reservation.DEFERRED, "mpu"),
+    "R5": Rung("R5", Admission.ROUNDS, Reservation.DEFERRED, "cost"),
+    "oracle": Rung("oracle", Admission.FREE, Reservation.DEFERRED, "mpu"),
+}

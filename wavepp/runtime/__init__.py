@@ -1,0 +1,31 @@
+"""Rank 0's runtime in parts with one job each, and the other ranks' tasks (DESIGN §3).
+
+Every rank runs one anyio event loop. Blocking ``torch.distributed`` calls run in worker
+threads, so a pending data-plane receive never stalls an admission round and the other
+way round. The rung (``wavepp.rungs``) says how admission, reservation and planning go.
+"""
+
+from wavepp.runtime.admitter import Admitter
+from wavepp.runtime.coordinator import Coordinator
+from wavepp.runtime.feed import Feed
+from wavepp.runtime.followers import follow_rounds, follow_waves
+from wavepp.runtime.intake import Intake
+from wavepp.runtime.planning import WavePlanner
+from wavepp.runtime.records import ProtocolError, Record, RequestRejected, Result, Signal
+from wavepp.runtime.stage_zero import StageZero
+
+__all__ = [
+    "Admitter",
+    "Coordinator",
+    "Feed",
+    "Intake",
+    "ProtocolError",
+    "Record",
+    "RequestRejected",
+    "Result",
+    "Signal",
+    "StageZero",
+    "WavePlanner",
+    "follow_rounds",
+    "follow_waves",
+]

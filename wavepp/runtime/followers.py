@@ -1,0 +1,95 @@
+"""Ranks > 0: the WAVE task follows rank 0's rounds, the LOOP runs the waves it receives."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+
+from wavepp.exec.base import StageOutput
+from wavepp.exec.planes import Link, TorchRoundsPlane
+from wavepp.exec.stage import Admitted, Stage, offer_from_entry
+from wavepp.rounds.admission import Policy, run_round
+from wavepp.rounds.messages import (
+    MAX_MESSAGE_BYTES,
+    AdmitRound,
+    Finished,
+    RoundMessage,
+    Stop,
+    WaveDone,
+    WaveMsg,
+    decode_untrusted,
+    encode,
+)
+from wavepp.state import RequestId
+
+
+async def follow_rounds(plane: TorchRoundsPlane, stage: Stage, policy: Policy) -> None:
+    """WAVE on ranks > 0: take part in every round rank 0 opens, until Stop."""
+    while True:
+        message = decode_untrusted(await plane.broadcast(None), RoundMessage)
+        if isinstance(message, Stop):
+            return
+        if isinstance(message, AdmitRound):
+            offers = [offer_from_entry(e) for e in message.entries]
+            result = await run_round(plane, stage.book, offers, policy)
+            for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
+                if ok:
+                    stage.register(Admitted(offer, point))
+            stage.executor.forget(result.evicted)
+
+
+async def follow_waves(
+    stage: Stage, inbound: Link, outbound: Link | None, done: Link | None
+) -> None:
+    """LOOP on ranks > 0: receive, execute, send on — three tasks joined by streams."""
+    to_worker_send, to_worker = anyio.create_memory_object_stream(math.inf)
+    to_sender_send, to_sender = anyio.create_memory_object_stream(math.inf)
+
+    async def receiver() -> None:
+        async with to_worker_send:
+            while True:
+                raw, tensor = await inbound.recv(MAX_MESSAGE_BYTES)
+                wave = decode_untrusted(raw, WaveMsg)
+                await to_worker_send.send((wave, tensor))
+                if wave.stop:
+                    return
+
+    async def worker() -> None:
+        async with to_worker, to_sender_send:
+            async for wave, tensor in to_worker:
+                if wave.stop:
+                    if outbound is not None:
+                        await to_sender_send.send((encode(wave), None, outbound))
+                    else:
+                        await to_sender_send.send(
+                            (encode(WaveDone(wave.wave_id, [], stop=True)), None, done)
+                        )
+                    return
+                output, ended = await stage.execute(wave, tensor)
+                if outbound is not None:
+                    await to_sender_send.send((encode(wave), output.activations, outbound))
+                else:
+                    message = WaveDone(
+                        wave.wave_id, finished(output, ended), cancelled=wave.cancels
+                    )
+                    await to_sender_send.send((encode(message), None, done))
+
+    async def sender() -> None:
+        async with to_sender:
+            async for raw, tensor, link in to_sender:
+                await link.send(raw, tensor)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(receiver)
+        tg.start_soon(worker)
+        tg.start_soon(sender)
+
+
+def finished(output: StageOutput, ended: list[tuple[RequestId, int]]) -> list[Finished]:
+    """The last stage's results for the requests whose last chunk was in this wave."""
+    out = []
+    for rid, cached in ended:
+        token, logit = output.results.get(rid, (-1, 0.0))
+        out.append(Finished(rid, cached, token, logit))
+    return out

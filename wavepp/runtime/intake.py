@@ -1,0 +1,140 @@
+"""Request intake on rank 0: validation, the waiting queue, and how requests end.
+
+Every request — from a workload generator, a requests file, the Python API or the HTTP
+server — enters through :meth:`Intake.submit` and leaves through exactly one of
+:meth:`finish`, :meth:`settle_cancel` or :meth:`reject`, which wake whoever awaits it
+and stream its :class:`Result` to subscribers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import anyio
+import numpy as np
+
+from wavepp.queueing import WaitingQueue
+from wavepp.rounds.admission import Offer
+from wavepp.runtime.records import Record, RequestRejected, Result, Signal
+from wavepp.state import RequestId, block_hashes, num_blocks_for
+from wavepp.workload import RequestSpec
+
+
+class Intake:
+    def __init__(
+        self, block_size: int, min_capacity: int, vocab_size: int | None,
+        changed: Signal, log: Callable[[str], None],
+    ) -> None:  # fmt: skip
+        self.block_size = block_size
+        self.min_capacity = min_capacity
+        self.vocab_size = vocab_size  # None: ids are not checked (the sim executor)
+        self.changed = changed
+        self.log = log
+        self.records: dict[RequestId, Record] = {}
+        self.waiting = WaitingQueue()
+        self.num_unfinished = 0  # submitted and not yet ended
+        self.capacity_epoch = 0  # bumped whenever a request that held room ends
+        self.draining = False
+        self._subscribers: list[anyio.abc.ObjectSendStream] = []
+
+    # -- entry --------------------------------------------------------------------
+
+    def check(self, spec: RequestSpec) -> str | None:
+        """Why this request can never run, or None."""
+        n = spec.num_tokens
+        if n == 0:
+            return "empty prompt (need at least one token)"
+        if self.vocab_size is not None:
+            tokens = np.asarray(spec.tokens)
+            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
+            if bad.size:
+                return (f"{bad.size} token ids outside the vocabulary 0..{self.vocab_size - 1}, "
+                        f"e.g. {int(bad[0])}")  # fmt: skip
+        blocks = num_blocks_for(n, self.block_size)
+        if blocks > self.min_capacity:
+            return (f"prompt of {n:,} tokens needs {blocks:,} blocks; "
+                    f"the smallest stage pool holds {self.min_capacity:,}")  # fmt: skip
+        return None
+
+    def submit(self, spec: RequestSpec, priority: int = 0) -> Record:
+        """Queue a request for admission. Raises :class:`RequestRejected` for bad input;
+        a request that can never run is also recorded, as rejected."""
+        rid = RequestId(spec.request_id)
+        if self.draining:
+            raise RequestRejected("the server is draining: no new requests")
+        if rid in self.records:
+            raise RequestRejected(f"duplicate request id {rid!r}")
+        now = time.time()
+        hashes = block_hashes(spec.tokens, self.block_size) if spec.num_tokens else ()
+        limit = max(spec.num_tokens - 1, 0) // self.block_size
+        record = Record(spec, Offer(rid, spec.num_tokens, hashes, limit), priority, now)
+        self.records[rid] = record
+        problem = self.check(spec)
+        if problem is not None:
+            self.reject(rid, problem)
+            raise RequestRejected(f"request {rid!r}: {problem}")
+        self.num_unfinished += 1
+        self.waiting.push(rid, priority)
+        self.changed.notify()
+        return record
+
+    # -- exits ----------------------------------------------------------------------
+
+    def _end(self, record: Record, status: str, held_room: bool) -> None:
+        record.status = status
+        record.done_at = time.time()
+        record.finished.set()
+        if held_room:
+            self.capacity_epoch += 1
+        result = record.result()
+        for stream in list(self._subscribers):
+            try:
+                stream.send_nowait(result)
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._subscribers.remove(stream)
+        self.changed.notify()
+
+    def reject(self, rid: RequestId, error: str) -> None:
+        record = self.records[rid]
+        record.error = error
+        self.log(f"rejected {rid}: {error}")
+        self._end(record, "rejected", held_room=False)
+
+    def finish(self, rid: RequestId, cached: int, token: int, logit: float) -> None:
+        record = self.records[rid]
+        if record.done_at is not None:
+            return
+        if record.cancelled:  # its last chunk ran before the cancel reached it
+            record.cancelled, record.error = False, None
+        record.cached_tokens, record.first_token, record.top_logit = cached, token, logit
+        self.num_unfinished -= 1
+        self._end(record, "done", held_room=True)
+
+    def fail(self, rid: RequestId, error: str) -> None:
+        record = self.records[rid]
+        if record.done_at is None:
+            record.error = error
+            self.num_unfinished -= 1
+            self._end(record, "failed", held_room=True)
+
+    def settle_cancel(self, rid: RequestId) -> None:
+        """Every stage dropped the request (or it never reached one)."""
+        record = self.records[rid]
+        if record.done_at is None:
+            self.num_unfinished -= 1
+            self._end(record, "cancelled", held_room=record.admitted_at is not None)
+
+    # -- observers ------------------------------------------------------------------
+
+    def subscribe(self) -> anyio.abc.ObjectReceiveStream:
+        send, receive = anyio.create_memory_object_stream[Result](math.inf)
+        self._subscribers.append(send)
+        return receive
+
+    def count_by_status(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for record in self.records.values():
+            counts[record.status] = counts.get(record.status, 0) + 1
+        return counts

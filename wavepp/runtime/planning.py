@@ -1,0 +1,60 @@
+"""Wave planning on rank 0: the admitted requests' unplanned tokens, and the planner.
+
+The planner is any function ``(queue, wave_id, ctx) -> Wave | None`` (DESIGN §5); the
+cost-aware one plans with a fit of stage times that :meth:`WavePlanner.observe` keeps
+up to date from measured waves. Every plan is checked before it leaves: a planner that
+breaks the budget or skips tokens is a bug, reported as a :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from wavepp.plan import CostFit, Pending, PlanContext, Planner, Wave, cost_plan, observe
+from wavepp.runtime.records import ProtocolError
+from wavepp.state import RequestId
+
+
+class WavePlanner:
+    def __init__(self, planner: Planner | None, ctx: PlanContext, cost_fit: CostFit | None) -> None:
+        if (planner is None) == (cost_fit is None):
+            raise ValueError("give a planner, or a cost fit for the cost-aware planner")
+        self.planner = planner
+        self.ctx = ctx
+        self.cost_fit = cost_fit  # R5: the online fit of one stage's wave time
+        self.queue: list[Pending] = []  # admitted requests with unplanned tokens, FCFS
+        self.next_wave_id = 0
+
+    def add(self, rid: RequestId, start_token: int, num_tokens: int) -> None:
+        self.queue.append(Pending(rid, start_token, num_tokens))
+
+    def drop(self, rid: RequestId) -> None:
+        self.queue = [p for p in self.queue if p.request_id != rid]
+
+    def take_wave_id(self) -> int:
+        self.next_wave_id += 1
+        return self.next_wave_id - 1
+
+    def next(self) -> Wave | None:
+        if self.cost_fit is not None:
+            wave = cost_plan(self.queue, self.next_wave_id, self.ctx, self.cost_fit.model())
+        else:
+            wave = self.planner(self.queue, self.next_wave_id, self.ctx)
+        if wave is None:
+            return None
+        if wave.num_tokens > wave.budget or wave.budget > self.ctx.budget:
+            raise ProtocolError(f"planner broke the budget of {self.ctx.budget} tokens: {wave}")
+        self.take_wave_id()
+        by_id = {p.request_id: i for i, p in enumerate(self.queue)}
+        for chunk in wave.chunks:
+            i = by_id.get(chunk.request_id)
+            if i is None or chunk.start != self.queue[i].next_token:
+                where = "unknown request" if i is None else f"after {self.queue[i]}"
+                raise ProtocolError(f"planner skipped tokens: {chunk} ({where})")
+            self.queue[i] = Pending(chunk.request_id, chunk.end, chunk.num_tokens)
+        self.queue = [p for p in self.queue if p.remaining > 0]
+        return wave
+
+    def observe(self, wave: Wave, seconds: float) -> None:
+        """A measured stage-0 time of ``wave`` (the cost fit learns from it)."""
+        if self.cost_fit is not None and seconds:
+            shape = [(c.end - c.start, c.start) for c in wave.chunks]
+            self.cost_fit = observe(self.cost_fit, shape, seconds)

@@ -1,0 +1,94 @@
+"""Rank 0's book on each request, and what a caller gets back."""
+
+from __future__ import annotations
+
+import anyio
+import attrs
+
+from wavepp.workload import RequestSpec
+
+
+class Signal:
+    """Wake every waiter on any change; waiters re-check their condition."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self, timeout: float | None = None) -> None:
+        event = self._event
+        if timeout is None:
+            await event.wait()
+        else:
+            with anyio.move_on_after(timeout):
+                await event.wait()
+
+
+class RequestRejected(ValueError):
+    """Bad input for one request: it never ran, nothing was allocated for it."""
+
+
+class ProtocolError(RuntimeError):
+    """A rank broke the runtime's protocol (a planner, a peer, a stage): a bug, not input."""
+
+
+STATUSES = ("queued", "admitted", "running", "done", "cancelled", "rejected", "failed")
+
+
+@attrs.frozen
+class Result:
+    """How one request ended, with its timings (``time.time()`` seconds)."""
+
+    request_id: str
+    status: str  # "done" | "cancelled" | "rejected" | "failed"
+    first_token: int | None  # argmax of the last prompt position's logits (done only)
+    top_logit: float | None  # its logit
+    num_tokens: int
+    cached_tokens: int  # prompt tokens served from the cache instead of computed
+    error: str | None
+    submitted_at: float
+    admitted_at: float | None
+    first_chunk_at: float | None
+    done_at: float
+
+    def to_json(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class Record:
+    """Rank 0's book on one request."""
+
+    spec: RequestSpec
+    offer: object  # wavepp.rounds.admission.Offer: what admission rounds see
+    priority: int = 0
+    released_at: float | None = None  # submitted: entered the waiting queue
+    admitted_at: float | None = None
+    first_chunk_at: float | None = None  # its first chunk left stage 0's planner
+    done_at: float | None = None
+    cached_tokens: int = 0
+    first_token: int = -1
+    top_logit: float = 0.0
+    error: str | None = None
+    cancelled: bool = False  # a cancel was asked for; settled when every stage dropped it
+    status: str = "queued"
+    finished: anyio.Event = attrs.field(factory=anyio.Event)
+
+    def result(self) -> Result:
+        done = self.status == "done"
+        return Result(
+            request_id=self.spec.request_id,
+            status=self.status,
+            first_token=self.first_token if done else None,
+            top_logit=self.top_logit if done else None,
+            num_tokens=self.spec.num_tokens,
+            cached_tokens=self.cached_tokens,
+            error=self.error,
+            submitted_at=self.released_at or 0.0,
+            admitted_at=self.admitted_at,
+            first_chunk_at=self.first_chunk_at,
+            done_at=self.done_at or 0.0,
+        )
