@@ -99,16 +99,28 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding, Llama's rotate-half convention. x: [tokens, heads, head_dim]."""
-    dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def rope_tables(
+    positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [tokens, 1, dim] for :func:`apply_rope` (computed in fp32, then cast)."""
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float()
+    inv_freq = 1.0 / (theta ** (steps / dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [tokens, dim/2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
-    half = dim // 2
+    return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Llama's rotate-half rotary embedding. x: [tokens, heads, head_dim]."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, Llama's rotate-half convention. x: [tokens, heads, head_dim]."""
+    return apply_rope(x, rope_tables(positions, x.shape[-1], theta, x.dtype))
 
 
 class Attention(nn.Module):
@@ -125,13 +137,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, kv, bias=False)
         self.o_proj = nn.Linear(q, cfg.d_model, bias=False)
 
-    def qkv(self, h: torch.Tensor, positions: torch.Tensor):
-        # h: [n, d_model] -> q: [n, H, hd], k/v: [n, KV, hd]
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor, tables=None):
+        # h: [n, d_model] -> q: [n, H, hd], k/v: [n, KV, hd]; tables: rope_tables(positions)
         cfg, n = self.cfg, h.shape[0]
+        if tables is None:
+            tables = rope_tables(positions, cfg.head_dim, cfg.rope_theta, h.dtype)
         q = self.q_proj(h).view(n, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(h).view(n, cfg.num_kv_heads, cfg.head_dim)
-        return rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta), v
+        return apply_rope(q, tables), apply_rope(k, tables), v
 
     def attend(self, q, k, v, q_positions: torch.Tensor) -> torch.Tensor:
         """q: [n, H, hd] at q_positions; k/v: [m, KV, hd] at positions 0..m-1."""
@@ -139,7 +153,8 @@ class Attention(nn.Module):
         if n == m:  # no cached prefix: plain causal attention
             mask, causal = None, True
         else:
-            mask, causal = torch.arange(m)[None, :] <= q_positions[:, None], False  # [n, m]
+            mask = torch.arange(m, device=q.device)[None, :] <= q_positions[:, None]  # [n, m]
+            causal = False
         # 4-D inputs take the fused CPU kernel (3-D ones fall back to the math path).
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -152,7 +167,7 @@ class Attention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(h.shape[0])
+        positions = torch.arange(h.shape[0], device=h.device)
         q, k, v = self.qkv(h, positions)
         return self.attend(q, k, v, positions)
 
@@ -203,7 +218,7 @@ class GatedLinearAttention(nn.Module):
         state: [Hl, dl, dl]. Returns (o: [m, Hl, dl], state after the piece)."""
         b = a.cumsum(0)  # [m, Hl]
         m = q.shape[0]
-        causal = torch.ones(m, m, dtype=torch.bool).tril()
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
         decay = (b[:, None, :] - b[None, :, :]).masked_fill(~causal[:, :, None], -math.inf).exp()
         scores = torch.einsum("thd,shd->hts", q, k) * decay.permute(2, 0, 1)  # [Hl, m, m]
         o = torch.einsum("hts,shd->thd", scores, v)
@@ -214,7 +229,7 @@ class GatedLinearAttention(nn.Module):
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v, a = self.project(h)
-        state = torch.zeros(self.state_shape(), dtype=h.dtype)
+        state = torch.zeros(self.state_shape(), dtype=h.dtype, device=h.device)
         outs = []
         for t in range(h.shape[0]):
             state = state * a[t].exp()[:, None, None] + torch.einsum("hd,he->hde", k[t], v[t])
@@ -294,14 +309,16 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def build_stage(cfg: ModelConfig, layers: range, first: bool, last: bool,
-                weights: dict[str, torch.Tensor]) -> StageModules:  # fmt: skip
+                weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> StageModules:  # fmt: skip
+    """The stage's modules with their weights, on ``device`` in ``dtype``."""
     modules = StageModules(cfg, layers, first, last)
     wanted = modules.state_dict().keys()
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     modules.load_state_dict({k: weights[k] for k in wanted})
-    return modules.eval()
+    return modules.to(device=device, dtype=dtype).eval()
 
 
 @torch.inference_mode()

@@ -1,14 +1,17 @@
 """The torch executor: one stage of a real decoder LM over a paged KV pool (DESIGN §6).
 
-Per stage it holds, for every attention layer, a KV pool ``[capacity, block, KV, hd]``
+Per stage it holds, for every attention layer, a KV pool ``[capacity * block, KV, hd]``
 indexed by the slots the state reducers hand out, and, for linear-attention layers,
 the live recurrent state of each running request plus snapshots at block boundaries
 keyed by the hash of the block they follow. The cache effects are exactly the ones the
 reducers decided: this class only reads and writes the slots and snapshots it is told.
 
-A wave's token-wise work (projections, MLP) runs on all its chunks at once; attention
-and the recurrence run chunk by chunk. The forward runs in a worker thread, so the
-event loop keeps admitting while it computes.
+Weights, pools and recurrent states live on one device in one dtype. A wave's
+token-wise work (projections, RoPE, MLP) runs on all its chunks at once; attention
+reads the pool through the block tables of all chunks in one call per layer
+(``wavepp.exec.attention``, its metadata built once per wave); the recurrence runs
+chunk by chunk. The forward runs in a worker thread, so the event loop keeps
+admitting while it computes.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import anyio
 import anyio.to_thread
 import torch
 
+from wavepp.exec.attention import PagedBatch, paged_attention, write_paged
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.model import Attention, GatedLinearAttention, StageModules
+from wavepp.exec.model import Attention, GatedLinearAttention, StageModules, rope_tables
 from wavepp.state import BlockHash, RequestId
 
 
@@ -29,15 +33,19 @@ class TorchExecutor:
     simulated = False
 
     def __init__(self, modules: StageModules, capacity: int, block_size: int) -> None:
+        """``modules`` already on their device in their dtype (``build_stage``); the pools
+        and states follow them."""
         self.m = modules
         self.cfg = modules.cfg
         self.block_size = block_size
         cfg = self.cfg
+        weight = next(modules.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in modules.layer_ids:
             if cfg.kind(i) == "A":
                 shape = (capacity * block_size, cfg.num_kv_heads, cfg.head_dim)
-                self.kv[i] = (torch.zeros(shape), torch.zeros(shape))  # [slot*bs+off, KV, hd]
+                self.kv[i] = (self._zeros(shape), self._zeros(shape))  # [slot*bs+off, KV, hd]
         self.recurrent = [i for i in modules.layer_ids if cfg.kind(i) == "L"]
         self.live: dict[RequestId, dict[int, torch.Tensor]] = {}  # running requests' states
         self.snapshots: dict[BlockHash, dict[int, torch.Tensor]] = {}
@@ -73,34 +81,34 @@ class TorchExecutor:
 
     # -- the math -------------------------------------------------------------------
 
+    def _zeros(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkWork], x: torch.Tensor | None):
         """x: [tokens, d_model] from the previous stage (None on stage 0)."""
         if x is None:
             tokens = torch.cat([torch.as_tensor(c.tokens, dtype=torch.long) for c in chunks])
-            x = self.m.model.embed_tokens(tokens)
-        spans, at = [], 0
-        for c in chunks:
-            spans.append((at, at + c.end - c.start))
-            at += c.end - c.start
-        if at != x.shape[0]:
-            raise ValueError(f"wave of {at} tokens got activations for {x.shape[0]}")
+            x = self.m.model.embed_tokens(tokens.to(self.device))
+        batch = PagedBatch.build(chunks, self.block_size, self.device)
+        if batch.num_tokens != x.shape[0]:
+            raise ValueError(f"wave of {batch.num_tokens} tokens got activations for {x.shape[0]}")
+        x = x.to(self.device, self.dtype)  # x: [tokens, d_model]
+        tables = None
+        if self.kv:
+            cfg = self.cfg
+            tables = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         for i in self.m.layer_ids:
             layer = self.m.layer(i)
             h = layer.input_layernorm(x)
             mixer = layer.mixer
             if isinstance(mixer, Attention):
-                mixed = torch.cat(
-                    [
-                        self._attention(i, mixer, c, h[a:b])
-                        for c, (a, b) in zip(chunks, spans, strict=True)
-                    ]
-                )
+                mixed = self._attention(i, mixer, batch, h, tables)
             else:
                 mixed = torch.cat(
                     [
                         self._recurrence(i, mixer, c, h[a:b])
-                        for c, (a, b) in zip(chunks, spans, strict=True)
+                        for c, (a, b) in zip(chunks, batch.spans, strict=True)
                     ]
                 )
             x = x + mixed
@@ -111,26 +119,24 @@ class TorchExecutor:
         if not self.m.last:
             return x, {}
         results = {}
-        for c, (_, b) in zip(chunks, spans, strict=True):
-            if c.is_last:
-                logits = self.m.head(x[b - 1 : b])[0]
-                self.last_logits[c.request_id] = logits
-                results[c.request_id] = (int(logits.argmax()), float(logits.max()))
+        ends = [b - 1 for c, (_, b) in zip(chunks, batch.spans, strict=True) if c.is_last]
+        if ends:
+            logits = self.m.head(x[ends]).float()  # [finished, vocab]
+            top, best = logits.max(-1)
+            for row, c in enumerate(c for c in chunks if c.is_last):
+                self.last_logits[c.request_id] = logits[row]
+                results[c.request_id] = (int(best[row]), float(top[row]))
         return None, results
 
-    def _slots(self, c: ChunkWork, positions: torch.Tensor) -> torch.Tensor:
-        table = torch.as_tensor(c.block_table, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def _attention(self, i: int, mixer: Attention, c: ChunkWork, h: torch.Tensor) -> torch.Tensor:
-        # h: [n, d_model] at positions c.start..c.end-1; the prefix is in the pool.
-        positions = torch.arange(c.start, c.end)
-        q, k, v = mixer.qkv(h, positions)
+    def _attention(self, i: int, mixer: Attention, batch: PagedBatch, h: torch.Tensor,
+                   tables) -> torch.Tensor:  # fmt: skip
+        # h: [T, d_model], the wave's new tokens; their prefixes are in the pool.
+        q, k, v = mixer.qkv(h, batch.positions, tables)  # q: [T, H, hd]; k, v: [T, KV, hd]
         keys, values = self.kv[i]
-        keys[self._slots(c, positions)] = k
-        values[self._slots(c, positions)] = v
-        every = self._slots(c, torch.arange(c.end))
-        return mixer.attend(q, keys[every], values[every], positions)
+        write_paged(keys, batch, k)
+        write_paged(values, batch, v)
+        out = paged_attention(q, keys, values, batch, mixer.cfg.head_dim**-0.5)  # [T, H, hd]
+        return mixer.o_proj(out.reshape(out.shape[0], -1))
 
     def _recurrence(
         self, i: int, mixer: GatedLinearAttention, c: ChunkWork, h: torch.Tensor
@@ -140,7 +146,7 @@ class TorchExecutor:
             if c.prefix_key is not None:
                 states[i] = self.snapshots[c.prefix_key][i].clone()
             elif c.start == 0:
-                states[i] = torch.zeros(mixer.state_shape())
+                states[i] = self._zeros(mixer.state_shape())
             else:
                 raise RuntimeError(f"{c.request_id}: no state to resume at token {c.start}")
         q, k, v, a = mixer.project(h)
