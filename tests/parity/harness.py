@@ -7,6 +7,8 @@ from __future__ import annotations
 import anyio
 import numpy as np
 
+from wavepp.exec.families import FamilyConfig, build_family_stage
+from wavepp.exec.families.executor import FamilyExecutor
 from wavepp.exec.model import ModelConfig, build_stage
 from wavepp.exec.profiles import split_layers
 from wavepp.exec.stage import Admitted, Stage
@@ -29,15 +31,22 @@ from wavepp.state import block_hashes, empty_cache, point_from_mask
 
 class Pipeline:
     def __init__(
-        self, cfg: ModelConfig, weights, num_stages: int, block_size: int = 16,
+        self, cfg: ModelConfig | FamilyConfig, weights, num_stages: int, block_size: int = 16,
         capacity: int = 256, snapshot_interval: int = 4, budget: int = 96,
+        layers_per_stage: list[int] | None = None,
     ) -> None:  # fmt: skip
         self.cfg, self.bs, self.budget = cfg, block_size, budget
         self.tokens: dict[str, np.ndarray] = {}
         self.stages = []
-        for s, layers in enumerate(split_layers(cfg.num_layers, num_stages)):
-            modules = build_stage(cfg, layers, s == 0, s == num_stages - 1, weights)
-            executor = TorchExecutor(modules, capacity, block_size)
+        splits = split_layers(cfg.num_layers, num_stages, layers_per_stage)
+        for s, layers in enumerate(splits):
+            first, last = s == 0, s == num_stages - 1
+            if isinstance(cfg, FamilyConfig):
+                modules = build_family_stage(cfg, layers, first, last, weights)
+                executor = FamilyExecutor(modules, capacity, block_size)
+            else:
+                executor = TorchExecutor(build_stage(cfg, layers, first, last, weights),
+                                         capacity, block_size)  # fmt: skip
             recurrent = any(cfg.kind(i) == "L" for i in layers)
             book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
             self.stages.append(Stage(s, book, executor, block_size, snapshot_interval, recurrent,

@@ -56,7 +56,11 @@ def test_own_layout_round_trips_a_hybrid(tmp_path):
     assert all(torch.equal(weights[k], weights2[k]) for k in weights)
 
 
-def test_non_llama_checkpoints_are_refused(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="only Llama-family checkpoints"):
+def test_unsupported_architectures_are_refused_naming_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}'
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as error:
         load_checkpoint(tmp_path)
+    for name in ("llama", "kimi_linear", "qwen3_next", "minimax_m2"):
+        assert name in str(error.value)

@@ -1,8 +1,9 @@
-"""Weights on disk: Hugging Face Llama-family directories and WavePP's own layout.
+"""Weights on disk: Hugging Face directories and WavePP's own layout.
 
-- A Hugging Face directory (``config.json`` + ``*.safetensors``) of a Llama-family model
-  (``model_type`` llama, SiLU MLP, default RoPE) loads as an ``A``-only model; tensor
-  names are Llama's.
+- A Hugging Face directory (``config.json`` + ``*.safetensors``) as ``save_pretrained``
+  writes it, of a Llama-family model (``model_type`` llama, SiLU MLP, default RoPE: an
+  ``A``-only ``ModelConfig``) or of one of the families in ``wavepp.exec.families``
+  (``kimi_linear``, ``qwen3_next``, ``minimax_m2``: a ``FamilyConfig``).
 - WavePP's own layout, for hybrids: ``wavepp_config.json`` (the ``ModelConfig`` fields)
   + ``model.safetensors`` with the same names, ``linear_attn`` for L layers. Write one
   with ``python -m wavepp.exec.checkpoint --model tiny-hybrid --seed 0 --out DIR``.
@@ -18,15 +19,23 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
+from wavepp.exec.families import FAMILIES, FamilyConfig, config_from_family
 from wavepp.exec.model import BUILTIN, ModelConfig, random_weights
 
 OWN_CONFIG = "wavepp_config.json"
+SUPPORTED = ("llama", *FAMILIES)  # Hugging Face model_type values that load
 
 
-def config_from_hf(data: dict) -> ModelConfig:
+def config_from_hf(data: dict) -> ModelConfig | FamilyConfig:
     kind = data.get("model_type")
+    if kind in FAMILIES:
+        return config_from_family(data)
     if kind != "llama":
-        raise ValueError(f"only Llama-family checkpoints load as they are; model_type is {kind!r}")
+        names = data.get("architectures") or [kind]
+        raise ValueError(
+            f"checkpoint architecture {', '.join(map(str, names))} (model_type {kind!r}) is "
+            f"not supported; supported model_type values: {', '.join(SUPPORTED)}"
+        )
     if data.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {data['hidden_act']!r} is not SiLU")
     rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
@@ -50,7 +59,9 @@ def config_from_hf(data: dict) -> ModelConfig:
     )
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_checkpoint(
+    path: str | Path,
+) -> tuple[ModelConfig | FamilyConfig, dict[str, torch.Tensor]]:
     root = Path(path)
     if (root / OWN_CONFIG).exists():
         cfg = ModelConfig(**json.loads((root / OWN_CONFIG).read_text()))

@@ -79,7 +79,7 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     u, w = solved[..., :dv], solved[..., dv:]
     out = torch.empty(heads, num_pieces, chunk, dv)
     s = state.float()
-    saved: dict[int, torch.Tensor] = {}
+    saved: dict[int, torch.Tensor] = {0: s}  # a cut at 0 is the state given
     cut_set = set(cuts)
     for n in range(num_pieces):  # carry the state piece to piece
         v_new = u[:, n] - w[:, n] @ s  # [H, C, dv]
