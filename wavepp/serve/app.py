@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import attrs
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -61,22 +61,25 @@ async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to be over ``limit`` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise ApiError(400, f"Content-Length {declared[:40]!r} is not a byte count")
-        if int(declared) > limit:
+        if len(declared) > 15 or int(declared) > limit:
             raise ApiError(
                 413,
-                f"request body of {int(declared):,} bytes is over the limit of "
+                f"request body of {declared[:20]} bytes is over the limit of "
                 f"{limit:,} bytes (--max-body-bytes)",
             )
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(
-                413, f"request body is over the limit of {limit:,} bytes (--max-body-bytes)"
-            )
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(
+                    413, f"request body is over the limit of {limit:,} bytes (--max-body-bytes)"
+                )
+            parts.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(499, "the client disconnected while sending the body") from None
     return b"".join(parts)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -97,7 +98,7 @@ async def serve(
             while not server.started:
                 await anyio.sleep(0.05)
         if server.started:
-            _log(f"listening on http://{bound_host}:{bound_port}")
+            _log(f"listening on http://{bound_host}:{bound_port} (pid {os.getpid()})")
             if on_ready is not None:
                 maybe = on_ready(bound_host, bound_port)
                 if maybe is not None:
