@@ -41,6 +41,9 @@ class TorchExecutor:
         cfg = self.cfg
         weight = next(modules.parameters())
         self.device, self.dtype = weight.device, weight.dtype
+        # The attention kernel over the paged pool (swappable: the benchmark compares it
+        # with the old copying path).
+        self.attention = paged_attention
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i in modules.layer_ids:
             if cfg.kind(i) == "A":
@@ -78,6 +81,21 @@ class TorchExecutor:
 
     def cancel(self, rid: RequestId) -> None:
         self.live.pop(rid, None)
+        self.last_logits.pop(rid, None)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this stage holds, by kind (the KV pools are allocated up front)."""
+
+        def size(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        return {
+            "weights_bytes": size(self.m.parameters()),
+            "kv_pool_bytes": size(t for pair in self.kv.values() for t in pair),
+            "snapshot_bytes": size(t for s in self.snapshots.values() for t in s.values()),
+            "num_snapshots": len(self.snapshots),
+            "live_state_bytes": size(t for s in self.live.values() for t in s.values()),
+        }
 
     # -- the math -------------------------------------------------------------------
 
@@ -135,7 +153,7 @@ class TorchExecutor:
         keys, values = self.kv[i]
         write_paged(keys, batch, k)
         write_paged(values, batch, v)
-        out = paged_attention(q, keys, values, batch, mixer.cfg.head_dim**-0.5)  # [T, H, hd]
+        out = self.attention(q, keys, values, batch, mixer.cfg.head_dim**-0.5)  # [T, H, hd]
         return mixer.o_proj(out.reshape(out.shape[0], -1))
 
     def _recurrence(
