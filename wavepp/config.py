@@ -51,7 +51,10 @@ class RunConfig:
     ring: int = 0
     max_batch: int = 256
     model: str | None = None
-    device: str = "h200"
+    sim_device: str = "h200"
+    device: str = "auto"
+    dtype: str = "float32"
+    threads: int = 0
     layers_per_stage: str | None = None
     time_scale: float = 1.0
     seed: int = 0
@@ -86,7 +89,11 @@ HELP: dict[str, str] = {
     "max_batch": "most requests offered to one admission round",
     "model": "sim: profile llama3-70b or qwen3-next-80b; torch: tiny-hybrid, tiny-llama, or a "
     "checkpoint directory (Hugging Face Llama, or WavePP's layout)",
-    "device": "device profile (sim) — h100, h200 or b200",
+    "sim_device": "device profile of the sim executor: h100, h200 or b200",
+    "device": "torch executor: 'cuda' (this rank's GPU by LOCAL_RANK), 'cpu', or 'auto' "
+    "(cuda when present)",
+    "dtype": "torch executor: dtype of weights, KV pool and recurrent states",
+    "threads": "CPU threads per rank (0: the cores divided by the ranks on this node)",
     "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
@@ -120,7 +127,9 @@ def parser() -> argparse.ArgumentParser:
         kind = {"int": int, "float": float}.get(str(field.type), str)
         if str(field.type).startswith("int |"):
             kind = int
-        choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS}
+        choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS,
+                   "device": ("auto", "cpu", "cuda"), "sim_device": ("h100", "h200", "b200"),
+                   "dtype": ("float32", "bfloat16", "float16")}  # fmt: skip
         if field.name == "workload":
             kind = str
         p.add_argument(flag, type=kind, choices=choices.get(field.name), help=text)
@@ -167,6 +176,7 @@ def validate(c: RunConfig) -> None:
     need(c.workload != "trace" or c.trace, "--workload trace needs --trace PATH")
     need(c.workload in (*WORKLOADS, "file"), f"--workload {c.workload!r} unknown")
     need(c.time_scale > 0, f"--time-scale must be positive, got {c.time_scale}")
+    need(c.threads >= 0, f"--threads must be ≥ 0 (0: automatic), got {c.threads}")
 
 
 def resolve(dotted: str) -> Any:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import anyio
 import attrs
-import torch
 import torch.distributed as dist
 
 from wavepp.config import RunConfig, load, resolve
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
+from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
 from wavepp.exec.planes import PlaneError, build_planes
 from wavepp.exec.profiles import DEVICES, MODELS, split_layers
@@ -80,7 +80,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
             raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
         model = MODELS[c.model]
         layers = split_layers(model.num_layers, world, counts)[rank]
-        cost = StageCostModel(model, DEVICES[c.device], layers, rank == world - 1)
+        cost = StageCostModel(model, DEVICES[c.sim_device], layers, rank == world - 1)
         recurrent = any(model.kind(layer) == "L" for layer in layers)
         return SimExecutor(cost, c.time_scale), recurrent
     if c.model in BUILTIN:
@@ -92,7 +92,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
         raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
                          f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
     layers = split_layers(cfg.num_layers, world, counts)[rank]
-    modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights)
+    modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights,
+                          pick_device(c.device), pick_dtype(c.dtype))  # fmt: skip
     recurrent = any(cfg.kind(layer) == "L" for layer in layers)
     return TorchExecutor(modules, capacity, c.block_size), recurrent
 
@@ -329,7 +330,7 @@ def run_ranks(
     ``client`` None runs the configured workload; otherwise rank 0 calls
     ``client(engine)`` (see :mod:`wavepp.engine`) and ranks > 0 serve their stage.
     """
-    torch.set_num_threads(1)
+    set_threads(config.threads)
     if "RANK" not in os.environ:  # plain `python -m wavepp.main`: a one-stage run
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.timeout_s))

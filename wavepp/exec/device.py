@@ -1,0 +1,50 @@
+"""Where a rank computes: its device, dtype and CPU threads (``--device``, ``--dtype``,
+``--threads``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(choice: str) -> torch.device:
+    """``auto``: this rank's GPU (``LOCAL_RANK``) when CUDA is present, else the CPU."""
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"device {choice!r} is not one of {', '.join(DEVICE_CHOICES)}")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "wavepp: --device cuda, but torch sees no CUDA device (a CPU build of torch, "
+            "or no GPU visible to this process)"
+        )
+    index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_threads() -> int:
+    """The cores this process may use, divided among the ranks of this node."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // max(1, local_ranks))
+
+
+def set_threads(threads: int) -> int:
+    """Intra-op threads of this rank (0: :func:`default_threads`); returns the count."""
+    count = threads or default_threads()
+    torch.set_num_threads(count)
+    return count
