@@ -126,15 +126,17 @@ class LoadRun:
         self.prefix = args.id_prefix if args.id_prefix is not None else os.urandom(3).hex() + "-"
         self.outcomes: list[Outcome] = []
         self.progress = Progress(args.progress)
-        self.latencies: list[float] = []  # done requests so far (to place cancels)
+        self.latencies: list[float] = []  # done requests of this phase (to place cancels)
+        self.warm_latencies: list[float] = []
         self.in_flight = 0
         self.phase = "warm-up"
         self.rng = np.random.default_rng([args.seed, 7])
 
     def _cancel_delay(self) -> float:
-        """A random point of a request's life: uniform over [0, p90 of the latencies so far]
-        (or of the first guess until some requests are done)."""
-        scale = percentile(self.latencies, 90) if len(self.latencies) >= 5 else 0.2
+        """A random point of a request's life: uniform over [0, the median time to result
+        of the measured requests done so far] (the warm-up's until five are done)."""
+        latencies = self.latencies if len(self.latencies) >= 5 else self.warm_latencies
+        scale = percentile(latencies, 50) if latencies else 0.2
         return float(self.rng.uniform(0.0, max(scale, 0.01)))
 
     async def _send(self, spec: RequestSpec, outcome: Outcome) -> None:
@@ -238,6 +240,7 @@ class LoadRun:
         if warm:
             await self._closed(warm)
         self.phase = "measured"
+        self.warm_latencies, self.latencies = self.latencies, []
         start = time.time()
         rest = [p for p in pairs if not p[0].warmup]
         if self.args.open_loop:

@@ -187,7 +187,7 @@ class ServerMetrics:
         self.clock = clock
         self.started_at = clock()
         self.http: dict[tuple[str, int], int] = {}
-        self.results: dict[str, int] = {}
+        self.results = dict.fromkeys(("done", "cancelled", "rejected", "failed"), 0)
         self.disconnect_cancels = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0

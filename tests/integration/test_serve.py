@@ -1,0 +1,188 @@
+"""End to end: the HTTP server at P = 2 on the real executor under the load generator.
+
+200 measured requests over shared prefixes (the seeded workload, its warm-up first),
+30% of them abandoned at random points by closing the connection. Every request that
+was not abandoned completes with the first token an offline ``wavepp.main`` run of the
+same prompts gives; ``/metrics`` and ``/health`` answer during the load; SIGTERM to the
+server process drains it, the leak check holds on every stage, and the exit code is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import ROOT, TORCHRUN, torchrun
+from wavepp.serve.prom import families, parse_exposition, sample
+
+pytestmark = pytest.mark.slow
+
+MODEL = ["--model", "tiny-hybrid", "--seed", "0", "--block-size", "16", "--capacity-blocks", "512"]
+READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
+    """torchrun ... -m wavepp.serve; returns (process, url, pid of the serving rank)."""
+    err = open(tmp_path / "server.err", "w")  # noqa: SIM115 (the child holds it)
+    out = open(tmp_path / "server.out", "w")  # noqa: SIM115
+    cmd = [
+        *TORCHRUN,
+        "--nproc-per-node=2",
+        "-m",
+        "wavepp.serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *MODEL,
+        "--concurrency",
+        "8",
+        "--no-progress",
+        "--json",
+        str(tmp_path / "server.json"),
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        match = READY.search((tmp_path / "server.err").read_text())
+        if match:
+            return proc, match.group(1), int(match.group(2))
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(
+        f"server not ready (exit {proc.poll()}):\n{(tmp_path / 'server.err').read_text()[-4000:]}"
+    )
+
+
+def test_server_under_load_matches_offline_and_drains(tmp_path):
+    port = free_port()
+    server, url, pid = start_server(tmp_path, port)
+    try:
+        load_cmd = [
+            sys.executable,
+            "-m",
+            "wavepp.bench.load",
+            "--url",
+            url,
+            "--workload",
+            "seeded",
+            "--requests",
+            "200",
+            "--prompt-tokens",
+            "128",
+            "--concurrency",
+            "8",
+            "--cancel-fraction",
+            "0.3",
+            "--seed",
+            "5",
+            "--json",
+            str(tmp_path / "load.json"),
+            "--dump-requests",
+            str(tmp_path / "prompts.jsonl"),
+            "--no-progress",
+        ]
+        load = subprocess.Popen(
+            load_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        # /health and /metrics answer while the load runs.
+        scrapes = 0
+        with httpx.Client(base_url=url, timeout=30) as client:
+            deadline = time.monotonic() + 300
+            while load.poll() is None and time.monotonic() < deadline:
+                health = client.get("/health")
+                assert health.status_code == 200, health.text
+                assert health.json() == {"status": "ok"}
+                metrics = client.get("/metrics")
+                assert metrics.status_code == 200
+                assert dict(families(metrics.text))["wavepp_results_total"] == "counter"
+                assert sample(parse_exposition(metrics.text), "wavepp_up") == 1
+                scrapes += 1
+                time.sleep(1.0)
+            stdout, stderr = load.communicate(timeout=300)
+            assert load.returncode == 0, stderr[-4000:]
+            assert scrapes >= 1
+            # The abandoned requests settle: nothing stays queued or running.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                samples = parse_exposition(client.get("/metrics").text)
+                busy = [
+                    sample(samples, "wavepp_engine_requests", state=s)
+                    for s in ("queued", "admitted", "running")
+                ]
+                if busy == [0, 0, 0]:
+                    break
+                time.sleep(0.5)
+            assert busy == [0, 0, 0], busy
+        record = json.loads((tmp_path / "load.json").read_text())
+        requests = [r for r in record["requests"] if not r["warmup"]]
+        assert len(requests) == 200
+        picked = [r for r in requests if r["to_cancel"]]
+        kept = [r for r in requests if not r["to_cancel"]]
+        assert len(picked) == 60
+        assert {r["status"] for r in kept} == {"done"}, [r for r in kept if r["status"] != "done"]
+        assert {r["status"] for r in picked} <= {"done", "disconnected", "cancelled"}
+        assert sum(r["status"] == "disconnected" for r in picked) >= 10  # really abandoned
+        assert record["reused_share"] > 0.3  # the shared prefixes were reused
+        assert "throughput" in stdout
+    finally:
+        os.kill(pid, signal.SIGTERM)  # the serving rank drains, then the run ends
+        try:
+            code = server.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    err = (tmp_path / "server.err").read_text()
+    assert code == 0, err[-4000:]
+    assert "draining" in err and "[wavepp serve] stopped" in err
+    final = json.loads((tmp_path / "server.json").read_text())
+    assert [leak["balanced"] for leak in final["leak_check"]] == [True, True]
+    assert all(
+        leak["leases"] == leak["escrowed"] == leak["pending"] == 0 for leak in final["leak_check"]
+    )
+
+    # The same prompts offline: every request the server completed has the same first token.
+    offline_json = tmp_path / "offline.json"
+    torchrun(
+        2,
+        [
+            "-m",
+            "wavepp.main",
+            "--requests-file",
+            str(tmp_path / "prompts.jsonl"),
+            *MODEL,
+            "--concurrency",
+            "8",
+            "--no-progress",
+            "--json",
+            str(offline_json),
+        ],
+    )
+    offline = {r["id"]: r for r in json.loads(offline_json.read_text())["requests"]}
+    done = [r for r in record["requests"] if r["status"] == "done"]
+    assert sum(not r["warmup"] for r in done) >= 140
+    assert all(r["id"] in offline for r in done if not r["warmup"])
+    compared = [r for r in done if r["id"] in offline]  # warm-up lines are not in the record
+    mismatched = [
+        (r["id"], r["first_token"], offline[r["id"]]["first_token"])
+        for r in compared
+        if r["first_token"] != offline[r["id"]]["first_token"]
+    ]
+    assert not mismatched, mismatched[:10]
