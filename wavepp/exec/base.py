@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -44,15 +44,44 @@ class StageOutput:
     results: dict[RequestId, tuple[int, float]]  # last stage: first token, top logit
 
 
+@runtime_checkable
 class Executor(Protocol):
-    simulated: bool
+    """Everything the runtime calls on a stage's executor (``docs/executors.md``).
+
+    WavePP owns the KV pool's slots and the block tables: the state reducers decide
+    which slot holds which block, and an executor only reads the rows of the block
+    tables it is given and writes the rows of the tokens it computes. It keeps no cache
+    of its own that outlives WavePP's decisions: what :meth:`forget` names is gone, and
+    nothing is cached or evicted behind the state's back.
+    """
+
+    simulated: bool  # True: times are predicted, not measured (labelled in every output)
 
     async def run(
         self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
     ) -> StageOutput:
-        """Run one wave; ``activations`` come from the previous stage (None on stage 0)."""
+        """Run one wave; ``activations`` come from the previous stage (None on stage 0).
+
+        Every chunk's slots were materialized before the call; the executor may write
+        the rows of tokens ``start..end-1`` and the snapshot slots it is given, and
+        read rows ``0..start-1`` (and the snapshot it resumes from)."""
         ...
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
-        """The state dropped these blocks (and their snapshots)."""
+        """The state dropped these blocks (and their snapshots): their slots may be
+        reused by the next materialization; drop anything kept for them."""
+        ...
+
+    def cancel(self, request_id: RequestId) -> None:
+        """Drop the request's live per-request state (recurrent states, logits). Its
+        slots are released by the state, after the chunks already in flight."""
+        ...
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes (and counts) held by kind, e.g. ``weights_bytes``, ``kv_pool_bytes``."""
+        ...
+
+    def prior_cost(self) -> tuple[float, float, float, float]:
+        """(a, c, d, floor) seconds for the cost planner's prior: a wave of t tokens
+        after p cached ones costs about ``d + max(floor, a·t + c·t·(p + t/2))``."""
         ...

@@ -16,7 +16,7 @@ import torch
 
 from wavepp.exec.base import ChunkWork, StageOutput
 from wavepp.exec.profiles import DeviceProfile, ModelProfile
-from wavepp.state import BlockHash
+from wavepp.state import BlockHash, RequestId
 
 
 @attrs.frozen
@@ -106,6 +106,12 @@ class SimExecutor:
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
         """Nothing is stored for a simulated block."""
+
+    def cancel(self, request_id: RequestId) -> None:
+        """Nothing is stored for a simulated request."""
+
+    def memory_report(self) -> dict[str, int]:
+        return {"weights_bytes": 0, "kv_pool_bytes": 0}
 
     def prior_cost(self) -> tuple[float, float, float, float]:
         """(a, c, d, floor) of ``d + max(floor, a·t + c·t·(p + t/2))`` read off the cost
