@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
+from wavepp.serve.api import parse_prefill
 from wavepp.serve.app import ServeOptions, build_app
 from wavepp.serve.prom import families, parse_exposition, sample
 from wavepp.serve.server import serve
@@ -305,10 +306,51 @@ async def test_drain_answers_the_requests_in_flight_then_stops():
 
 
 def test_token_arrays_are_int32():
-    from wavepp.serve.api import parse_prefill
-
     sub = parse_prefill(b'{"tokens": [1, 2, 3], "priority": -3}', VOCAB, None)
     assert sub.tokens.dtype == np.int32
     assert sub.tokens.tolist() == [1, 2, 3]
     assert sub.priority == -3
     assert sub.request_id is None
+
+
+async def test_a_higher_class_overtakes_the_queue():
+    # Room for one prompt at a time: requests queue, and the class decides who goes next.
+    async def test(h: Harness):
+        h.engine.tokens_per_s = 2000.0
+        order = []
+
+        async def send(rid: str, priority: int):
+            body = {"tokens": [len(order) + 1] * 90, "id": rid, "priority": priority}
+            reply = await h.client.post("/v1/prefill", json=body)
+            assert reply.status_code == 200
+            order.append(rid)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, "first", 0)
+            await wait_for(lambda: h.engine.counts["running"] == 1)
+            for rid, priority in [("low-a", 0), ("low-b", 0), ("high", 5), ("mid", 1)]:
+                tg.start_soon(send, rid, priority)
+                await wait_for(lambda rid=rid: rid in h.engine.requests)
+        assert order == ["first", "high", "mid", "low-a", "low-b"]
+
+    await _with_engine(test, capacity_tokens=100)
+
+
+def test_text_prompts_through_a_tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from wavepp.serve.__main__ import _tokenizer_path, tokenizer_functions
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "again": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    path = _tokenizer_path(None, str(tmp_path))
+    assert path == tmp_path / "tokenizer.json"
+    assert _tokenizer_path(None, "tiny-hybrid") is None
+    with pytest.raises(SystemExit, match="no such file"):
+        _tokenizer_path(str(tmp_path / "missing.json"), None)
+    tokenize, detokenize = tokenizer_functions(path)
+    assert tokenize("hello world again") == [1, 2, 3]
+    assert detokenize(2) == "world"
+    assert parse_prefill(b'{"text": "world hello"}', VOCAB, tokenize).tokens.tolist() == [2, 1]

@@ -43,6 +43,7 @@ from wavepp.serve.prom import ServerMetrics
 logger = logging.getLogger("wavepp.serve")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+ROUTES = ("/v1/prefill", "/v1/completions", "/health", "/metrics", "/v1/models")
 
 
 @attrs.frozen
@@ -239,7 +240,8 @@ def build_app(
 
     async def crashed(request: Request, exc: Exception) -> Response:
         logger.exception("internal error on %s %s", request.method, request.url.path)
-        front.metrics.http_answer(request.url.path, 500)
+        route = request.url.path if request.url.path in ROUTES else "other"
+        front.metrics.http_answer(route, 500)  # known routes only: labels stay few
         return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
 
     routes = [

@@ -28,12 +28,20 @@ THROUGHPUT_WINDOW_S = 30.0
 LABEL_OF = {"requests": "state", "counts": "state", "states": "state", "by_state": "state"}
 
 HELP = {
+    "requests": "requests by state",
     "queue_depth": "requests waiting for admission",
-    "tokens_in": "prompt tokens submitted",
-    "tokens_cached": "prompt tokens served from the cache",
-    "stage_utilization": "busy / wall per pipeline stage",
-    "admission_round_seconds": "admission round time, seconds",
+    "input_tokens": "prompt tokens of done requests (cached included)",
+    "cached_tokens": "prompt tokens of done requests served from the cache",
+    "good_hits": "done requests that reused ≥ 80% of the prefix they were expected to reuse",
+    "expecting_reuse": "done requests that were expected to reuse a prefix",
+    "stages": "per pipeline stage",
+    "admission_round_seconds": "admission round time, seconds (recent rounds)",
+    "admission_rounds": "admission rounds run",
+    "uptime_s": "seconds since the engine started",
 }
+
+# Engine figures that only grow: rendered as counters, ``_total`` appended.
+COUNTERS = {"input_tokens", "cached_tokens", "good_hits", "expecting_reuse", "admission_rounds"}
 
 
 def escape_label(value: str) -> str:
@@ -133,7 +141,9 @@ def add_stats(out: Exposition, stats: Mapping[str, Any], prefix: str = "") -> No
         help_text = HELP.get(str(key), f"engine stats: {name.removeprefix(PREFIX + 'engine_')}")
         if value is None or isinstance(value, str):
             continue
-        if _is_number(value):
+        if _is_number(value) and str(key) in COUNTERS:
+            out.add(name + "_total", "counter", help_text, value)
+        elif _is_number(value):
             out.add(name, "gauge", help_text, value)
         elif isinstance(value, Mapping):
             if (
@@ -279,6 +289,14 @@ class ServerMetrics:
         ]:
             out.histogram(PREFIX + name, text, hist.buckets, hist.counts, hist.total)
         add_stats(out, stats, prefix=PREFIX + "engine")
+        hits, expecting = stats.get("good_hits"), stats.get("expecting_reuse")
+        if _is_number(hits) and _is_number(expecting) and expecting:
+            out.add(
+                PREFIX + "engine_good_hit_rate",
+                "gauge",
+                "good hits / done requests expected to reuse a prefix",
+                hits / expecting,
+            )
         return out.render()
 
 
