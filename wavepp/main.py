@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -43,7 +44,7 @@ from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import audit, empty_cache, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
-from wavepp.workload import cold, mixed, read_requests_file, seeded, short_suffix, trace
+from wavepp.workload import cold, mixed, read_requests_file, read_trace, seeded, short_suffix, trace
 from wavepp.workload.generators import VOCAB
 
 
@@ -68,8 +69,11 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     if c.workload == "short-suffix":
         return short_suffix(c.requests, c.prompt_tokens, c.seed, c.block_size, c.suffix_tokens,
                             vocab), [], []  # fmt: skip
-    return (trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale, vocab),
-            [], [])  # fmt: skip
+    _, rejected = read_trace(c.trace, c.requests)
+    for bad in rejected:
+        log(f"skipped {bad['error']}")
+    specs = trace(c.trace, c.requests, c.seed, c.block_size, c.open_loop, c.time_scale, vocab)
+    return specs, rejected, []
 
 
 def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
@@ -332,7 +336,10 @@ def run_ranks(
     """
     set_threads(config.threads)
     if "RANK" not in os.environ:  # plain `python -m wavepp.main`: a one-stage run
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+        with socket.socket() as probe:  # a free port for the one-rank store
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     watchdog = None

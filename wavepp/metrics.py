@@ -19,7 +19,8 @@ def summarize(
 ) -> dict:  # fmt: skip
     """Figures in simulated seconds where the executor is simulated (real / time_scale)."""
     measured = [r for r in records if not r.spec.warmup]
-    ok = [r for r in measured if r.error is None]
+    ok = [r for r in measured if r.error is None and r.done_at is not None]
+    unfinished = [r for r in measured if r.done_at is None]  # an interrupted run
     wall = max(measure_end - measure_start, 1e-9)
     span = wall / time_scale
     tokens = sum(r.spec.num_tokens for r in ok)
@@ -49,7 +50,8 @@ def summarize(
         "admission_rounds": len(round_seconds),
         "makespan_s": span,
         "measured_requests": len(measured),
-        "failed_requests": len(measured) - len(ok),
+        "failed_requests": len(measured) - len(ok) - len(unfinished),
+        "unfinished_requests": len(unfinished),
         "cancelled_requests": sum(1 for r in measured if r.cancelled),
         "input_tokens": tokens,
         "leak_check": [
@@ -76,6 +78,7 @@ def summarize(
                 "completion_s": None
                 if r.done_at is None or r.error
                 else (r.done_at - r.released_at) / time_scale,
+                "status": getattr(r, "status", None),
                 "error": r.error,
             }
             for r in measured
@@ -116,6 +119,10 @@ def table(record: dict) -> str:
             f"{leak['referenced']:>10}  {leak['cached']:>7}/{leak['capacity']:<7}  "
             f"{'yes' if leak['balanced'] else 'NO'}"
         )
+    if record.get("interrupted"):
+        lines.append(f"  INTERRUPTED by {record['interrupted']}: "
+                     f"{record['unfinished_requests']} requests unfinished; the leak check "
+                     "shows what rank 0's stage still held")  # fmt: skip
     if record["failed_requests"]:
         lines.append(f"  failed requests: {record['failed_requests']} (see 'requests' in the JSON)")
     return "\n".join(lines)

@@ -59,7 +59,10 @@ def run_and_break(tmp_path, sig: int, victim: int = 2):
             time.sleep(0.5)
             pids = rank_pids(tag)
         assert len(pids) == 4, log.read_text()[-3000:]
-        time.sleep(8)  # well into the run
+        while "measuring" not in log.read_text() and time.monotonic() < deadline + 120:
+            time.sleep(0.5)  # a loaded machine may still be importing torch: wait for the run
+        assert "measuring" in log.read_text(), log.read_text()[-3000:]
+        time.sleep(2)  # well into the run
         assert proc.poll() is None, log.read_text()[-3000:]
         t0 = time.monotonic()
         os.kill(pids[victim], sig)

@@ -8,12 +8,12 @@ import time
 
 import hypothesis.strategies as st
 import msgspec
+import torch
 from hypothesis import HealthCheck, given, settings
 
 from wavepp.rounds.messages import (
     AdmitEntry,
     AdmitRound,
-    Cancel,
     ChunkMsg,
     CodecError,
     DataMessage,
@@ -35,7 +35,6 @@ CASES = {"count": 0}
 
 VALID = [
     AdmitRound(1, [AdmitEntry("r-1", 300, pack_hashes((1, 2, 3, 2**64 - 1)), 4)]),
-    Cancel(2, ["a", "b"]),
     Heartbeat(3),
     Stop(4, "done"),
     WaveMsg(5, 4096, [ChunkMsg("r-1", 0, 300, 300, False)],
@@ -122,7 +121,8 @@ def test_huge_length_claims_fail_without_allocating():
     for raw in claims:
         check(raw)
     too_long = msgspec.msgpack.encode(
-        {"type": "Cancel", "round_id": 1, "request_ids": ["a"] * 70_000}
+        {"type": "AdmitRound", "round_id": 1, "entries": [
+            {"request_id": "a", "num_tokens": 1, "hashes": b"", "probe_limit": 0}] * 70_000}
     )
     try:
         decode_untrusted(too_long, RoundMessage)
@@ -131,22 +131,102 @@ def test_huge_length_claims_fail_without_allocating():
         pass
 
 
-@settings(max_examples=500, deadline=None)
-@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=0, max_size=10))
-def test_data_plane_headers_are_checked_before_allocating(header):
-    from wavepp.exec.planes import MAX_TENSOR_BYTES, PlaneError, parse_header
+class PlayedPeer:
+    """The real receive path (``Link.recv_blocking``) with its peer played by the test:
+    the transport hands out the given header words, then bytes; every buffer the link
+    allocates for the peer is recorded."""
+
+    @staticmethod
+    def link(words, limits):
+        from wavepp.exec.planes import Link
+
+        class Played(Link):
+            def _recv(self, tensor, group):
+                self.asked.append(tensor.numel() * tensor.element_size())
+                if len(self.asked) == 1:
+                    tensor.copy_(torch.tensor(words, dtype=torch.int64))
+                else:
+                    tensor.fill_(7)
+
+        played = Played(None, src=1, dst=2, limits=limits)
+        played.asked = []
+        return played
+
+
+def run_limits():
+    from wavepp.exec.planes import DataLimits
+
+    return DataLimits.for_run(budget=512, width=128, dtype=torch.float32,
+                              max_descriptor_bytes=1 << 16)  # fmt: skip
+
+
+def check_header(words):
+    from wavepp.exec.planes import PlaneError
 
     CASES["count"] += 1
+    limits = run_limits()
+    link = PlayedPeer.link(words, limits)
     try:
-        size, dtype, shape = parse_header(header, 1 << 20, MAX_TENSOR_BYTES)
+        desc, tensor = link.recv_blocking(1 << 20)
     except PlaneError:
+        assert link.asked == [80], "nothing may be allocated for a refused header"
         return
-    assert 0 < size <= 1 << 20
-    if dtype is not None:
-        numel = 1
-        for d in shape:
-            numel *= d
-        assert all(d >= 0 for d in shape) and numel * dtype.itemsize <= MAX_TENSOR_BYTES
+    assert 0 < len(desc) <= limits.max_descriptor_bytes
+    if tensor is not None:
+        assert tensor.dtype == torch.float32 and tensor.dim() == 2
+        assert 0 <= tensor.shape[0] <= 512 and tensor.shape[1] == 128
+    assert sum(link.asked[1:]) <= limits.max_descriptor_bytes + 512 * 128 * 4
+
+
+VALID_HEADER = [0x57505044, 1, 300, 1, 2, 64, 128, 0, 0, 0]
+INT64 = st.integers(-(2**63), 2**63 - 1)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(INT64, min_size=10, max_size=10))
+def test_data_plane_receive_refuses_arbitrary_headers_before_allocating(words):
+    check_header(words)
+
+
+@st.composite
+def near_valid_headers(draw):
+    words = list(VALID_HEADER)
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, 9))
+        words[at] = draw(st.one_of(INT64, st.integers(-2, 1 << 20), st.sampled_from(
+            [0, 1, 2, 3, 5, 6, 127, 128, 129, 511, 512, 513, 1 << 16, (1 << 16) + 1])))  # fmt: skip
+    return words
+
+
+@settings(max_examples=1000, deadline=None)
+@given(near_valid_headers())
+def test_data_plane_receive_checks_every_field_of_near_valid_headers(words):
+    check_header(words)
+
+
+def test_data_plane_receive_accepts_the_runs_own_shapes_only():
+    from wavepp.exec.planes import PlaneError
+
+    link = PlayedPeer.link(VALID_HEADER, run_limits())
+    desc, tensor = link.recv_blocking()
+    assert len(desc) == 300 and tensor.shape == (64, 128) and link.asked == [80, 300, 64 * 128 * 4]
+    refused = {
+        "claims to come from rank 3": [0x57505044, 3, 300, 1, 2, 64, 128, 0, 0, 0],
+        "bad magic": [0, 1, 300, 1, 2, 64, 128, 0, 0, 0],
+        "513 tokens, the wave budget is 512": [0x57505044, 1, 300, 1, 2, 513, 128, 0, 0, 0],
+        "width 129, the model's is 128": [0x57505044, 1, 300, 1, 2, 64, 129, 0, 0, 0],
+        "dtype code 3 is not one of this run's": [0x57505044, 1, 300, 3, 2, 64, 128, 0, 0, 0],
+        "descriptor of 65537 bytes": [0x57505044, 1, 65537, 0, 0, 0, 0, 0, 0, 0],
+        "3-dim tensor": [0x57505044, 1, 300, 1, 3, 64, 128, 1, 0, 0],
+    }
+    for reason, words in refused.items():
+        link = PlayedPeer.link(words, run_limits())
+        try:
+            link.recv_blocking()
+            raise AssertionError(f"accepted a header that should fail with {reason!r}")
+        except PlaneError as error:
+            assert reason in str(error), (reason, str(error))
+        assert link.asked == [80]
 
 
 def test_report_the_number_of_cases(capsys):

@@ -50,13 +50,6 @@ class AdmitRound(_Msg, frozen=True):
     entries: Annotated[list[AdmitEntry], msgspec.Meta(max_length=MAX_ENTRIES)]
 
 
-class Cancel(_Msg, frozen=True):
-    """Drop these requests everywhere (whatever they hold)."""
-
-    round_id: Count
-    request_ids: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)]
-
-
 class Heartbeat(_Msg, frozen=True):
     """Rank 0 is alive and has nothing to admit."""
 
@@ -70,7 +63,9 @@ class Stop(_Msg, frozen=True):
     reason: Annotated[str, msgspec.Meta(max_length=4096)]
 
 
-RoundMessage = AdmitRound | Cancel | Heartbeat | Stop
+RoundMessage = AdmitRound | Heartbeat | Stop
+# Cancels never travel on the rounds plane: they ride with the next wave
+# (``WaveMsg.cancels``), so every stage drops a request after its chunks in flight.
 
 
 # -- data plane (stage s -> s+1, and last stage -> rank 0) ----------------------------

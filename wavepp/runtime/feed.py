@@ -71,7 +71,11 @@ class Feed:
         warmups = [s for s in self.specs if s.warmup]
         measured = [s for s in self.specs if not s.warmup]
         if warmups:
-            await self._closed(warmups, "warm-up")
+            handles = await self._closed(warmups, "warm-up")
+            if not handles:
+                self.log(f"every one of the {len(warmups)} warm-up requests was rejected; "
+                         "measuring without warm-up")  # fmt: skip
+        self.log(f"measuring {len(measured)} requests")
         self.measure_start = time.time()
         async with anyio.create_task_group() as tg:
             for rid, after in self.cancels:
@@ -93,7 +97,9 @@ class Feed:
             self.engine.cancel(spec.request_id)
         return handle
 
-    async def _closed(self, specs: list[RequestSpec], label: str) -> None:
+    async def _closed(self, specs: list[RequestSpec], label: str) -> list[Handle]:
+        """Submit with at most ``concurrency`` outstanding; returns once all ended."""
+        handles: list[Handle] = []
         progress = Progress(self.progress, label, len(specs))
         slots = anyio.Semaphore(self.concurrency)
 
@@ -113,8 +119,10 @@ class Feed:
                     slots.release()
                     progress.done += 1
                     continue
+                handles.append(handle)
                 tg.start_soon(wait, handle)
         progress.step(0, final=True)
+        return handles
 
     async def _open(self, specs: list[RequestSpec]) -> None:
         start = time.time()

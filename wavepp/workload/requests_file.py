@@ -1,5 +1,8 @@
 """Requests from a JSONL file: one ``{"id": ..., "tokens": [...]}`` per line.
 
+A line may say ``"warmup": true``: it runs before measurement starts and is not timed
+(how a benchmark seeds shared prefixes).
+
 A line ``{"cancel": "<id>", "after_s": 0.5}`` cancels an earlier line's request that
 long after measurement starts (queued, admitted or running). A bad line — not JSON, no
 tokens, token ids outside the vocabulary, a repeated id, a cancel of an unknown id — is
@@ -57,9 +60,12 @@ def read_requests_file(
                     )
                 if rid in seen:
                     raise ValueError(f"duplicate request id {rid!r}")
+                warmup = row.get("warmup", False)
+                if not isinstance(warmup, bool):
+                    raise ValueError(f"'warmup' must be true or false, got {warmup!r}")
             except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
                 rejected.append({"line": number, "id": rid, "error": f"{path}:{number}: {error}"})
                 continue
             seen.add(rid)
-            specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), False, 0))
+            specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), warmup, 0))
     return specs, rejected, cancels

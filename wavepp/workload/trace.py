@@ -17,8 +17,11 @@ from wavepp.workload.generators import VOCAB, RequestSpec
 TRACE_BLOCK = 512
 
 
-def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
-    rows = []
+def read_trace(path: str | Path, limit: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The first ``limit`` good lines, and the bad ones as ``{line, id, error}`` (a bad
+    line is reported with its number and skipped, like a bad requests-file line)."""
+    rows: list[dict] = []
+    rejected: list[dict] = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if limit is not None and len(rows) >= limit:
@@ -27,14 +30,24 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[dict]:
                 continue
             try:
                 row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
                 ids = [int(h) for h in row["hash_ids"]]
-                rows.append(
-                    {"timestamp": float(row["timestamp"]), "input_length": int(row["input_length"]),
-                     "hash_ids": ids}
-                )  # fmt: skip
+                length = int(row["input_length"])
+                stamp = float(row["timestamp"])
+                if length <= 0:
+                    raise ValueError(f"input_length {length} (a prompt needs ≥ 1 token)")
+                if length > len(ids) * TRACE_BLOCK:
+                    raise ValueError(f"input_length {length:,} exceeds its {len(ids)} hash ids "
+                                     f"of {TRACE_BLOCK} tokens")  # fmt: skip
+                if not 0 <= stamp < 1e12:
+                    raise ValueError(f"timestamp {stamp} outside [0, 1e12) ms")
+                rows.append({"timestamp": stamp, "input_length": length, "hash_ids": ids,
+                             "line": number})  # fmt: skip
             except (ValueError, KeyError, TypeError) as error:
-                raise ValueError(f"{path}:{number}: not a Mooncake trace line ({error})") from None
-    return rows
+                text = f"{path}:{number}: not a usable Mooncake trace line ({error})"
+                rejected.append({"line": number, "id": None, "error": text})
+    return rows, rejected
 
 
 def _block_tokens(seed: int, hash_id: int, vocab: int) -> np.ndarray:
@@ -45,9 +58,10 @@ def trace(
     path: str | Path, limit: int | None, seed: int, block_size: int = 64,
     open_loop: bool = False, time_scale: float = 1.0, vocab: int = VOCAB,
 ) -> list[RequestSpec]:  # fmt: skip
-    """Replay a trace prefix. ``expected_reuse`` is the longest leading run of hash ids
-    that an earlier request of the trace already had (what a perfect cache reuses)."""
-    rows = read_trace(path, limit)
+    """Replay a trace prefix (bad lines skipped; :func:`read_trace` lists them).
+    ``expected_reuse`` is the longest leading run of hash ids that an earlier request of
+    the trace already had (what a perfect cache reuses)."""
+    rows, _ = read_trace(path, limit)
     cache: dict[int, np.ndarray] = {}
     seen: set[int] = set()
     out = []
