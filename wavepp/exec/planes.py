@@ -15,10 +15,12 @@ threads are abandoned on cancellation: a rank that fails does not wait for a pee
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.to_thread
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -28,7 +30,7 @@ class PlaneError(RuntimeError):
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
-_HEADER = 8  # int64 header: [desc_bytes, dtype code, ndim, dims...(5)]
+_HEADER = 10  # int64 words: [magic, sender, desc_bytes, dtype code, ndim, dims...(5)]
 
 
 def _bytes_tensor(payload: bytes) -> torch.Tensor:
@@ -104,106 +106,226 @@ class TorchRoundsPlane:
         return await self._run(work, "gather of stage reports")
 
 
-MAX_TENSOR_BYTES = 8 << 30  # one wave's activations; more is refused before allocating
+MAX_TENSOR_BYTES = 8 << 30  # one wave's activations when no run-derived bound is given
+_MAGIC = 0x57505044  # "WPPD": the first word of every data-plane header
+_MAX_DIMS = 5
 
 
-def parse_header(
-    header: list[int], max_bytes: int, max_tensor_bytes: int
-) -> tuple[int, torch.dtype | None, list[int]]:
-    """Check a peer's data-plane header before allocating anything for it."""
-    if len(header) != _HEADER:
-        raise PlaneError(f"data-plane header of {len(header)} words, expected {_HEADER}")
-    size, code, ndim = header[:3]
-    if not 0 < size <= max_bytes:
-        raise PlaneError(f"data-plane descriptor of {size} bytes (limit {max_bytes})")
-    if not 0 <= code <= len(_DTYPES) or not 0 <= ndim <= _HEADER - 3:
-        raise PlaneError(f"bad data-plane header {header}")
-    if code == 0:
-        return size, None, []
-    shape = header[3 : 3 + ndim]
-    if any(d < 0 for d in shape):
-        raise PlaneError(f"negative tensor shape {shape} in data-plane header")
-    dtype = _DTYPES[code - 1]
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * dtype.itemsize > max_tensor_bytes:
-        raise PlaneError(f"tensor of shape {shape} exceeds {max_tensor_bytes:,} bytes")
-    return size, dtype, shape
+@attrs.frozen
+class DataLimits:
+    """What a data-plane header may announce, derived from the run's config.
+
+    ``max_tokens`` is the wave budget (most tokens in one wave); ``width`` the model's
+    ``d_model``, which every activation tensor ``[tokens, width]`` must have (None: not
+    checked, and ``[tokens]`` stand-ins, as the sim executor sends, are accepted);
+    ``dtypes`` the tensor dtypes this run sends. Every tensor is also bounded by
+    ``max_tensor_bytes``.
+    """
+
+    max_descriptor_bytes: int = 64 << 20
+    max_tokens: int = 1 << 20
+    width: int | None = None
+    dtypes: frozenset[torch.dtype] = frozenset(_DTYPES)
+    max_tensor_bytes: int = MAX_TENSOR_BYTES
+
+    @classmethod
+    def for_run(
+        cls, budget: int, width: int | None, dtype: torch.dtype, max_descriptor_bytes: int
+    ) -> DataLimits:
+        return cls(max_descriptor_bytes, budget, width, frozenset({dtype}))
+
+
+@attrs.frozen
+class Header:
+    sender: int
+    descriptor_bytes: int
+    dtype: torch.dtype | None  # None: no tensor follows
+    shape: tuple[int, ...]
 
 
 class Link:
-    """One direction of the data plane between two ranks: descriptor bytes + a tensor."""
+    """One direction of the data plane between two ranks: a descriptor, then a tensor.
 
-    def __init__(self, group: dist.ProcessGroup, src: int, dst: int) -> None:
+    The header and the descriptor bytes travel on ``meta_group`` (Gloo); the tensor on
+    ``tensor_group`` — NCCL on its own CUDA stream when ``device`` is a GPU, Gloo on CPU,
+    the same code either way. A lock per direction keeps each message's three parts
+    together, so concurrent callers never interleave them. Every header is checked by
+    :meth:`parse_header` (the only way a header is read) before anything is allocated.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        src: int,
+        dst: int,
+        limits: DataLimits | None = None,
+        tensor_group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.group = group
+        self.tensor_group = tensor_group if tensor_group is not None else group
         self.src = src
         self.dst = dst
+        self.limits = limits or DataLimits()
+        self.device = device or torch.device("cpu")
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
         self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
 
-    def send_blocking(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = len(descriptor)
-        if tensor is not None:
-            if tensor.dim() > _HEADER - 3:
-                raise ValueError(f"tensors of {tensor.dim()} dims do not fit the link header")
-            header[1] = _DTYPES.index(tensor.dtype) + 1
-            header[2] = tensor.dim()
-            header[3 : 3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        dist.send(header, self.dst, group=self.group)
-        dist.send(_bytes_tensor(descriptor), self.dst, group=self.group)
-        if tensor is not None and tensor.numel():
-            dist.send(tensor.contiguous(), self.dst, group=self.group)
+    # -- the transport (overridden by tests that play a peer) --------------------------
 
-    def recv_blocking(self, max_bytes: int) -> tuple[bytes, torch.Tensor | None]:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        dist.recv(header, self.src, group=self.group)
-        size, code, ndim = (int(x) for x in header[:3])
-        if (
-            not 0 < size <= max_bytes
-            or not 0 <= code <= len(_DTYPES)
-            or not 0 <= ndim <= _HEADER - 3
-        ):
-            raise ValueError(f"bad data-plane header from rank {self.src}: {header.tolist()}")
-        desc = torch.empty(size, dtype=torch.uint8)
-        dist.recv(desc, self.src, group=self.group)
-        tensor = None
-        if code:
-            shape = [int(x) for x in header[3 : 3 + ndim]]
-            tensor = torch.empty(shape, dtype=_DTYPES[code - 1])
-            if tensor.numel():
-                dist.recv(tensor, self.src, group=self.group)
+    def _send(self, tensor: torch.Tensor, group) -> None:
+        dist.send(tensor, self.dst, group=group)
+
+    def _recv(self, tensor: torch.Tensor, group) -> None:
+        dist.recv(tensor, self.src, group=group)
+
+    # -- headers -----------------------------------------------------------------------
+
+    def make_header(self, descriptor: bytes, tensor: torch.Tensor | None) -> list[int]:
+        words = [_MAGIC, self.src, len(descriptor), 0, 0] + [0] * _MAX_DIMS
+        if tensor is not None:
+            if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+                raise ValueError(
+                    f"a {tensor.dim()}-dim {tensor.dtype} tensor does not fit the link header "
+                    f"(at most {_MAX_DIMS} dims of {', '.join(map(str, _DTYPES))})"
+                )
+            words[3] = _DTYPES.index(tensor.dtype) + 1
+            words[4] = tensor.dim()
+            words[5 : 5 + tensor.dim()] = list(tensor.shape)
+        return words
+
+    def parse_header(self, words: Sequence[int], max_bytes: int | None = None) -> Header:
+        """Check a peer's header words against this link and the run's limits."""
+        lim = self.limits
+        limit = lim.max_descriptor_bytes
+        if max_bytes is not None:
+            limit = min(limit, max_bytes)
+        where = f"data-plane header from rank {self.src}"
+        if len(words) != _HEADER:
+            raise PlaneError(f"{where}: {len(words)} words, expected {_HEADER}")
+        magic, sender, size, code, ndim, *dims = (int(w) for w in words)
+        if magic != _MAGIC:
+            raise PlaneError(f"{where}: bad magic {magic:#x} (not a WavePP data-plane peer)")
+        if sender != self.src:
+            raise PlaneError(f"{where}: claims to come from rank {sender}")
+        if not 0 < size <= limit:
+            raise PlaneError(f"{where}: descriptor of {size} bytes (limit {limit:,})")
+        if code == 0:
+            if ndim or any(dims):
+                raise PlaneError(f"{where}: shape {dims[:ndim]} without a dtype")
+            return Header(sender, size, None, ())
+        if not 0 < code <= len(_DTYPES) or _DTYPES[code - 1] not in lim.dtypes:
+            allowed = ", ".join(sorted(str(d) for d in lim.dtypes))
+            raise PlaneError(f"{where}: dtype code {code} is not one of this run's ({allowed})")
+        dtype = _DTYPES[code - 1]
+        if not 1 <= ndim <= 2 or any(dims[ndim:]):
+            raise PlaneError(f"{where}: {ndim}-dim tensor; activations are [tokens] or "
+                             "[tokens, width]")  # fmt: skip
+        shape = tuple(dims[:ndim])
+        tokens = shape[0]
+        if not 0 <= tokens <= lim.max_tokens:
+            raise PlaneError(f"{where}: {tokens} tokens, the wave budget is {lim.max_tokens}")
+        if ndim == 2 and lim.width is not None and shape[1] != lim.width:
+            raise PlaneError(f"{where}: width {shape[1]}, the model's is {lim.width}")
+        if ndim == 1 and lim.width is not None:
+            raise PlaneError(f"{where}: shape {list(shape)}, expected [tokens, {lim.width}]")
+        numel = tokens * (shape[1] if ndim == 2 else 1)
+        if numel * dtype.itemsize > lim.max_tensor_bytes:
+            raise PlaneError(f"{where}: tensor {list(shape)} exceeds "
+                             f"{lim.max_tensor_bytes:,} bytes")  # fmt: skip
+        return Header(sender, size, dtype, shape)
+
+    # -- messages ----------------------------------------------------------------------
+
+    def send_blocking(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
+        header = torch.tensor(self.make_header(descriptor, tensor), dtype=torch.int64)
+        with self._send_lock:
+            self._send(header, self.group)
+            self._send(_bytes_tensor(descriptor), self.group)
+            if tensor is not None and tensor.numel():
+                self._send_tensor(tensor)
+
+    def _send_tensor(self, tensor: torch.Tensor) -> None:
+        if self.stream is None:
+            self._send(tensor.contiguous(), self.tensor_group)
+            return
+        tensor = tensor.to(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            tensor = tensor.contiguous()
+            self._send(tensor, self.tensor_group)
+        self.stream.synchronize()  # the caller may reuse the tensor once this returns
+
+    def recv_blocking(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
+        with self._recv_lock:
+            words = torch.zeros(_HEADER, dtype=torch.int64)
+            self._recv(words, self.group)
+            header = self.parse_header(words.tolist(), max_bytes)
+            desc = torch.empty(header.descriptor_bytes, dtype=torch.uint8)
+            self._recv(desc, self.group)
+            tensor = None
+            if header.dtype is not None:
+                tensor = self._recv_tensor(header)
         return desc.numpy().tobytes(), tensor
+
+    def _recv_tensor(self, header: Header) -> torch.Tensor:
+        if self.stream is None:
+            tensor = torch.empty(header.shape, dtype=header.dtype)
+            if tensor.numel():
+                self._recv(tensor, self.tensor_group)
+            return tensor
+        with torch.cuda.stream(self.stream):
+            tensor = torch.empty(header.shape, dtype=header.dtype, device=self.device)
+            if tensor.numel():
+                self._recv(tensor, self.tensor_group)
+        self.stream.synchronize()  # the tensor is complete for any stream that reads it
+        return tensor
 
     async def send(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
         await anyio.to_thread.run_sync(
             self.send_blocking, descriptor, tensor, abandon_on_cancel=True
         )
 
-    async def recv(self, max_bytes: int) -> tuple[bytes, torch.Tensor | None]:
+    async def recv(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
         return await anyio.to_thread.run_sync(self.recv_blocking, max_bytes, abandon_on_cancel=True)
 
 
 def build_planes(
     timeout_s: float,
+    limits: DataLimits | None = None,
+    device: torch.device | None = None,
 ) -> tuple[TorchRoundsPlane, Link | None, Link | None, Link | None]:
     """Create the groups, the same calls in the same order on every rank.
 
     Returns the rounds plane and, for this rank, the inbound link (from s-1), the
     outbound link (to s+1) and, on rank 0 and the last rank, the completion link.
+    Descriptors go over Gloo pair groups; activations over NCCL pair groups when
+    ``device`` is a GPU, else over a second Gloo pair group (the same code path).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = device or torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)  # new_group does not inherit it
+    tensor_backend = "nccl" if device.type == "cuda" else "gloo"
     rounds = dist.new_group(backend="gloo", timeout=timeout)
+
+    def pair(a: int, b: int):
+        meta = dist.new_group([a, b], backend="gloo", timeout=timeout)
+        tensors = dist.new_group([a, b], backend=tensor_backend, timeout=timeout)
+        return meta, tensors
+
     inbound = outbound = done = None
     for s in range(world - 1):
-        group = dist.new_group([s, s + 1], backend="gloo", timeout=timeout)
-        if rank == s:
-            outbound = Link(group, s, s + 1)
-        if rank == s + 1:
-            inbound = Link(group, s, s + 1)
+        meta, tensors = pair(s, s + 1)
+        if rank in (s, s + 1):
+            link = Link(meta, s, s + 1, limits, tensors, device)
+            if rank == s:
+                outbound = link
+            else:
+                inbound = link
     if world > 1:
-        group = dist.new_group([0, world - 1], backend="gloo", timeout=timeout)
+        meta, tensors = pair(0, world - 1)
         if rank in (0, world - 1):
-            done = Link(group, world - 1, 0)
+            done = Link(meta, world - 1, 0, limits, tensors, device)
     return TorchRoundsPlane(rounds, rank, world), inbound, outbound, done
