@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from wavepp.rounds.messages import (
     AdmitEntry,
     AdmitRound,
-    Cancel,
     ChunkMsg,
     CodecError,
     DataMessage,
@@ -36,7 +35,6 @@ CASES = {"count": 0}
 
 VALID = [
     AdmitRound(1, [AdmitEntry("r-1", 300, pack_hashes((1, 2, 3, 2**64 - 1)), 4)]),
-    Cancel(2, ["a", "b"]),
     Heartbeat(3),
     Stop(4, "done"),
     WaveMsg(5, 4096, [ChunkMsg("r-1", 0, 300, 300, False)],
@@ -123,7 +121,8 @@ def test_huge_length_claims_fail_without_allocating():
     for raw in claims:
         check(raw)
     too_long = msgspec.msgpack.encode(
-        {"type": "Cancel", "round_id": 1, "request_ids": ["a"] * 70_000}
+        {"type": "AdmitRound", "round_id": 1, "entries": [
+            {"request_id": "a", "num_tokens": 1, "hashes": b"", "probe_limit": 0}] * 70_000}
     )
     try:
         decode_untrusted(too_long, RoundMessage)
