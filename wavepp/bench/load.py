@@ -235,10 +235,10 @@ class LoadRun:
                               spec.warmup, to_cancel)  # fmt: skip
             self.outcomes.append(outcome)
             pairs.append((spec, outcome))
-        before = await self.scrape()
         warm = [p for p in pairs if p[0].warmup]
         if warm:
             await self._closed(warm)
+        before = await self.scrape()  # the server's figures count the measured phase only
         self.phase = "measured"
         self.warm_latencies, self.latencies = self.latencies, []
         start = time.time()
