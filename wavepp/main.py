@@ -278,6 +278,7 @@ async def rank_main(
     record = summarize(
         records, reports, measure_start=measure_start or measure_end, measure_end=measure_end,
         round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
+        round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
                                               "capacity_blocks": capacity},
     )  # fmt: skip

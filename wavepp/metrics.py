@@ -15,7 +15,7 @@ def _p(values: Sequence[float], q: float) -> float | None:
 def summarize(
     records: Sequence, reports: Sequence[StageReport], *, measure_start: float,
     measure_end: float, round_seconds: Sequence[float], time_scale: float, simulated: bool,
-    config: dict,
+    config: dict, round_cpu_s: Sequence[float] = (),
 ) -> dict:  # fmt: skip
     """Figures in simulated seconds where the executor is simulated (real / time_scale)."""
     measured = [r for r in records if not r.spec.warmup]
@@ -47,6 +47,9 @@ def summarize(
         "probe_p50_us": _p(probes, 50),
         "probe_p99_us": _p(probes, 99),
         "admission_p50_ms": (_p(round_seconds, 50) or 0.0) * 1e3 if round_seconds else None,
+        "admission_p99_ms": (_p(round_seconds, 99) or 0.0) * 1e3 if round_seconds else None,
+        "admission_cpu_p50_ms": _p(round_cpu_s, 50) * 1e3 if round_cpu_s else None,
+        "admission_cpu_p99_ms": _p(round_cpu_s, 99) * 1e3 if round_cpu_s else None,
         "admission_rounds": len(round_seconds),
         "makespan_s": span,
         "measured_requests": len(measured),

@@ -59,7 +59,8 @@ class Admitter:
         self.refused_at_epoch: int | None = None  # blocked until the capacity epoch moves
         self.oracle_admits: list[OracleAdmit] = []  # FREE: to ride with the next wave
         self.round_id = 0
-        self.round_seconds: list[float] = []
+        self.round_seconds: list[float] = []  # wall seconds of each round
+        self.round_cpu_s: list[float] = []  # rank 0's process CPU seconds during each round
         self.round_spans: list[tuple[float, float, int]] = []  # (start, end, requests) wall
         self.stopping = False
 
@@ -100,13 +101,14 @@ class Admitter:
     async def _round(self, limit: int) -> None:
         offers, epoch = self._offers(limit)
         self.round_id += 1
-        started = time.time()
+        started, cpu = time.time(), time.process_time()
         async with self.plane.lock:
             await self.plane.broadcast(
                 encode(AdmitRound(self.round_id, [_entry(o) for o in offers]))
             )
             result = await run_round(self.plane, self.stage.book, offers, self.policy)
         self.round_seconds.append(result.seconds)
+        self.round_cpu_s.append(time.process_time() - cpu)
         self.round_spans.append((started, time.time(), len(offers)))
         for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
             if ok:
@@ -116,7 +118,7 @@ class Admitter:
 
     def _admit_free(self) -> None:
         """The oracle: the same decisions as a round, on rank 0's cache, for free."""
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.process_time()
         offers, epoch = self._offers(len(self.intake.waiting))
         book = self.stage.book
         flags, points = [], []
@@ -134,6 +136,7 @@ class Admitter:
             self.stage.register(Admitted(offer, point))
             self.oracle_admits.append(OracleAdmit(_entry(offer), point))
         self.round_seconds.append(time.perf_counter() - t0)
+        self.round_cpu_s.append(time.process_time() - cpu)
         self._apply(offers[: len(flags)], flags, points, epoch)
 
     async def admit_on_path(self) -> None:
