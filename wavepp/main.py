@@ -44,7 +44,16 @@ from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import audit, empty_cache, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
-from wavepp.workload import cold, mixed, read_requests_file, read_trace, seeded, short_suffix, trace
+from wavepp.workload import (
+    cold,
+    conversation,
+    mixed,
+    read_requests_file,
+    read_trace,
+    seeded,
+    short_suffix,
+    trace,
+)
 from wavepp.workload.generators import VOCAB
 
 
@@ -66,6 +75,8 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     if c.workload == "mixed":
         return mixed(c.requests, c.prompt_tokens, c.cold_tokens or 2 * c.prompt_tokens, c.seed,
                      c.block_size, vocab=vocab), [], []  # fmt: skip
+    if c.workload == "conversation":
+        return conversation(c.requests, c.prompt_tokens, c.seed, c.block_size, vocab), [], []
     if c.workload == "short-suffix":
         return short_suffix(c.requests, c.prompt_tokens, c.seed, c.block_size, c.suffix_tokens,
                             vocab), [], []  # fmt: skip

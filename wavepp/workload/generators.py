@@ -95,4 +95,67 @@ def short_suffix(
     return out
 
 
-WORKLOADS = ("cold", "seeded", "mixed", "short-suffix", "trace")
+def expected_by_blocks(prompts: list[np.ndarray], block_size: int) -> list[int]:
+    """For each prompt in release order, the tokens a perfect cache reuses: its longest
+    run of leading full blocks that some earlier prompt also began with (at least one
+    token is always computed)."""
+    seen: set[bytes] = set()
+    out = []
+    for tokens in prompts:
+        full = (len(tokens) - 1) // block_size  # blocks that may come from the cache
+        shared, sharing = 0, True
+        for b in range(len(tokens) // block_size):
+            key = tokens[: (b + 1) * block_size].tobytes()
+            if sharing and b < full and key in seen:
+                shared += 1
+            else:
+                sharing = False
+            seen.add(key)
+        out.append(shared * block_size)
+    return out
+
+
+def conversation(
+    n: int, prompt_tokens: int, seed: int, block_size: int = 64, vocab: int = VOCAB,
+    num_system: int = 4, turns: tuple[int, int] = (2, 8),
+) -> list[RequestSpec]:  # fmt: skip
+    """Chat traffic: conversations start from one of ``num_system`` shared system prompts
+    (lengths that are multiples of neither the block size nor a snapshot interval) and
+    grow turn by turn — each turn's prompt is the previous one plus the model's answer
+    plus a new user message — interleaved across conversations. Shared prefixes end
+    inside other requests (a system prompt, an earlier turn), where hybrid models lose
+    reuse unless snapshots sit where prefixes branch. ``expected_reuse`` is exact."""
+    rng = np.random.default_rng(seed)
+    base = max(prompt_tokens // 4, 2 * block_size)
+    systems = [_tokens(rng, base + 37 * k + block_size // 2 + 3, vocab) for k in range(num_system)]
+    step = max(prompt_tokens // 8, 8)
+    conversations: list[list[np.ndarray]] = []
+    total = 0
+    while total < n:
+        count = min(int(rng.integers(turns[0], turns[1] + 1)), n - total)
+        prompt = systems[int(rng.integers(num_system))]
+        turns_of: list[np.ndarray] = []
+        for _ in range(count):
+            answer = _tokens(rng, int(rng.integers(step // 4, step)), vocab) if turns_of else None
+            user = _tokens(rng, int(rng.integers(step // 4, step)), vocab)
+            prompt = np.concatenate([prompt, *([answer] if answer is not None else []), user])
+            turns_of.append(prompt)
+        conversations.append(turns_of)
+        total += count
+    # Interleave: each step releases the next turn of a random unfinished conversation.
+    order: list[tuple[int, int]] = []
+    cursors = [0] * len(conversations)
+    live = list(range(len(conversations)))
+    while live:
+        c = live[int(rng.integers(len(live)))]
+        order.append((c, cursors[c]))
+        cursors[c] += 1
+        if cursors[c] == len(conversations[c]):
+            live.remove(c)
+    prompts = [conversations[c][t] for c, t in order]
+    expected = expected_by_blocks(prompts, block_size)
+    return [RequestSpec(f"conv-{c}-turn-{t}", p, False, e)
+            for (c, t), p, e in zip(order, prompts, expected, strict=True)]  # fmt: skip
+
+
+WORKLOADS = ("cold", "seeded", "mixed", "short-suffix", "conversation", "trace")
