@@ -42,6 +42,8 @@ def summarize(
         "queue_p50_s": _p(queued, 50),
         "good_hit_rate": len(good) / len(expecting) if expecting else None,
         "reused_share": sum(r.cached_tokens for r in ok) / tokens if tokens else 0.0,
+        # what a perfect cache of unbounded size would reuse of the same requests
+        "ideal_reused_share": sum(r.spec.expected_reuse for r in ok) / tokens if tokens else 0.0,
         "stage_utilization": utilization,
         "bubble_share": [1.0 - u for u in utilization],
         "probe_p50_us": _p(probes, 50),
@@ -76,6 +78,7 @@ def summarize(
                 "id": r.spec.request_id,
                 "num_tokens": r.spec.num_tokens,
                 "cached_tokens": r.cached_tokens,
+                "expected_reuse": r.spec.expected_reuse,
                 "first_token": r.first_token,
                 "top_logit": r.top_logit,
                 "completion_s": None
@@ -110,7 +113,8 @@ def table(record: dict) -> str:
         f"  completion p50/p99  {fmt(record['completion_p50_s'], ' s')} / "
         f"{fmt(record['completion_p99_s'], ' s')}",
         f"  good-hit rate       {fmt(record['good_hit_rate'], '%', 100, 1)}"
-        f"   reused share {fmt(record['reused_share'], '%', 100, 1)}",
+        f"   reused share {fmt(record['reused_share'], '%', 100, 1)}"
+        f" (ideal {fmt(record['ideal_reused_share'], '%', 100, 1)})",
         f"  admission p50       {fmt(record['admission_p50_ms'], ' ms')} over "
         f"{record['admission_rounds']} rounds   probe p50/p99 {fmt(record['probe_p50_us'], ' us')}"
         f" / {fmt(record['probe_p99_us'], ' us')}",
