@@ -176,7 +176,9 @@ class LoadRun:
             outcome.status, outcome.error = "error", f"HTTP {reply.status_code}: not JSON"
             return
         if "error" in data and "status" not in data and "wavepp" not in data:
-            outcome.status, outcome.error = "error", str(data["error"].get("message"))
+            refused = {503: "unavailable"}.get(reply.status_code, "rejected")
+            outcome.status = refused if 400 <= reply.status_code < 600 else "error"
+            outcome.error = str(data["error"].get("message"))
             return
         result = data.get("wavepp", data)
         outcome.status = result["status"]
@@ -249,6 +251,9 @@ class LoadRun:
             await self._closed(rest)
         end = time.time()
         self._show(final=True)
+        errors = sorted({o.error for o in self.outcomes if o.error and o.status != "done"})
+        for error in errors[:5]:
+            print(f"load: {error}", file=sys.stderr)
         after = await self.scrape()
         return self.report(start, end, before, after)
 
