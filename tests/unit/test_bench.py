@@ -1,28 +1,44 @@
 import json
 
+from wavepp.bench.matrix import cell_summaries, expand, preset_cells, tables
 from wavepp.bench.matrix import main as matrix_main
-from wavepp.bench.matrix import preset_cells, tables
 from wavepp.bench.plot import plot_results
 
 
 def fake_rows():
     rows = []
     for c in (8, 32):
-        for rung, t in (("R1", 100.0), ("R4", 150.0), ("oracle", 160.0)):
-            rows.append({
-                "preset": "smoke", "workload": "seeded", "workload_label": "seeded-8k",
-                "concurrency": c, "rung": rung, "throughput_tok_s": t * c,
-                "completion_p50_s": 0.5, "simulated": True,
-                "cell_key": f"smoke|seeded-8k|{c}|{rung}",
-                "completion_times_s": [0.1, 0.2, 0.4],
-            })  # fmt: skip
+        for rung, planner, t in (("R1", "static", 100.0), ("R3", "static", 140.0),
+                                 ("R4", "mpu", 150.0), ("R5", "cost", 151.0),
+                                 ("oracle", "mpu", 160.0), ("oracle", "static", 150.0),
+                                 ("oracle", "cost", 170.0)):  # fmt: skip
+            for repeat, jitter in enumerate((1.0, 1.02, 0.97)):
+                rows.append({
+                    "preset": "smoke", "workload": "seeded", "workload_label": "seeded-8k",
+                    "concurrency": c, "rung": rung, "planner": planner, "repeat": repeat,
+                    "throughput_tok_s": t * c * jitter, "completion_p50_s": 0.5,
+                    "simulated": True, "good_hit_rate": 1.0,
+                    "cell_key": f"smoke|seeded-8k|{c}|{rung}|{planner}|#{repeat}",
+                    "completion_times_s": [0.1, 0.2, 0.4],
+                })  # fmt: skip
     return rows
 
 
-def test_tables_show_deltas_against_r1_and_the_oracle():
+def test_the_oracle_is_the_best_planner_and_medians_are_used():
+    cell = cell_summaries(fake_rows())[("seeded-8k", 32)]
+    assert cell["oracle"].planner == "cost" and cell["oracle"].throughput == 170.0 * 32
+    assert cell["oracle[mpu]"].throughput == 160.0 * 32  # the median of 1.0, 1.02, 0.97
+    assert cell["R4"].runs == 3 and round(cell["R4"].spread, 3) == 0.05
+
+
+def test_tables_show_medians_spread_and_deltas_against_the_true_oracle():
     text = tables(fake_rows(), "smoke")
-    assert "seeded-8k (SIMULATED)" in text
-    assert "4,800 [ +50.0%|  -6.2%]" in text  # R4 at c=32: +50% over R1, -6.25% vs oracle
+    assert "seeded-8k (SIMULATED)" in text and "3 runs" in text
+    # R4 at c=32: 4,800 median, +50% over R1, -11.8% against oracle[cost] (5,440)
+    assert "4,800 ± 5.0% [ +50.0%| -11.8%]" in text
+    assert "oracle = oracle[cost] (per planner: cost 5,440, mpu 5,120, static 4,800)" in text
+    # R5 +0.7% over R4; 151/170 of the oracle; R4 at 150/160 of oracle[mpu]
+    assert "seeded-8k c=32: R5 +0.7% ok | R5/oracle 88.8% FAIL | R4/oracle[mpu] 93.8% FAIL" in text
 
 
 def test_plots_are_written(tmp_path):
@@ -35,12 +51,22 @@ def test_plots_are_written(tmp_path):
     assert all(p.stat().st_size > 5000 for p in paths)
 
 
-def test_matrix_resumes_from_its_results_file(tmp_path, capsys):
+def test_the_oracle_runs_once_per_planner_and_repeats_multiply_the_runs():
     ranks, cells = preset_cells("smoke")
-    assert ranks == 4 and len(cells) == 18
+    assert ranks == 4 and len(cells) == 3 * (5 + 3)
+    oracles = [c for c in cells if c.rung == "oracle" and c.workload == "cold-8k"]
+    assert sorted(c.planner for c in oracles) == ["cost", "mpu", "static"]
+    runs = expand(cells, 3)
+    assert len(runs) == 72 and len({c.key("smoke") for c in runs}) == 72
+    assert runs[0].key("smoke") == cells[0].key("smoke")  # repeat 0 keeps the old key
+
+
+def test_matrix_resumes_from_its_results_file(tmp_path, capsys):
+    _, cells = preset_cells("smoke")
     done = {"cell_key": cells[0].key("smoke"), "workload_label": cells[0].workload}
     out = tmp_path / "results.jsonl"
     out.write_text(json.dumps(done) + "\n")
-    matrix_main(["--preset", "smoke", "--out", str(out), "--dry-run"])
+    matrix_main(["--preset", "smoke", "--out", str(out), "--dry-run", "--repeat", "2"])
     text = capsys.readouterr().out
-    assert "18 cells, 1 already in" in text and "17 to run" in text
+    assert "48 runs, 1 already in" in text and "47 to run" in text
+    assert "oracle --planner cost #1" in text

@@ -1,8 +1,10 @@
 """``python -m wavepp.bench.plot RESULTS --out DIR``: pictures of a results file.
 
-- ``throughput_<workload>.png``: throughput against concurrency, one line per rung;
-- ``ladder_<workload>.png``: the ablation ladder as bars at the highest concurrency
-  (like the paper's Fig. 14), with Δ% over the rung below;
+- ``throughput_<workload>.png``: median throughput against concurrency, one line per
+  rung (the oracle: the best planner's, see :mod:`wavepp.bench.matrix`);
+- ``ladder_<workload>.png``: the ablation ladder as bars of medians at the highest
+  concurrency (like the paper's Fig. 14), the runs' min–max as error bars, with Δ% over
+  the rung below;
 - ``completion_cdf_<workload>.png``: completion-time CDFs per rung at that concurrency.
 
 Figures from the simulated executor say SIMULATED in their titles.
@@ -18,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from wavepp.bench.matrix import RUNGS, load_results
+from wavepp.bench.matrix import RUNGS, cell_summaries, load_results, row_planner
 
 
 def _title(base: str, rows: list[dict]) -> str:
@@ -31,15 +33,15 @@ def plot_results(path: Path, out: Path) -> list[Path]:
         raise SystemExit(f"{path} holds no results")
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    summaries = cell_summaries(rows)
     for workload in sorted({r.get("workload_label", r["workload"]) for r in rows}):
         sub = [r for r in rows if r.get("workload_label", r["workload"]) == workload]
-        rungs = [g for g in RUNGS if any(r["rung"] == g for r in sub)]
-        # Throughput vs concurrency.
+        cells = {c: s for (label, c), s in summaries.items() if label == workload}
+        rungs = [g for g in RUNGS if any(g in s for s in cells.values())]
+        # Throughput vs concurrency (medians).
         fig, ax = plt.subplots(figsize=(6, 4))
         for rung in rungs:
-            pts = sorted(
-                (r["concurrency"], r["throughput_tok_s"]) for r in sub if r["rung"] == rung
-            )
+            pts = sorted((c, s[rung].throughput) for c, s in cells.items() if rung in s)
             ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=rung)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -49,28 +51,40 @@ def plot_results(path: Path, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         written.append(_save(fig, out / f"throughput_{workload}.png"))
         # The ladder at the highest concurrency.
-        top = max(r["concurrency"] for r in sub)
-        at_top = {r["rung"]: r for r in sub if r["concurrency"] == top}
+        top = max(cells)
+        at_top = cells[top]
         names = [g for g in rungs if g in at_top]
-        values = [at_top[g]["throughput_tok_s"] for g in names]
+        values = [at_top[g].throughput for g in names]
+        errors = [[v - at_top[g].low for g, v in zip(names, values, strict=True)],
+                  [at_top[g].high - v for g, v in zip(names, values, strict=True)]]  # fmt: skip
+        labels = [f"oracle[{at_top[g].planner}]" if g == "oracle" else g for g in names]
         fig, ax = plt.subplots(figsize=(6, 4))
-        bars = ax.bar(names, values, color="tab:blue")
+        bars = ax.bar(labels, values, color="tab:blue", yerr=errors, capsize=3)
         for i, bar in enumerate(bars):
             if i:
                 delta = (values[i] / values[i - 1] - 1) * 100
                 ax.annotate(f"{delta:+.1f}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=8)  # fmt: skip
-        ax.set_ylabel("throughput (tok/s)")
+        ax.set_ylabel("throughput (tok/s, median)")
         ax.set_title(_title(f"ablation ladder, {workload}, c={top}", sub))
         written.append(_save(fig, out / f"ladder_{workload}.png"))
+        first = {}  # one run per rung at the top concurrency (the oracle: the winner's)
+        for r in sub:
+            if r["concurrency"] != top or r.get("repeat", 0):
+                continue
+            if r["rung"] == "oracle" and row_planner(r) != at_top["oracle"].planner:
+                continue
+            first[r["rung"]] = r
         # Completion-time CDFs (records keep per-request rows only if the run kept them).
         fig, ax = plt.subplots(figsize=(6, 4))
         drew = False
         for g in names:
-            times = sorted(q["completion_s"] for q in at_top[g].get("requests", [])
+            if g not in first:
+                continue
+            times = sorted(q["completion_s"] for q in first[g].get("requests", [])
                            if q.get("completion_s") is not None)  # fmt: skip
             if not times:
-                times = sorted(at_top[g].get("completion_times_s", []))
+                times = sorted(first[g].get("completion_times_s", []))
             if times:
                 ax.step(times, [(i + 1) / len(times) for i in range(len(times))], label=g)
                 drew = True
