@@ -21,9 +21,6 @@ import itertools
 
 import torch
 
-# Upper bound on the elements of the per-channel pairwise decay tensor built at once.
-_PAIRWISE_BUDGET = 1 << 24
-
 
 def _pieces(num_tokens: int, cuts: tuple[int, ...], chunk: int) -> list[tuple[int, int]]:
     """[start, end) pieces of at most ``chunk`` tokens that end at every cut."""
@@ -50,9 +47,10 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     for n, (a, b) in enumerate(pieces):
         index[n, : b - a] = torch.arange(a, b)
 
-    def gather(x):  # [T, H, ...] -> [H, N, C, ...]
-        padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
-        return padded[index].movedim(2, 0)
+    def gather(x):  # [T, H, ...] -> [H, N, C, ...], contiguous
+        padded = x.new_zeros((heads, num_tokens + 1, *x.shape[2:]))
+        padded[:, :num_tokens] = x.transpose(0, 1)
+        return padded[:, index]
 
     qs, ks, vs, bs, gs = (gather(x.float()) for x in (q, k, v, beta, g))
     gs = gs.cumsum(2)  # [H, N, C] or [H, N, C, dk]: cumulative log decay within a piece
@@ -76,43 +74,69 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     # UT transform: (I + strictly-lower ut) [U | W] = [v*beta | k*beta*exp(G)], one solve.
     rhs = torch.cat([vs * bs[..., None], w_rhs], dim=-1)  # [H, N, C, dv + dk]
     solved = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
-    u, w = solved[..., :dv], solved[..., dv:]
-    out = torch.empty(heads, num_pieces, chunk, dv)
+    # Piece-major copies, so that each step of the loop reads contiguous [H, C, .] tiles.
+    u, w, q_in, intra, k_out = (
+        x.transpose(0, 1).contiguous()
+        for x in (solved[..., :dv], solved[..., dv:], q_in, intra, k_out)
+    )
+    decay_last = g_last.exp().transpose(0, 1)  # [N, H] or [N, H, dk]
+    decay_last = decay_last[..., None] if per_channel else decay_last[..., None, None]
+    out = torch.empty(num_pieces, heads, chunk, dv)
     s = state.float()
     saved: dict[int, torch.Tensor] = {0: s}  # a cut at 0 is the state given
     cut_set = set(cuts)
     for n in range(num_pieces):  # carry the state piece to piece
-        v_new = u[:, n] - w[:, n] @ s  # [H, C, dv]
-        out[:, n] = q_in[:, n] @ s + intra[:, n] @ v_new
-        if per_channel:
-            s = s * g_last[:, n].exp()[..., None] + k_out[:, n].transpose(-1, -2) @ v_new
-        else:
-            s = s * g_last[:, n].exp()[:, None, None] + k_out[:, n].transpose(-1, -2) @ v_new
+        v_new = u[n] - w[n] @ s  # [H, C, dv]
+        torch.baddbmm(intra[n] @ v_new, q_in[n], s, out=out[n])
+        s = torch.baddbmm(s * decay_last[n], k_out[n].transpose(-1, -2), v_new)
         if pieces[n][1] in cut_set:
             saved[pieces[n][1]] = s
-    flat = out.movedim(0, 2).reshape(num_pieces * chunk, heads, dv)
     keep = (index < num_tokens).reshape(-1)
-    o = torch.empty(num_tokens, heads, dv)
-    o[index.reshape(-1)[keep]] = flat[keep]
+    o = out.transpose(1, 2).reshape(num_pieces * chunk, heads, dv)[keep]  # [T, H, dv]
     return o.to(v.dtype), s, [saved[c] for c in cuts]
 
 
-def _pairwise_channel(qs, ks, k_beta, gs, lower):
+def _pairwise_channel(qs, ks, k_beta, gs, lower, sub: int = 16):
     """Per-channel decays: ut[i, j] = sum_d kb_i k_j exp(G_i - G_j) (j < i) and
-    intra[i, j] = sum_d q_i k_j exp(G_i - G_j) (j <= i), exact (every exponent <= 0),
-    over groups of pieces so that the [.., C, C, dk] tensor stays bounded."""
+    intra[i, j] = sum_d q_i k_j exp(G_i - G_j) (j <= i). qs, ks, k_beta, gs: [H, N, C, dk].
+
+    Within a sub-chunk of ``sub`` tokens the decays are taken pairwise (exact). Across
+    sub-chunks J < I they factor through r, the last token of J:
+    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both factors <= 1 (no overflow), so
+    the off-diagonal blocks are matrix products."""
     heads, num_pieces, chunk, dk = ks.shape
-    step = max(1, _PAIRWISE_BUDGET // (heads * chunk * chunk * dk))
-    ut = torch.empty(heads, num_pieces, chunk, chunk)
-    intra = torch.empty_like(ut)
-    strict = lower.clone().fill_diagonal_(False)
-    for a in range(0, num_pieces, step):  # fixed-size groups of pieces
-        sl = slice(a, a + step)
-        diff = gs[:, sl, :, None, :] - gs[:, sl, None, :, :]  # [H, n, C, C, dk]
-        decay = diff.masked_fill(~lower[:, :, None], -torch.inf).exp()
-        kd = ks[:, sl, None, :, :] * decay  # k_j exp(G_i - G_j)
-        ut[:, sl] = (k_beta[:, sl, :, None, :] * kd).sum(-1).masked_fill(~strict, 0.0)
-        intra[:, sl] = (qs[:, sl, :, None, :] * kd).sum(-1)
+    sub = min(sub, chunk)
+    nsub = chunk // sub
+    g_ref = gs[:, :, sub - 1 :: sub]  # [H, N, nsub, dk]: G at the last token of each J
+    # rows i (all tokens) against each reference r_J; clamped where i <= r_J (masked later)
+    row_decay = (gs[:, :, None] - g_ref[:, :, :, None]).clamp(max=0.0).exp()  # [H,N,nsub,C,dk]
+    blocks = (heads, num_pieces, nsub, sub, dk)
+    k_ref = ks.view(blocks) * (g_ref[:, :, :, None] - gs.view(blocks)).exp()  # [H,N,nsub,c,dk]
+    across = torch.arange(chunk)[:, None] // sub > torch.arange(chunk)[None, :] // sub  # I > J
+
+    def off_diagonal(left):  # left: [H, N, C, dk] -> [H, N, C, C], nonzero for I > J only
+        prod = (left[:, :, None] * row_decay) @ k_ref.transpose(-1, -2)  # [H, N, nsub, C, c]
+        return prod.permute(0, 1, 3, 2, 4).reshape(heads, num_pieces, chunk, chunk) * across
+
+    # diagonal sub-chunks, exact: [H, N, nsub, c, c, dk]
+    g_sub = gs.view(blocks)
+    tri = lower[:sub, :sub]
+    decay = (
+        (g_sub[..., :, None, :] - g_sub[..., None, :, :])
+        .masked_fill(~tri[:, :, None], -torch.inf)
+        .exp()
+    )
+    kd = ks.view(blocks)[..., None, :, :] * decay  # k_j exp(G_i - G_j)
+
+    def with_diagonal(full, left):
+        diag = (left.view(blocks)[..., :, None, :] * kd).sum(-1)  # [H, N, nsub, c, c]
+        grid = full.view(heads, num_pieces, nsub, sub, nsub, sub)
+        torch.diagonal(grid, dim1=2, dim2=4).copy_(diag.permute(0, 1, 3, 4, 2))
+        return full
+
+    ut = with_diagonal(off_diagonal(k_beta), k_beta)
+    ut = ut.masked_fill(~lower.clone().fill_diagonal_(False), 0.0)
+    intra = with_diagonal(off_diagonal(qs), qs)
     return ut, intra
 
 

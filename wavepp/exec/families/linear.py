@@ -98,14 +98,25 @@ class KimiDeltaAttention(_Recurrent):
         self.g_b_proj = nn.Linear(head_dim, inner, bias=False)
         self.o_norm = GatedRMSNorm(head_dim, eps, "sigmoid")
         self.o_proj = nn.Linear(inner, d_model, bias=False)
+        self._fused: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self) -> None:
+        """Fuse q/k/v projections and convolutions once the checkpoint is loaded."""
+        self._fused = (
+            torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+            torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]),
+        )
 
     def conv_weight(self) -> torch.Tensor:  # [3 * inner, K]
-        return torch.cat([c.weight[:, 0] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        if self._fused is None:
+            self.prepare()
+        return self._fused[1]
 
     def _inputs(self, h):
         # h: [n, d_model] -> x: [n, 3 * inner] (q | k | v before the convolution)
-        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        return F.linear(h, w), h
+        if self._fused is None:
+            self.prepare()
+        return F.linear(h, self._fused[0]), h
 
     def _mix(self, y, h):
         n, heads, d = h.shape[0], self.num_heads, self.dk
@@ -154,9 +165,16 @@ class GatedDeltaNet(_Recurrent):
         self.norm = GatedRMSNorm(head_v_dim, eps, "silu")
         self.out_proj = nn.Linear(self.value_dim, d_model, bias=False)
         self._order: torch.Tensor | None = None
+        self._fused: torch.Tensor | None = None
 
     def conv_weight(self) -> torch.Tensor:  # [channels, K]
         return self.conv1d.weight[:, 0]
+
+    def prepare(self) -> None:
+        """One projection with rows q | k | v | z | b | a, once the checkpoint is loaded."""
+        self._fused = torch.cat([self.in_proj_qkvz.weight, self.in_proj_ba.weight])[
+            self._row_order()
+        ]
 
     def _row_order(self) -> torch.Tensor:
         """Rows of [in_proj_qkvz; in_proj_ba] in the order q | k | v | z | b | a (the
@@ -180,8 +198,9 @@ class GatedDeltaNet(_Recurrent):
 
     def _inputs(self, h):
         # h: [n, d_model] -> x: [n, 2 key_dim + value_dim] (q | k | v), extras (z, b, a)
-        w = torch.cat([self.in_proj_qkvz.weight, self.in_proj_ba.weight])[self._row_order()]
-        out = F.linear(h, w)
+        if self._fused is None:
+            self.prepare()
+        out = F.linear(h, self._fused)
         c, vd, nv = self.conv_channels, self.value_dim, self.num_heads
         z = out[:, c : c + vd]
         b, a = out[:, c + vd : c + vd + nv], out[:, c + vd + nv :]

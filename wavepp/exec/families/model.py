@@ -138,8 +138,8 @@ def build_family_stage(
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     modules.load_state_dict({k: weights[k] for k in wanted})
     for m in modules.modules():
-        if isinstance(m, SparseMoE):
-            m.prepare()
+        if hasattr(m, "prepare"):
+            m.prepare()  # fused / stacked weights, from the loaded ones
     return modules.eval()
 
 

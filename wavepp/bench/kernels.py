@@ -1,0 +1,163 @@
+"""Per-layer-kind benchmark: WavePP's prefill path of each family layer against
+``transformers``' own PyTorch fallback of the same layer, same weights, same input.
+
+For each kind a one-layer model is made by ``transformers`` with unit-scale random
+weights, saved with ``save_pretrained`` and loaded by WavePP; both then run the layer
+on the same hidden states (one prompt, no cache). Printed per row: best-of-N seconds of
+each (interleaved runs), the ratio transformers / WavePP (> 1: WavePP faster) and the
+max abs difference of the outputs. ``python -m wavepp.bench.kernels [--tokens 2048] [--repeats 7]``.
+
+Needs ``transformers`` (the ``dev`` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+import torch
+
+from wavepp.exec.checkpoint import load_checkpoint
+from wavepp.exec.families import build_family_stage
+
+
+def _configs(width: int):
+    import transformers
+
+    kimi = dict(vocab_size=256, hidden_size=width, intermediate_size=2 * width,
+                moe_intermediate_size=width // 2, num_attention_heads=8, num_key_value_heads=8,
+                kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64,
+                v_head_dim=64, num_local_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+                linear_head_dim=128, linear_num_heads=width // 128, num_hidden_layers=1,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    qwen = dict(vocab_size=256, hidden_size=width, intermediate_size=2 * width,
+                moe_intermediate_size=width // 2, shared_expert_intermediate_size=width,
+                num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                linear_num_key_heads=width // 256, linear_num_value_heads=width // 128,
+                linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16,
+                num_experts_per_tok=4, pad_token_id=0)  # fmt: skip
+    return {
+        # kind: (config class, model class, config, attribute of layer 0 to compare)
+        "kda": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
+                {**kimi, "layer_types": ["linear_attention"], "mlp_layer_types": ["dense"]},
+                "self_attn"),
+        "mla": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
+                {**kimi, "layer_types": ["full_attention"], "mlp_layer_types": ["dense"]},
+                "self_attn"),
+        "kimi-moe": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM,
+                     {**kimi, "layer_types": ["full_attention"], "mlp_layer_types": ["sparse"]},
+                     "mlp"),
+        "gdn": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                {**qwen, "layer_types": ["linear_attention"]}, "linear_attn"),
+        "gated-attn": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                       {**qwen, "layer_types": ["full_attention"]}, "self_attn"),
+        "qwen-moe": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                     {**qwen, "layer_types": ["full_attention"]}, "mlp"),
+    }  # fmt: skip
+
+
+def _time_pair(ours, theirs, repeats: int) -> tuple[float, float]:
+    """Best-of-``repeats`` seconds of each, runs interleaved so that load from other
+    processes hits both alike (the minimum is the run least disturbed)."""
+    ours(), theirs()  # warm-up
+    ours_s, theirs_s = [], []
+    for _ in range(repeats):
+        for fn, times in ((ours, ours_s), (theirs, theirs_s)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(ours_s), min(theirs_s)
+
+
+def _callables(hf, cfg, attr: str, ours_layer, h: torch.Tensor):
+    """(WavePP's prefill path, transformers' forward) of layer 0 on h: [1, tokens, width]."""
+    hf_layer = hf.model.layers[0]
+    if attr == "mlp":
+        return (lambda: ours_layer.ffn(h[0])), (lambda: hf_layer.mlp(h)[0])
+    if cfg.kind(0) == "L":
+        mixer = ours_layer.mixer
+        return (lambda: mixer.chunk(h[0], None, ())[0]), (lambda: getattr(hf_layer, attr)(h)[0])
+    positions = torch.arange(h.shape[1])
+    mixer = ours_layer.mixer
+
+    def ours_fn():
+        query, entries = mixer.project(h[0], positions)
+        return mixer.attend(query, entries, positions)
+
+    rotary = getattr(hf.model, "rotary_emb", None)
+    extra = {} if rotary is None else {"position_embeddings": rotary(h, positions[None])}
+
+    def hf_fn():
+        return getattr(hf_layer, attr)(h, attention_mask=None, **extra)[0][0]
+
+    return ours_fn, hf_fn
+
+
+def run(kinds: list[str], tokens: int, repeats: int, width: int, seed: int) -> list[dict]:
+    import transformers  # noqa: F401
+
+    torch.set_num_threads(1)
+    configs = _configs(width)
+    rows = []
+    for kind in kinds:
+        config_cls, model_cls, args, attr = configs[kind]
+        torch.manual_seed(seed)
+        hf = model_cls(config_cls(**args)).eval()
+        _redraw(hf, seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf.save_pretrained(tmp)
+            cfg, weights = load_checkpoint(tmp)
+        ours_layer = build_family_stage(cfg, range(1), True, True, weights).layer(0)
+        h = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(seed))
+        ours_fn, hf_fn = _callables(hf, cfg, attr, ours_layer, h)
+        with torch.inference_mode():
+            diff = (ours_fn() - hf_fn()).abs().max().item()
+            ours_s, hf_s = _time_pair(ours_fn, hf_fn, repeats)
+        rows.append({"kind": kind, "tokens": tokens, "wavepp_s": ours_s, "transformers_s": hf_s,
+                     "ratio": hf_s / ours_s, "max_abs_diff": diff})  # fmt: skip
+    return rows
+
+
+@torch.no_grad()
+def _redraw(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith(("A_log", "dt_bias")):
+            continue
+        p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=generator))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m wavepp.bench.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--width", type=int, default=512, help="hidden size (multiple of 256)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kinds",
+        default="kda,gdn,mla,gated-attn,kimi-moe,qwen-moe",
+        help="rows: kda, gdn (delta rules), mla, gated-attn, kimi-moe, qwen-moe",
+    )
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args(argv)
+    rows = run(args.kinds.split(","), args.tokens, args.repeats, args.width, args.seed)
+    print(f"{'kind':<12}{'tokens':>8}{'wavepp s':>11}{'transformers s':>16}{'ratio':>8}"
+          f"{'max diff':>11}")  # fmt: skip
+    for r in rows:
+        print(f"{r['kind']:<12}{r['tokens']:>8}{r['wavepp_s']:>11.4f}{r['transformers_s']:>16.4f}"
+              f"{r['ratio']:>8.2f}{r['max_abs_diff']:>11.1e}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
