@@ -163,8 +163,7 @@ async def test_body_over_the_limit_is_refused_before_it_is_read():
 
 async def test_duplicate_id_conflicts_and_cancel_by_id():
     async def test(h: Harness):
-        # A slow engine: the first request is still queued or running when we cancel it.
-        h.engine.tokens_per_s = 100.0
+        h.engine.pause()  # "a" stays queued until we cancel it
         results = {}
 
         async def first():
@@ -179,6 +178,7 @@ async def test_duplicate_id_conflicts_and_cancel_by_id():
             gone = await h.client.delete("/v1/requests/a")
             assert gone.status_code == 200
             assert gone.json() == {"id": "a", "cancelled": True}
+        h.engine.resume()
         assert results["a"].status_code == 200
         assert results["a"].json()["status"] == "cancelled"
         again = await h.client.delete("/v1/requests/a")
@@ -258,13 +258,15 @@ async def _live_server(engine: FakeEngine, test, options: ServeOptions | None = 
 
 
 async def test_disconnect_cancels_on_a_real_server():
-    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=200.0)  # 50 tokens: 0.25 s
+    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=20.0)  # 50 tokens: 2.5 s
 
     async def test(client: httpx.AsyncClient):
         with anyio.move_on_after(0.1):  # give up mid-request: the connection closes
             await client.post("/v1/prefill", json={"tokens": [1] * 50, "id": "gone"})
         await wait_for(lambda: "gone" in engine.requests and engine.requests["gone"].result)
         assert engine.requests["gone"].result.status == "cancelled"
+        assert engine.requests["gone"].admitted_at is not None  # it was running
+        engine.tokens_per_s = 50_000.0
         kept = await client.post("/v1/prefill", json={"tokens": [2] * 20, "id": "kept"})
         assert kept.json()["status"] == "done"
         samples = parse_exposition((await client.get("/metrics")).text)
@@ -316,22 +318,22 @@ def test_token_arrays_are_int32():
 async def test_a_higher_class_overtakes_the_queue():
     # Room for one prompt at a time: requests queue, and the class decides who goes next.
     async def test(h: Harness):
-        h.engine.tokens_per_s = 2000.0
         order = []
 
-        async def send(rid: str, priority: int):
-            body = {"tokens": [len(order) + 1] * 90, "id": rid, "priority": priority}
+        async def send(rid: str, priority: int, token: int):
+            body = {"tokens": [token] * 90, "id": rid, "priority": priority}
             reply = await h.client.post("/v1/prefill", json=body)
             assert reply.status_code == 200
             order.append(rid)
 
+        h.engine.pause()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(send, "first", 0)
-            await wait_for(lambda: h.engine.counts["running"] == 1)
-            for rid, priority in [("low-a", 0), ("low-b", 0), ("high", 5), ("mid", 1)]:
-                tg.start_soon(send, rid, priority)
+            arrivals = [("low-a", 0), ("low-b", 0), ("high", 5), ("mid", 1), ("low-c", 0)]
+            for token, (rid, priority) in enumerate(arrivals, 1):
+                tg.start_soon(send, rid, priority, token)
                 await wait_for(lambda rid=rid: rid in h.engine.requests)
-        assert order == ["first", "high", "mid", "low-a", "low-b"]
+            h.engine.resume()
+        assert order == ["high", "mid", "low-a", "low-b", "low-c"]
 
     await _with_engine(test, capacity_tokens=100)
 

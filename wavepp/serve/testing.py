@@ -100,6 +100,7 @@ class FakeEngine:
         self.busy_s = 0.0
         self.started_at = time.time()
         self._wake = anyio.Event()
+        self._resumed: anyio.Event | None = None  # set while paused: run() admits nothing
         self._subscribers: list = []
         self._next_id = 0
 
@@ -172,6 +173,16 @@ class FakeEngine:
 
     # -- the stand-in runtime ------------------------------------------------------------
 
+    def pause(self) -> None:
+        """Admit nothing until :meth:`resume` (requests queue up)."""
+        if self._resumed is None:
+            self._resumed = anyio.Event()
+
+    def resume(self) -> None:
+        if self._resumed is not None:
+            self._resumed.set()
+            self._resumed = None
+
     def _used(self) -> int:
         return sum(r.tokens.size for r in self.running)
 
@@ -234,6 +245,9 @@ class FakeEngine:
             if not self.queue and not self.running:
                 self._wake = anyio.Event()
                 await self._wake.wait()
+                continue
+            if self._resumed is not None:
+                await self._resumed.wait()
                 continue
             self._admit()
             batch = list(self.running)
