@@ -96,7 +96,7 @@ def summarize(
 def table(record: dict) -> str:
     cfg = record["config"]
     kind = (
-        f"SIMULATED — sim executor, {cfg['model']} on {cfg['device']}"
+        f"SIMULATED — sim executor, {cfg['model']} on {cfg.get('sim_device', cfg.get('device'))}"
         if record["simulated"]
         else f"real model (torch executor, {cfg['model']})"
     )

@@ -126,8 +126,10 @@ def conversation(
     inside other requests (a system prompt, an earlier turn), where hybrid models lose
     reuse unless snapshots sit where prefixes branch. ``expected_reuse`` is exact."""
     rng = np.random.default_rng(seed)
-    base = max(prompt_tokens // 4, 2 * block_size)
-    systems = [_tokens(rng, base + 37 * k + block_size // 2 + 3, vocab) for k in range(num_system)]
+    # System prompts of 2.5, 7.5, 12.5, ... blocks (and a few tokens): short next to a
+    # snapshot interval, so only a snapshot where they end lets a hybrid stage reuse them.
+    systems = [_tokens(rng, block_size * (5 * k + 2) + block_size // 2 + 3 + 7 * k, vocab)
+               for k in range(num_system)]  # fmt: skip
     step = max(prompt_tokens // 8, 8)
     conversations: list[list[np.ndarray]] = []
     total = 0
