@@ -52,6 +52,7 @@ class RunConfig:
     max_batch: int = 256
     model: str | None = None
     sim_device: str = "h200"
+    weight_format: str | None = None
     device: str = "auto"
     dtype: str = "float32"
     threads: int = 0
@@ -87,9 +88,12 @@ HELP: dict[str, str] = {
     "min_budget": "smallest wave budget MPU may halve to",
     "ring": "waves in flight (0: 2 x stages)",
     "max_batch": "most requests offered to one admission round",
-    "model": "sim: profile llama3-70b or qwen3-next-80b; torch: tiny-hybrid, tiny-llama, or a "
+    "model": "sim: profile llama3-70b, qwen3-next-80b, kimi-linear-48b, kimi-k3-class, "
+    "glm5-class or minimax-m2-class; torch: tiny-hybrid, tiny-llama, or a "
     "checkpoint directory (Hugging Face Llama, or WavePP's layout)",
-    "sim_device": "device profile of the sim executor: h100, h200 or b200",
+    "sim_device": "device profile of the sim executor: h100, h200, b200, b300 or gb300",
+    "weight_format": "sim: weight format bf16, fp8 or nvfp4 (bytes streamed per parameter, "
+    "matrix rate); default: the model profile's (nvfp4 for the paper's models)",
     "device": "torch executor: 'cuda' (this rank's GPU by LOCAL_RANK), 'cpu', or 'auto' "
     "(cuda when present)",
     "dtype": "torch executor: dtype of weights, KV pool and recurrent states",
@@ -128,7 +132,9 @@ def parser() -> argparse.ArgumentParser:
         if str(field.type).startswith("int |"):
             kind = int
         choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS,
-                   "device": ("auto", "cpu", "cuda"), "sim_device": ("h100", "h200", "b200"),
+                   "device": ("auto", "cpu", "cuda"),
+                   "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
+                   "weight_format": ("bf16", "fp8", "nvfp4"),
                    "dtype": ("float32", "bfloat16", "float16")}  # fmt: skip
         if field.name == "workload":
             kind = str

@@ -95,7 +95,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
             raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
         model = MODELS[c.model]
         layers = split_layers(model.num_layers, world, counts)[rank]
-        cost = StageCostModel(model, DEVICES[c.sim_device], layers, rank == world - 1)
+        cost = StageCostModel(model, DEVICES[c.sim_device], layers, rank == world - 1,
+                              c.weight_format)  # fmt: skip
         recurrent = any(model.kind(layer) == "L" for layer in layers)
         return SimExecutor(cost, c.time_scale), recurrent
     if c.model in BUILTIN:
@@ -141,10 +142,24 @@ def _vocab(c: RunConfig) -> int:
 
 def auto_capacity(c: RunConfig, specs) -> int:
     """Enough blocks for 1.5 x concurrency of the longest prompt (--prompt-tokens when
-    the requests come from a client)."""
+    the requests come from a client), and for the seeded prefixes of a seeded or mixed
+    workload plus the new blocks of ``concurrency`` requests in flight."""
     longest = max((s.num_tokens for s in specs), default=c.prompt_tokens)
     return max(num_blocks_for(longest, c.block_size),
-               int(1.5 * c.concurrency * num_blocks_for(longest, c.block_size)))  # fmt: skip
+               int(1.5 * c.concurrency * num_blocks_for(longest, c.block_size)),
+               seeded_need(c, specs))  # fmt: skip
+
+
+def seeded_need(c: RunConfig, specs) -> int:
+    """Blocks a seeded or mixed workload needs so its seeded prefixes stay cached: the
+    prefixes, plus ``concurrency`` times the most new blocks of one measured request (0
+    for other workloads, whose warm-up traffic is meant to be evicted)."""
+    if c.workload not in ("seeded", "mixed"):
+        return 0
+    prefixes = sum(num_blocks_for(s.num_tokens, c.block_size) for s in specs if s.warmup)
+    fresh = max((num_blocks_for(s.num_tokens, c.block_size) - s.expected_reuse // c.block_size
+                 for s in specs if not s.warmup), default=0)  # fmt: skip
+    return prefixes + c.concurrency * fresh
 
 
 class Interrupted(Exception):
@@ -198,6 +213,11 @@ async def rank_main(
                 f"{': ' + lines + more if rejected else ', the file is empty'})")  # fmt: skip
         return None, 2
     capacity = c.capacity_blocks or -widest
+    need = seeded_need(c, specs) if rank == 0 else 0
+    if need > capacity:  # the seeded prefixes cannot all stay cached: say so in the output
+        log(f"this cell thrashes: its seeded prefixes and requests in flight need {need:,} "
+            f"blocks, the pool holds {capacity:,} (short by {need - capacity:,}, "
+            f"{(need - capacity) / need:.0%})")  # fmt: skip
     min_capacity = (await plane.all_min([capacity]))[0]
     executor, recurrent = build_executor(c, rank, world, capacity)
     book = StageBook(empty_cache(capacity, has_recurrent=recurrent))

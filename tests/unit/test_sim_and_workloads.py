@@ -1,14 +1,15 @@
 import numpy as np
 import pytest
 
-from wavepp.exec.profiles import DEVICES, MODELS, split_layers
-from wavepp.exec.sim import StageCostModel
+from wavepp.exec.profiles import DEVICES, MODELS, WEIGHT_FORMATS, split_layers
+from wavepp.exec.sim import StageCostModel, attention_pairs
 from wavepp.workload import cold, mixed, seeded, short_suffix
 
 
-def stage_model(model="llama3-70b", device="h200", stages=4, stage=0):
+def stage_model(model="llama3-70b", device="h200", stages=4, stage=0, fmt=None):
     m = MODELS[model]
-    return StageCostModel(m, DEVICES[device], split_layers(m.num_layers, stages)[stage], False)
+    layers = split_layers(m.num_layers, stages)[stage]
+    return StageCostModel(m, DEVICES[device], layers, False, fmt)
 
 
 def test_cost_grows_with_tokens_and_attention_prefix():
@@ -21,11 +22,53 @@ def test_cost_grows_with_tokens_and_attention_prefix():
 def test_no_wave_beats_the_roofline():
     for name in MODELS:
         for dev in DEVICES.values():
-            cm = stage_model(name, dev.name)
-            for chunks in ([(0, 1)], [(0, 16384)], [(200_000, 204_096)]):
-                cost = cm.cost(chunks, 1)
-                assert cost.seconds >= cost.flops / dev.peak_flops
-                assert cost.seconds >= cost.bytes / dev.hbm_bytes_s
+            for fmt in WEIGHT_FORMATS:
+                try:
+                    dev.matrix_flops(fmt)
+                except ValueError:
+                    continue
+                cm = stage_model(name, dev.name, fmt=fmt)
+                for chunks in ([(0, 1)], [(0, 16384)], [(200_000, 204_096)]):
+                    cost = cm.cost(chunks, 1)
+                    assert cost.seconds >= cost.peak_seconds > 0
+                    assert cost.seconds >= cost.bytes / dev.hbm_bytes_s
+
+
+def test_paper_models_have_their_public_sizes():
+    billions = {name: m.total_params() / 1e9 for name, m in MODELS.items()}
+    assert 47 < billions["kimi-linear-48b"] < 50  # Kimi Linear 48B-A3B
+    assert 730 < billions["glm5-class"] < 750  # GLM-5: 744B
+    assert 220 < billions["minimax-m2-class"] < 232  # MiniMax-M2: 230B
+    assert 1000 < billions["kimi-k3-class"] < 1060  # K2's width with a KDA mix (~1T)
+    assert MODELS["kimi-linear-48b"].pattern.count("M") == 6
+
+
+def test_mla_caches_the_latent_and_the_rotary_key():
+    glm = MODELS["glm5-class"]
+    assert glm.kv_bytes_per_token(5) == (512 + 64) * 2
+    minimax = MODELS["minimax-m2-class"]
+    assert minimax.kv_bytes_per_token(0) == 2 * 8 * 128 * 2
+    kimi = MODELS["kimi-k3-class"]
+    assert [kimi.kv_bytes_per_token(i) for i in (3, 4)] == [0, (512 + 64) * 2]  # KDA, MLA
+
+
+def test_weight_formats_set_bytes_and_matrix_rate():
+    assert WEIGHT_FORMATS == {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5625}
+    small = {f: stage_model("minimax-m2-class", "b300", fmt=f).cost([(0, 64)], 0) for f in
+             ("bf16", "fp8", "nvfp4")}  # fmt: skip
+    assert small["bf16"].bytes > small["fp8"].bytes > small["nvfp4"].bytes  # memory bound
+    big = {f: stage_model("minimax-m2-class", "b300", fmt=f).cost([(0, 16384)], 0).seconds
+           for f in ("bf16", "nvfp4")}  # fmt: skip
+    assert big["nvfp4"] < big["bf16"]  # faster matrix rate
+    with pytest.raises(ValueError, match="h200 has no nvfp4"):
+        stage_model("minimax-m2-class", "h200", fmt="nvfp4").cost([(0, 64)], 0)
+
+
+def test_sparse_attention_caps_the_keys_per_query():
+    assert attention_pairs(0, 1000) == 1000 * 500
+    assert attention_pairs(0, 1000, topk=2048) == 1000 * 500
+    assert attention_pairs(100_000, 1000, topk=2048) == 1000 * 2048
+    assert attention_pairs(1048, 2000, topk=2048) == 1000 * (1048 + 500) + 1000 * 2048
 
 
 def test_llama_70b_stage_time_matches_a_hand_count():

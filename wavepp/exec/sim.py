@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.profiles import DeviceProfile, ModelProfile
+from wavepp.exec.profiles import KV_BYTES, WEIGHT_FORMATS, DeviceProfile, ModelProfile
 from wavepp.state import BlockHash, RequestId
 
 
@@ -24,6 +24,19 @@ class WaveCost:
     seconds: float
     flops: float
     bytes: float
+    peak_seconds: float = 0.0  # the same work at 100% of every datasheet peak
+
+
+def attention_pairs(prefix: int, tokens: int, topk: int = 0) -> float:
+    """(query, key) pairs of a causal chunk of ``tokens`` after ``prefix`` cached tokens;
+    with ``topk`` > 0 each query sees at most ``topk`` keys (sparse attention)."""
+    dense = tokens * (prefix + tokens / 2)
+    if not topk or prefix + tokens <= topk:
+        return dense
+    if prefix >= topk:
+        return float(tokens * topk)
+    below = topk - prefix  # queries that still see all their keys
+    return below * (prefix + below / 2) + (tokens - below) * topk
 
 
 @attrs.frozen
@@ -34,49 +47,64 @@ class StageCostModel:
     device: DeviceProfile
     layers: range
     is_last: bool
+    weight_format: str | None = None  # None: the model's default
+
+    @property
+    def fmt(self) -> str:
+        return self.weight_format or self.model.weight_format
 
     def cost(self, chunks: Sequence[tuple[int, int]], num_finished: int) -> WaveCost:
         """``chunks``: (start, end) token ranges; start is the chunk's attention prefix."""
-        m, dev = self.model, self.device
+        m, dev, fmt = self.model, self.device, self.fmt
         tokens = sum(end - start for start, end in chunks)
         if tokens == 0:
             return WaveCost(0.0, 0.0, 0.0)
-        kinds = [m.kind(layer) for layer in self.layers]
-        n_attn, n_lin = kinds.count("A"), kinds.count("L")
-        mixer = sum(m.mixer_params(layer) for layer in self.layers)
-        active = mixer + len(kinds) * m.mlp_active_params
-        gemm = 2.0 * active * tokens
+        layers = list(self.layers)
+        kinds = [m.kind(layer) for layer in layers]
+        mixer = sum(m.mixer_params(layer) for layer in layers)
+        mlp = [m.mlp_params(layer) for layer in layers]
+        gemm = 2.0 * (mixer + sum(active for active, _ in mlp)) * tokens
         if self.is_last:
             gemm += 2.0 * m.d_model * m.vocab * num_finished  # head on each last position
-        q_width = m.num_heads * m.head_dim
-        attn = (
-            sum(
-                4.0 * q_width * (end - start) * (start + (end - start) / 2) for start, end in chunks
-            )
-            * n_attn
-        )
+        attn = 0.0
+        for layer, kind in zip(layers, kinds, strict=True):
+            if kind == "L":
+                continue
+            pairs = sum(attention_pairs(s, e - s, m.sparse_topk) for s, e in chunks)
+            attn += m.attention_pair_flops(layer) * pairs
+            if m.indexer_width:  # DSA's indexer scores every prefix key
+                attn += 2.0 * m.indexer_width * sum(attention_pairs(s, e - s) for s, e in chunks)
+            if kind == "M":  # prefill expands the cached latent of the prefix to K and V
+                gemm += 2.0 * m.kv_up_params() * sum(s for s, _ in chunks)
         # Chunked linear attention: per token and value head, update and read a
         # head_dim x head_dim state.
-        recurrent = 4.0 * tokens * m.linear_v_dim * m.linear_head_dim * n_lin
+        recurrent = 4.0 * tokens * m.linear_v_dim * m.linear_head_dim * kinds.count("L")
         # Bytes: every weight of the stage once (MoE: the experts the tokens can touch),
         # the cached KV of every chunk's prefix, and the activations.
-        active_share = m.mlp_active_params / m.mlp_total_params
-        touched = min(1.0, tokens * active_share)
-        weights = mixer + len(kinds) * m.mlp_total_params * max(touched, active_share)
-        kv_per_token = 2 * m.num_kv_heads * m.head_dim * n_attn
-        kv = sum(start for start, _ in chunks) * kv_per_token
-        act = tokens * m.d_model * 2 * len(kinds)
-        nbytes = (weights + kv + act) * m.bytes_per_param
-        compute = (gemm + recurrent) / (dev.peak_flops * dev.gemm_efficiency) + attn / (
-            dev.peak_flops * dev.attention_efficiency
+        expert_bytes = 0.0
+        for active, total in mlp:
+            share = active / total
+            expert_bytes += total * max(min(1.0, tokens * share), share)
+        weights = (mixer + expert_bytes) * WEIGHT_FORMATS[fmt]
+        kv = sum(start for start, _ in chunks) * sum(m.kv_bytes_per_token(i) for i in layers)
+        act = tokens * m.d_model * KV_BYTES * len(kinds)
+        nbytes = weights + kv + act
+        compute = (
+            gemm / dev.gemm_rate(fmt)
+            + recurrent / (dev.peak_flops * dev.gemm_efficiency)
+            + attn / (dev.peak_flops * dev.attention_efficiency)
         )
-        memory = nbytes / dev.hbm_bytes_s
+        memory = nbytes / (dev.hbm_bytes_s * dev.hbm_efficiency)
         seconds = max(compute, memory) + dev.wave_overhead_s
         flops = gemm + attn + recurrent
-        # Roofline guard: no wave may beat the device's peak on either axis.
-        if seconds < flops / dev.peak_flops or seconds < nbytes / dev.hbm_bytes_s:
+        peak = max(
+            gemm / dev.matrix_flops(fmt) + (attn + recurrent) / dev.peak_flops,
+            nbytes / dev.hbm_bytes_s,
+        )
+        # Roofline guard: no wave may beat the device's peaks.
+        if seconds < peak:
             raise AssertionError(f"wave of {tokens} tokens predicted faster than peak")
-        return WaveCost(seconds, flops, nbytes)
+        return WaveCost(seconds, flops, nbytes, peak)
 
 
 class SimExecutor:
