@@ -1,19 +1,25 @@
-"""Benchmark of the torch executor on this machine's CPU (issue: real executor).
+"""Benchmark of the torch executor on this machine (issues 12 and 13).
 
-1. ``kernel_ratio``: one stage holding every layer of ``small-llama`` prefills one prompt
-   through the paged KV pool; Hugging Face ``transformers`` runs its own forward of the
-   same weights on the same prompt. Ratio of throughputs (WavePP / transformers), each
-   the median of several runs, one thread each, in the same process.
-2. ``pp2_efficiency``: the whole runtime (torchrun, Gloo, admission, waves) on a cold
-   workload with one stage (P=1) and with two (P=2, one core each):
-   throughput(P=2) / (2 x throughput(P=1)) — 1.0 would be a perfect two-stage pipeline.
+1. **Length sweep**: one stage holding every layer of the model prefills one prompt of
+   each length, cold (every token computed, in chunks of ``--chunk`` tokens as the
+   runtime's waves would) and 90% cached (the prefix written to the pool first, the 10%
+   suffix timed). Hugging Face ``transformers`` runs its own forward of the same weights
+   on the same tokens (cached: its KV cache of the same prefix), with the same threads.
+   Tokens per second computed, and the ratio WavePP / transformers, per length.
+2. **Attention rows**: the block-table attention against the old copying path (gather
+   the whole prefix per chunk and layer, dense ``[n, m]`` mask) on the same executor,
+   at the ``--attention-lengths`` (90% cached), same run.
+3. ``--pp``: the whole runtime on a cold workload with one stage and with two:
+   throughput(P=2) / (2 x throughput(P=1)).
 
-Needs ``transformers`` (the ``dev`` extra) for the first figure.
+Timings interleave WavePP and transformers, so that machine noise hits both alike; each
+figure is the median of ``--repeats`` runs. Needs ``transformers`` (the ``dev`` extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -24,67 +30,190 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from wavepp.bench._stats import emit
+from wavepp.exec.attention import PagedBatch, paged_attention
 from wavepp.exec.base import ChunkWork
-from wavepp.exec.model import BUILTIN, build_stage, random_weights
+from wavepp.exec.device import default_threads
+from wavepp.exec.model import BUILTIN, ModelConfig, build_stage, random_weights
 from wavepp.exec.torch_exec import TorchExecutor
 
+# The shape of the small Llama of the vLLM comparison (issue 12): hidden 256, 4 layers,
+# 4 heads / 2 KV heads, vocabulary 32,000.
+MODELS = {
+    **BUILTIN,
+    "bench-llama": ModelConfig(
+        vocab_size=32_000, d_model=256, num_layers=4, pattern="A", num_heads=4,
+        num_kv_heads=2, head_dim=64, d_ff=1024,
+    ),
+}  # fmt: skip
 
-def kernel_ratio(model: str, prompt_tokens: int, repeats: int, seed: int) -> dict:
-    import transformers
 
-    torch.set_num_threads(1)
-    cfg = BUILTIN[model]
-    if set(cfg.pattern) != {"A"}:
-        raise SystemExit("the transformers comparison needs an attention-only model")
-    weights = random_weights(cfg, seed)
-    block = 64
-    blocks = -(-prompt_tokens // block)
-    ours = TorchExecutor(
-        build_stage(cfg, range(cfg.num_layers), True, True, weights), blocks, block
-    )
-    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, prompt_tokens, dtype=np.int32)
-    chunk = ChunkWork("bench", 0, prompt_tokens, prompt_tokens, tuple(range(blocks)), (), False,
-                      tokens=tokens)  # fmt: skip
-    hf_config = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.norm_eps, max_position_embeddings=max(4096, prompt_tokens),
-        tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa",
-    )  # fmt: skip
-    hf = transformers.LlamaForCausalLM(hf_config).eval()
-    hf.load_state_dict(weights, strict=True)
-    ids = torch.as_tensor(tokens[None], dtype=torch.long)
+def copying_attention(q, k_pool, v_pool, batch: PagedBatch, scale: float) -> torch.Tensor:
+    """The executor's attention before the block-table path: per chunk, copy rows
+    0..end-1 of the pool and attend under a dense [n, m] mask."""
+    bs, outs = batch.block_size, []
+    for (a, b), start, end, table in zip(batch.spans, batch.starts, batch.ends, batch.tables,
+                                         strict=True):  # fmt: skip
+        t = torch.as_tensor(table, dtype=torch.long)
+        every = torch.arange(end)
+        rows = t[every // bs] * bs + every % bs
+        keys, values = k_pool[rows], v_pool[rows]
+        positions = torch.arange(start, end)
+        if start == 0:
+            mask, causal = None, True
+        else:
+            mask, causal = torch.arange(end)[None, :] <= positions[:, None], False
+        out = F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None], attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs)
 
-    def time_ours() -> float:
+
+class Sweep:
+    """One model's weights in WavePP (one stage, every layer) and in transformers."""
+
+    def __init__(self, model: str, seed: int, block: int, max_tokens: int) -> None:
+        import transformers
+
+        cfg = MODELS[model]
+        if set(cfg.pattern) != {"A"}:
+            raise SystemExit("the transformers comparison needs an attention-only model")
+        self.cfg, self.block, self.seed = cfg, block, seed
+        self.weights = random_weights(cfg, seed)
+        self.blocks = -(-max_tokens // block)
+        self.stage = build_stage(cfg, range(cfg.num_layers), True, True, self.weights)
+        self.ours = TorchExecutor(self.stage, self.blocks, block)
+        hf_config = transformers.LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.norm_eps, max_position_embeddings=max(4096, max_tokens),
+            tie_word_embeddings=cfg.tie_embeddings, attn_implementation="sdpa",
+        )  # fmt: skip
+        self.hf = transformers.LlamaForCausalLM(hf_config).eval()
+        self.hf.load_state_dict(self.weights, strict=True)
+
+    def tokens(self, n: int) -> np.ndarray:
+        return np.random.default_rng(self.seed + n).integers(3, self.cfg.vocab_size, n)
+
+    def _chunks(self, tokens: np.ndarray, start: int, chunk: int) -> list[ChunkWork]:
+        n, bs = len(tokens), self.block
+        table = tuple(range(-(-n // bs)))
+        return [ChunkWork("bench", a, min(n, a + chunk), n, table[: -(-min(n, a + chunk) // bs)],
+                          (), False, tokens=tokens[a : min(n, a + chunk)])
+                for a in range(start, n, chunk)]  # fmt: skip
+
+    @torch.inference_mode()
+    def ours_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
+        if cached:
+            for c in self._chunks(tokens[:cached], 0, 8192):  # the prefix, untimed
+                self.ours.forward([c], None)
+        work = self._chunks(tokens, cached, chunk)
         t0 = time.perf_counter()
-        ours.forward([chunk], None)
+        for c in work:
+            self.ours.forward([c], None)
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    def time_hf() -> float:
+    def hf_seconds(self, tokens: np.ndarray, cached: int) -> float:
+        ids = torch.as_tensor(tokens[None], dtype=torch.long)
+        past = None
+        if cached:
+            prefix = self.hf(ids[:, :cached], use_cache=True, logits_to_keep=1).past_key_values
+            past = copy.deepcopy(prefix)  # untimed
         t0 = time.perf_counter()
-        hf(ids, use_cache=False, logits_to_keep=1)
-        return time.perf_counter() - t0
+        out = self.hf(ids[:, cached:], past_key_values=past, use_cache=past is not None,
+                      logits_to_keep=1)  # fmt: skip
+        seconds = time.perf_counter() - t0
+        self.hf_logits = out.logits[0, -1]
+        return seconds
 
-    ours_s, hf_s = [], []
-    time_ours(), time_hf()  # warm-up
-    for _ in range(repeats):  # interleaved, so that machine noise hits both alike
-        ours_s.append(time_ours())
-        hf_s.append(time_hf())
-    with torch.inference_mode():
-        expected = hf(ids, use_cache=False, logits_to_keep=1).logits[0, -1]
-    diff = (ours.last_logits["bench"] - expected).abs().max().item()
-    return {
-        "kernel_model": model,
-        "kernel_prompt_tokens": prompt_tokens,
-        "wavepp_stage_tok_s": prompt_tokens / statistics.median(ours_s),
-        "transformers_tok_s": prompt_tokens / statistics.median(hf_s),
-        "kernel_ratio": statistics.median(hf_s) / statistics.median(ours_s),
-        "kernel_max_abs_diff": diff,
-    }
+
+def sweep(args: argparse.Namespace) -> dict:
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    attn_lengths = [int(x) for x in args.attention_lengths.split(",") if x]
+    bench = Sweep(args.model, args.seed, args.block, max(lengths + attn_lengths))
+    rows = []
+    for n in lengths:
+        for share in (0.0, 0.9):
+            tokens = bench.tokens(n)
+            cached = int(n * share) // args.block * args.block
+            ours_s, hf_s = [], []
+            bench.ours_seconds(tokens[: min(n, 512)], 0, args.chunk)  # warm-up
+            for _ in range(args.repeats):
+                ours_s.append(bench.ours_seconds(tokens, cached, args.chunk))
+                hf_s.append(bench.hf_seconds(tokens, cached))
+            diff = (bench.ours.last_logits["bench"] - bench.hf_logits).abs().max().item()
+            ours_t, hf_t = statistics.median(ours_s), statistics.median(hf_s)
+            row = {
+                "tokens": n, "cached": cached, "computed": n - cached,
+                "wavepp_tok_s": (n - cached) / ours_t, "transformers_tok_s": (n - cached) / hf_t,
+                "ratio": hf_t / ours_t, "max_abs_logit_diff": diff,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"  {n:>6} {'cold' if not cached else '90% cached':>10}: WavePP "
+                  f"{row['wavepp_tok_s']:>9,.0f} tok/s, transformers "
+                  f"{row['transformers_tok_s']:>9,.0f} tok/s, ratio {row['ratio']:.2f} "
+                  f"(logits differ by {diff:.1e})", file=sys.stderr, flush=True)  # fmt: skip
+    attention = []
+    for n in attn_lengths:
+        tokens = bench.tokens(n)
+        cached = int(n * 0.9) // args.block * args.block
+        paged_s, copy_s = [], []
+        for _ in range(args.repeats):
+            bench.ours.attention = copying_attention
+            copy_s.append(bench.ours_seconds(tokens, cached, args.chunk))
+            copy_logits = bench.ours.last_logits["bench"].clone()
+            bench.ours.attention = paged_attention
+            paged_s.append(bench.ours_seconds(tokens, cached, args.chunk))
+        diff = (bench.ours.last_logits["bench"] - copy_logits).abs().max().item()
+        row = {
+            "tokens": n, "cached": cached,
+            "block_table_tok_s": (n - cached) / statistics.median(paged_s),
+            "copying_tok_s": (n - cached) / statistics.median(copy_s),
+            "speedup": statistics.median(copy_s) / statistics.median(paged_s),
+            "max_abs_logit_diff": diff,
+        }  # fmt: skip
+        attention.append(row)
+        print(f"  attention at {n} (90% cached): block table {row['block_table_tok_s']:,.0f} "
+              f"tok/s, copying path {row['copying_tok_s']:,.0f} tok/s, x{row['speedup']:.2f}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return {"model": args.model, "chunk": args.chunk, "block": args.block, "sweep": rows,
+            "attention": attention}  # fmt: skip
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for cached, style in ((False, "-"), (True, "--")):
+        rows = [r for r in record["sweep"] if bool(r["cached"]) == cached]
+        if not rows:
+            continue
+        label = "90% cached" if cached else "cold"
+        xs = [r["tokens"] for r in rows]
+        ax.plot(xs, [r["wavepp_tok_s"] for r in rows], "o" + style, color="C0",
+                label=f"WavePP stage, {label}")  # fmt: skip
+        ax.plot(xs, [r["transformers_tok_s"] for r in rows], "s" + style, color="C1",
+                label=f"transformers, {label}")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("computed tokens / s")
+    ax.set_title(f"{record['model']}, one stage, {record['threads']} threads (CPU)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 def pipeline_throughput(stages: int, args: argparse.Namespace) -> float:
@@ -106,21 +235,37 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default="small-llama", help="kernel comparison model")
-    p.add_argument("--prompt-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="bench-llama", choices=sorted(MODELS))
+    p.add_argument(
+        "--lengths",
+        default="2048,4096,8192,16384,32768",
+        help="prompt lengths of the sweep, comma-separated ('' for none)",
+    )
+    p.add_argument(
+        "--attention-lengths",
+        default="2048,32768",
+        help="lengths of the block-table vs copying rows ('' for none)",
+    )
+    p.add_argument("--chunk", type=int, default=2048, help="tokens per wave (cold and suffix)")
+    p.add_argument("--block", type=int, default=16, help="KV block size")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="0: every core of this machine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", metavar="PNG", help="draw tok/s against length here")
+    p.add_argument("--pp", action="store_true", help="also run the P=1 / P=2 runtime figure")
     p.add_argument("--pp-model", default="small-hybrid", help="model of the P=1 / P=2 runs")
     p.add_argument("--pp-prompt-tokens", type=int, default=2048)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-pp", action="store_true", help="only the kernel comparison")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    record = {"benchmark": "torch_exec", "threads_per_rank": 1,
-              **kernel_ratio(args.model, args.prompt_tokens, args.repeats, args.seed)}  # fmt: skip
-    if not args.skip_pp:
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
+    record = {"benchmark": "torch_exec", "threads": threads, **sweep(args)}
+    if args.plot and record["sweep"]:
+        plot(record, args.plot)
+    if args.pp:
         one = pipeline_throughput(1, args)
         two = pipeline_throughput(2, args)
         record.update(pp1_tok_s=one, pp2_tok_s=two, pp2_efficiency=two / (2 * one),
