@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 
 from wavepp.runtime.coordinator import Coordinator
-from wavepp.runtime.records import STATUSES, RequestRejected, Result
+from wavepp.runtime.records import RequestRejected, Result
 from wavepp.state import RequestId, usage
 from wavepp.workload import RequestSpec
 
@@ -50,8 +50,12 @@ class Handle:
 class Engine:
     """Rank 0's front door to the runtime."""
 
-    def __init__(self, coordinator: Coordinator, vocab_size: int | None, watchdog=None) -> None:
+    def __init__(
+        self, coordinator: Coordinator, vocab_size: int | None, watchdog=None,
+        retain_finished: int | None = None,
+    ) -> None:  # fmt: skip
         self._c = coordinator
+        coordinator.intake.retain_finished = retain_finished  # None: keep every record
         self.vocab_size = vocab_size  # None: token ids are not checked (the sim executor)
         self.min_capacity = coordinator.intake.min_capacity
         self.block_size = coordinator.stage.block_size
@@ -68,6 +72,7 @@ class Engine:
         return self.submit_spec(spec, priority)
 
     def submit_spec(self, spec: RequestSpec, priority: int = 0) -> Handle:
+        """Queue a request built elsewhere (a workload generator, a requests file)."""
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise RequestRejected(f"priority must be an integer, got {priority!r}")
         return Handle(self._c.intake.submit(spec, priority))
@@ -133,30 +138,28 @@ class Engine:
         return True, "ok"
 
     def stats(self) -> dict:
-        """A snapshot for metrics: counts, tokens, queue, reuse, stage 0, rounds."""
+        """A snapshot for metrics: counts, tokens, queue, reuse, every stage, rounds."""
         intake, stage = self._c.intake, self._c.stage
-        counts = dict.fromkeys(STATUSES, 0) | intake.count_by_status()
-        done = [r for r in intake.records.values() if r.status == "done"]
-        expecting = [r for r in done if r.spec.expected_reuse > 0]
-        use = usage(stage.book.cache)
         wall = max(time.time() - self.started_at, 1e-9)
+        use = usage(stage.book.cache)
+        stages = {stage.index: {"utilization": min(1.0, stage.busy_s / wall),
+                                "pool_cached": use.num_cached, "pool_free": use.num_free,
+                                "pool_capacity": use.capacity}}  # fmt: skip
+        if self._watchdog is not None:  # the other stages' figures ride on their heartbeats
+            for rank, figures in self._watchdog.peer_stats().items():
+                busy = figures.get("busy_s", 0.0)
+                stages[rank] = {"utilization": min(1.0, busy / wall),
+                                "pool_cached": figures.get("cached", 0),
+                                "pool_free": figures.get("free", 0),
+                                "pool_capacity": figures.get("capacity", 0)}  # fmt: skip
         return {
-            "requests": counts,
+            "requests": intake.count_by_status(),
             "queue_depth": len(intake.waiting),
-            "input_tokens": sum(r.spec.num_tokens for r in done),
-            "cached_tokens": sum(r.cached_tokens for r in done),
-            "good_hits": sum(
-                1 for r in expecting if r.cached_tokens >= 0.8 * r.spec.expected_reuse
-            ),
-            "expecting_reuse": len(expecting),
-            "stages": {
-                stage.index: {
-                    "utilization": min(1.0, stage.busy_s / wall),
-                    "pool_cached": use.num_cached,
-                    "pool_free": use.num_free,
-                    "pool_capacity": use.capacity,
-                }
-            },
+            "input_tokens": intake.tokens_done,
+            "cached_tokens": intake.tokens_cached,
+            "good_hits": intake.good_hits,
+            "expecting_reuse": intake.expecting_reuse,
+            "stages": dict(sorted(stages.items())),
             "admission_round_seconds": list(self._c.admitter.round_seconds[-1024:]),
             "admission_rounds": len(self._c.admitter.round_seconds),
             "uptime_s": wall,

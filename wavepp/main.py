@@ -233,6 +233,8 @@ async def rank_main(
     if rung.admission is Admission.FREE and min_capacity != capacity:
         raise SystemExit("wavepp: the oracle rung needs equal --capacity-blocks on every stage")
 
+    if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
+        watchdog.stats_fn = lambda: _stage_figures(stage)
     coordinator = feed = engine = None
     interrupted: list[int] = []
 
@@ -255,7 +257,8 @@ async def rank_main(
                     ring=c.ring or 2 * world, max_batch=c.max_batch,
                     heartbeat_s=c.heartbeat_s, log=log,
                 )  # fmt: skip
-                engine = Engine(coordinator, vocab, watchdog)
+                engine = Engine(coordinator, vocab, watchdog,
+                                retain_finished=None if client is None else 10_000)  # fmt: skip
                 if client is None:
                     feed = Feed(engine, specs, concurrency=c.concurrency, progress=c.progress,
                                 cancels=[(rid, after * c.time_scale) for rid, after in cancels],
@@ -311,7 +314,8 @@ async def rank_main(
         round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
         round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
-                                              "capacity_blocks": capacity},
+                                              "capacity_blocks": capacity,
+                                              **({} if feed else {"workload": "clients"})},
     )  # fmt: skip
     record["rejected"] = rejected
     if interrupted:
@@ -324,6 +328,12 @@ async def rank_main(
                                               executor.simulated))  # fmt: skip
         log(f"wrote timeline {c.trace_out}")
     return record, status
+
+
+def _stage_figures(stage: Stage) -> dict[str, float]:
+    use = usage(stage.book.cache)  # a value: safe to read from the watchdog's thread
+    return {"busy_s": stage.busy_s, "cached": use.num_cached, "free": use.num_free,
+            "capacity": use.capacity}  # fmt: skip
 
 
 def _wave_planner(c: RunConfig, world: int, executor) -> WavePlanner:

@@ -55,7 +55,8 @@ def summarize(
         "admission_rounds": len(round_seconds),
         "makespan_s": span,
         "measured_requests": len(measured),
-        "failed_requests": len(measured) - len(ok) - len(unfinished),
+        "failed_requests": sum(1 for r in measured
+                               if r.done_at is not None and r.error and not r.cancelled),
         "unfinished_requests": len(unfinished),
         "cancelled_requests": sum(1 for r in measured if r.cancelled),
         "input_tokens": tokens,

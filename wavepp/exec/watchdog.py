@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 _PREFIX = "wavepp/heartbeat/"
+_STATS = "wavepp/stats/"
 
 
 class Watchdog:
@@ -39,6 +41,9 @@ class Watchdog:
         self._lock = threading.Lock()  # one store client, used from two threads
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (beat, when it last moved)
         self._thread = threading.Thread(target=self._run, name="wavepp-watchdog", daemon=True)
+        # Figures this rank publishes with each beat (its stage's busy time and pool use),
+        # read by rank 0 for metrics; numbers only.
+        self.stats_fn: Callable[[], dict[str, float]] | None = None
 
     def start(self) -> Watchdog:
         self._thread.start()
@@ -64,6 +69,9 @@ class Watchdog:
             beat += 1
             try:
                 self._write(f"{beat}|{self.status}")
+                if self.stats_fn is not None:
+                    with self._lock:
+                        self._store.set(f"{_STATS}{self.rank}", json.dumps(self.stats_fn()))
                 problem = self._check(started)
             except Exception as error:  # the store itself is gone: the launcher died
                 problem = f"lost the rendezvous store ({error})"
@@ -96,6 +104,26 @@ class Watchdog:
                     f"(dead or hung; it was {status})"
                 )
         return None
+
+    def peer_stats(self) -> dict[int, dict[str, float]]:
+        """The other ranks' latest published figures (untrusted: numbers only, bounded)."""
+        out: dict[int, dict[str, float]] = {}
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            key = f"{_STATS}{rank}"
+            try:
+                with self._lock:
+                    if not self._store.check([key]):
+                        continue
+                    raw = self._store.get(key)
+                data = json.loads(raw[:4096]) if len(raw) <= 4096 else {}
+            except Exception:  # a gone store or junk: no figures from that rank
+                continue
+            if isinstance(data, dict):
+                out[rank] = {str(k)[:64]: float(v) for k, v in list(data.items())[:32]
+                             if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+        return out
 
     def peer_report(self) -> str:
         """Which peers failed or look gone, for an error message; empty if none."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 
 import anyio
@@ -17,7 +18,7 @@ import numpy as np
 
 from wavepp.queueing import WaitingQueue
 from wavepp.rounds.admission import Offer
-from wavepp.runtime.records import Record, RequestRejected, Result, Signal
+from wavepp.runtime.records import STATUSES, Record, RequestRejected, Result, Signal
 from wavepp.state import RequestId, block_hashes, num_blocks_for
 from wavepp.workload import RequestSpec
 
@@ -38,6 +39,16 @@ class Intake:
         self.capacity_epoch = 0  # bumped whenever a request that held room ends
         self.draining = False
         self._subscribers: list[anyio.abc.ObjectSendStream] = []
+        # A server runs for days: keep only the last ``retain_finished`` ended records
+        # (None keeps all, as an offline run's record needs). Totals are counted as
+        # requests end, so they cover the forgotten ones too.
+        self.retain_finished: int | None = None
+        self._ended: deque[RequestId] = deque()
+        self.totals: dict[str, int] = dict.fromkeys(STATUSES[3:], 0)
+        self.tokens_done = 0  # prompt tokens of done requests, cached included
+        self.tokens_cached = 0
+        self.good_hits = 0  # done requests reusing ≥ 80% of their expected reuse
+        self.expecting_reuse = 0
 
     # -- entry --------------------------------------------------------------------
 
@@ -63,9 +74,9 @@ class Intake:
         a request that can never run is also recorded, as rejected."""
         rid = RequestId(spec.request_id)
         if self.draining:
-            raise RequestRejected("the server is draining: no new requests")
+            raise RequestRejected("draining: no new requests are taken", "draining")
         if rid in self.records:
-            raise RequestRejected(f"duplicate request id {rid!r}")
+            raise RequestRejected(f"duplicate request id {rid!r}", "duplicate")
         now = time.time()
         hashes = block_hashes(spec.tokens, self.block_size) if spec.num_tokens else ()
         limit = max(spec.num_tokens - 1, 0) // self.block_size
@@ -74,7 +85,8 @@ class Intake:
         problem = self.check(spec)
         if problem is not None:
             self.reject(rid, problem)
-            raise RequestRejected(f"request {rid!r}: {problem}")
+            reason = "too_long" if "smallest stage pool" in problem else "invalid"
+            raise RequestRejected(f"request {rid!r}: {problem}", reason)
         self.num_unfinished += 1
         self.waiting.push(rid, priority)
         self.changed.notify()
@@ -86,6 +98,17 @@ class Intake:
         record.status = status
         record.done_at = time.time()
         record.finished.set()
+        self.totals[status] += 1
+        if status == "done":
+            self.tokens_done += record.spec.num_tokens
+            self.tokens_cached += record.cached_tokens
+            if record.spec.expected_reuse > 0:
+                self.expecting_reuse += 1
+                self.good_hits += record.cached_tokens >= 0.8 * record.spec.expected_reuse
+        if self.retain_finished is not None:
+            self._ended.append(RequestId(record.spec.request_id))
+            while len(self._ended) > self.retain_finished:
+                self.records.pop(self._ended.popleft(), None)
         if held_room:
             self.capacity_epoch += 1
         result = record.result()
@@ -134,7 +157,12 @@ class Intake:
         return receive
 
     def count_by_status(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for record in self.records.values():
-            counts[record.status] = counts.get(record.status, 0) + 1
+        """Live requests by state (queued, admitted, running) and ended ones by outcome."""
+        counts = dict.fromkeys(STATUSES, 0) | self.totals
+        counts["queued"] = len(self.waiting)
+        live = self.num_unfinished - len(self.waiting)
+        running = sum(1 for r in self.records.values()
+                      if r.done_at is None and r.status == "running")  # fmt: skip
+        counts["running"] = running
+        counts["admitted"] = max(live - running, 0)
         return counts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import attrs
 
+from wavepp.errors import RequestRejected as RequestRejected  # re-exported
 from wavepp.workload import RequestSpec
 
 
@@ -27,8 +28,6 @@ class Signal:
                 await event.wait()
 
 
-class RequestRejected(ValueError):
-    """Bad input for one request: it never ran, nothing was allocated for it."""
 
 
 class ProtocolError(RuntimeError):
