@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from wavepp.bench.matrix import cell_summaries, expand, preset_cells, tables
 from wavepp.bench.matrix import main as matrix_main
 from wavepp.bench.plot import plot_results
@@ -70,3 +72,19 @@ def test_matrix_resumes_from_its_results_file(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "48 runs, 1 already in" in text and "47 to run" in text
     assert "oracle --planner cost #1" in text
+
+
+def test_retention_traces_arrive_at_their_rate_and_reuse_documents(tmp_path):
+    from wavepp.bench.matrix import retention_cells, retention_trace
+    from wavepp.workload import trace
+
+    path = retention_trace(tmp_path / "r.jsonl", rate=10.0, requests=200)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    span = rows[-1]["timestamp"] / 1000
+    assert 200 / span == pytest.approx(10.0, rel=0.2)
+    specs = trace(path, None, 0, 64, open_loop=True)
+    firsts = {tuple(r["hash_ids"][:64]) for r in rows}
+    assert sum(1 for s in specs if s.expected_reuse) == 200 - len(firsts)
+    assert all(s.expected_reuse in (0, 64 * 512) for s in specs)
+    cells = retention_cells(tmp_path)
+    assert {c.rung for c in cells} == {"R1", "R4"} and all(c.ranks == 8 for c in cells)

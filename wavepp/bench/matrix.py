@@ -67,8 +67,9 @@ def _sim(*extra: str) -> tuple[str, ...]:
     return ("--executor", "sim", *extra)
 
 
-def preset_cells(name: str) -> tuple[int, list[Cell]]:
-    """(ranks, cells) of a preset; oracle cells once per planner, no repeats yet."""
+def preset_cells(name: str, workdir: Path | None = None) -> tuple[int, list[Cell]]:
+    """(ranks, cells) of a preset; oracle cells once per planner, no repeats yet.
+    ``workdir``: where presets that replay generated traces write them (default: cwd)."""
     cells: list[Cell] = []
 
     def add(label: str, concurrencies, rungs, args, ranks: int | None = None) -> None:
@@ -108,6 +109,9 @@ def preset_cells(name: str) -> tuple[int, list[Cell]]:
     if name == "paper-cells":  # the cells the paper reports, on its hardware and models
         cells.extend(paper_cells())
         return 4, cells
+    if name == "retention":  # good-hit rate against arrival rate, open loop (paper §5.8)
+        cells.extend(retention_cells(workdir or Path(".")))
+        return 8, cells
     if name == "cpu":  # the real model at sizes this machine runs
         rungs = ("R1", "R3", "R4", "R5", "oracle")
         torch_args = ("--executor", "torch", "--model", "small-hybrid", "--budget", "1024",
@@ -118,7 +122,7 @@ def preset_cells(name: str) -> tuple[int, list[Cell]]:
                                             "--prompt-tokens", "2048", "--suffix-tokens", "256",
                                             "--requests", "16"))  # fmt: skip
         return 2, cells
-    raise SystemExit(f"unknown preset {name!r}: smoke, paper, paper-cells or cpu")
+    raise SystemExit(f"unknown preset {name!r}: smoke, paper, paper-cells, retention or cpu")
 
 
 def paper_cells() -> list[Cell]:
@@ -168,6 +172,50 @@ def paper_cells() -> list[Cell]:
             ("--model", model, "--sim-device", device, "--weight-format", "nvfp4",
              "--workload", "short-suffix", "--prompt-tokens", "16384", "--requests", "256",
              "--budget", "16384"), 4)  # fmt: skip
+    return cells
+
+
+RETENTION_RATES = (2.0, 8.0, 32.0)  # requests per simulated second
+
+
+def retention_trace(path: Path, rate: float, seed: int = 0, documents: int = 24,
+                    doc_blocks: int = 64, suffix_blocks: int = 4,
+                    requests: int = 120) -> Path:  # fmt: skip
+    """A Mooncake-format trace for the retention experiment, written to ``path``: requests
+    arrive as a Poisson process of ``rate`` per second, each extends one of ``documents``
+    documents (``doc_blocks`` blocks of 512 tokens, the first request of a document
+    prefills it) by a new suffix of ``suffix_blocks`` blocks. Later requests of a document
+    expect to reuse it; whether it is still cached when they arrive is the good-hit rate."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, requests)
+    docs = rng.integers(0, documents, requests)
+    lines, t, fresh = [], 0.0, documents * doc_blocks
+    for gap, doc in zip(gaps, docs, strict=True):
+        t += gap
+        ids = [int(doc) * doc_blocks + k for k in range(doc_blocks)]
+        ids += list(range(fresh, fresh + suffix_blocks))
+        fresh += suffix_blocks
+        lines.append(json.dumps({"timestamp": round(t * 1000, 3),
+                                 "input_length": len(ids) * 512, "hash_ids": ids}))  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def retention_cells(workdir: Path) -> list[Cell]:
+    """Kimi-class, P = 8 GB300: the retention trace at each rate, R1 (eager reservation on
+    the execution path) against R4; a pool of two thirds of the documents' blocks (8,192 of
+    12,288), so arrivals and the room they reserve compete with the cached documents."""
+    cells = []
+    for rate in RETENTION_RATES:
+        trace = retention_trace(workdir / "traces" / f"retention-{rate:g}.jsonl", rate)
+        args = _sim("--model", "kimi-k3-class", "--sim-device", "gb300", "--workload", "trace",
+                    "--trace", str(trace), "--open-loop", "--requests", "120",
+                    "--capacity-blocks", "8192", "--budget", "16384")  # fmt: skip
+        for rung in ("R1", "R4"):
+            cells.append(Cell(f"retention-{rate:g}rps", 1, rung, args, ranks=8))
     return cells
 
 
@@ -347,7 +395,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="smoke", choices=("smoke", "paper", "paper-cells", "cpu"))
+    p.add_argument(
+        "--preset", default="smoke", choices=("smoke", "paper", "paper-cells", "retention", "cpu")
+    )
     p.add_argument("--out", default="results.jsonl", help="results file (appended; resumes)")
     p.add_argument("--only", default="", help="run only workloads whose label contains this")
     p.add_argument("--rungs", default="", help="comma list: only these rungs")
@@ -373,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tables:
         print(tables(load_results(out), args.preset))
         return
-    ranks, cells = preset_cells(args.preset)
+    ranks, cells = preset_cells(args.preset, out.parent)
     extra = args.extra.split()
     if args.time_scale is not None:
         extra += ["--time-scale", str(args.time_scale)]
