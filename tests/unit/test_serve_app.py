@@ -356,3 +356,30 @@ def test_text_prompts_through_a_tokenizer_json(tmp_path):
     assert tokenize("hello world again") == [1, 2, 3]
     assert detokenize(2) == "world"
     assert parse_prefill(b'{"text": "world hello"}', VOCAB, tokenize).tokens.tolist() == [2, 1]
+
+
+async def test_over_max_in_flight_gets_429_and_counts_recover():
+    async def test(h: Harness):
+        h.engine.pause()
+        replies = []
+
+        async def send(i: int):
+            replies.append(await h.client.post("/v1/prefill", json={"tokens": [i + 1] * 5}))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(send, i)
+            await wait_for(lambda: len(h.engine.requests) == 2)
+            busy = await h.client.post("/v1/prefill", json={"tokens": [7]})
+            assert busy.status_code == 429
+            assert "2 requests in flight (--max-in-flight 2)" in busy.json()["error"]["message"]
+            samples = parse_exposition((await h.client.get("/metrics")).text)
+            assert sample(samples, "wavepp_http_in_flight") == 2
+            h.engine.resume()
+        assert [r.status_code for r in replies] == [200, 200]
+        assert (await h.client.post("/v1/prefill", json={"tokens": [7]})).status_code == 200
+        samples = parse_exposition((await h.client.get("/metrics")).text)
+        assert sample(samples, "wavepp_http_in_flight") == 0
+        assert len(h.engine.requests) == 3  # the refused one never reached the engine
+
+    await _with_engine(test, ServeOptions(max_in_flight=2))

@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
         "--tokenizer", default=None,
         help="tokenizer.json for text prompts [the checkpoint directory's, if it has one]",
     )  # fmt: skip
+    p.add_argument(
+        "--max-in-flight", type=int, default=0,
+        help="prefill requests awaiting results at once; more get 429 [0: no limit]",
+    )  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model's name in answers")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"wavepp serve: --port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 64:
         raise SystemExit(f"wavepp serve: --max-body-bytes must be ≥ 64, got {args.max_body_bytes}")
+    if args.max_in_flight < 0:
+        raise SystemExit(f"wavepp serve: --max-in-flight must be ≥ 0, got {args.max_in_flight}")
     config = load(rest)
     tokenize, detokenize = tokenizer_functions(_tokenizer_path(args.tokenizer, config.model))
     options = ServeOptions(
@@ -91,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         model_name=args.served_model_name or str(config.model or "wavepp"),
         tokenize=tokenize,
         detokenize=detokenize,
+        max_in_flight=args.max_in_flight,
     )
 
     async def client(engine) -> None:

@@ -52,6 +52,7 @@ class ServeOptions:
     model_name: str = "wavepp"  # what /v1/models and completions call the model
     tokenize: Tokenize | None = None  # text -> token ids, when a tokenizer is loaded
     detokenize: Callable[[int], str] | None = None  # one token id -> its text
+    max_in_flight: int = 0  # prefill requests awaiting their result at once (0: no limit)
 
 
 def _error(error: ApiError) -> JSONResponse:
@@ -106,13 +107,27 @@ class Frontend:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _submit(self, submission: Submission) -> Any:
+    async def _run(self, request: Request, submission: Submission) -> Any:
+        """Submit, await the result (cancelling on a disconnect), return it."""
+        limit = self.options.max_in_flight
+        if limit and self.metrics.in_flight >= limit:
+            raise ApiError(
+                429,
+                f"the server is busy: {self.metrics.in_flight} requests in "
+                f"flight (--max-in-flight {limit}); retry later",
+                "busy",
+            )
         try:
-            return await self.engine.submit(
+            handle = await self.engine.submit(
                 submission.tokens, request_id=submission.request_id, priority=submission.priority
             )
         except ValueError as error:  # RequestRejected is a ValueError
             raise _rejection(error) from None
+        self.metrics.in_flight += 1
+        try:
+            return await self._outcome(request, handle)
+        finally:
+            self.metrics.in_flight -= 1
 
     async def _outcome(self, request: Request, handle: Any) -> Any:
         """The handle's result; cancels the request if the client goes away first."""
@@ -154,7 +169,7 @@ class Frontend:
         async def work(request: Request) -> tuple[dict, int]:
             raw = await read_body(request, self.options.max_body_bytes)
             submission = parse_prefill(raw, self.engine.vocab_size, self.options.tokenize)
-            result = await self._outcome(request, await self._submit(submission))
+            result = await self._run(request, submission)
             return result_body(result), STATUS_CODE.get(result.status, 500)
 
         return await self._guarded("/v1/prefill", request, work)
@@ -163,7 +178,7 @@ class Frontend:
         async def work(request: Request) -> tuple[dict, int]:
             raw = await read_body(request, self.options.max_body_bytes)
             submission, body = parse_completion(raw, self.engine.vocab_size, self.options.tokenize)
-            result = await self._outcome(request, await self._submit(submission))
+            result = await self._run(request, submission)
             answer = completion_body(result, body, self.options.detokenize)
             if result.status in ("rejected", "failed"):
                 kind = "invalid_request_error" if result.status == "rejected" else "server_error"

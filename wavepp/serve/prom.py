@@ -174,9 +174,12 @@ def _per_stage(out: Exposition, name: str, help_text: str, parts) -> None:
         for field, v in part.items():
             if _is_number(v):
                 out.add(
-                    metric_name(name, str(field)), "gauge", f"{help_text}: {field} per stage",
-                    v, {"stage": str(stage)},
-                )  # fmt: skip
+                    metric_name(name, str(field)),
+                    "gauge",
+                    f"{help_text}: {field} per stage",
+                    v,
+                    {"stage": str(stage)},
+                )
 
 
 class Histogram:
@@ -199,6 +202,7 @@ class ServerMetrics:
         self.http: dict[tuple[str, int], int] = {}
         self.results = dict.fromkeys(("done", "cancelled", "rejected", "failed"), 0)
         self.disconnect_cancels = 0
+        self.in_flight = 0  # prefill HTTP requests awaiting their result
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.time_to_result = Histogram()
@@ -236,6 +240,12 @@ class ServerMetrics:
             "gauge",
             "seconds since the server started",
             self.clock() - self.started_at,
+        )
+        out.add(
+            PREFIX + "http_in_flight",
+            "gauge",
+            "prefill requests awaiting their result",
+            self.in_flight,
         )
         for (route, status), n in sorted(self.http.items()):
             out.add(
