@@ -12,6 +12,15 @@ def _p(values: Sequence[float], q: float) -> float | None:
     return percentile(values, q) if values else None
 
 
+def _reasons(measured: Sequence) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in measured:
+        reason = "cancelled" if r.cancelled and r.spec.expected_reuse else r.miss_reason
+        if reason and r.spec.expected_reuse:
+            counts[reason] = counts.get(reason, 0) + 1
+    return counts
+
+
 def summarize(
     records: Sequence, reports: Sequence[StageReport], *, measure_start: float,
     measure_end: float, round_seconds: Sequence[float], time_scale: float, simulated: bool,
@@ -41,6 +50,7 @@ def summarize(
         "completion_p99_s": _p(completion, 99),
         "queue_p50_s": _p(queued, 50),
         "good_hit_rate": len(good) / len(expecting) if expecting else None,
+        "miss_reasons": _reasons(measured),
         "reused_share": sum(r.cached_tokens for r in ok) / tokens if tokens else 0.0,
         # what a perfect cache of unbounded size would reuse of the same requests
         "ideal_reused_share": sum(r.spec.expected_reuse for r in ok) / tokens if tokens else 0.0,
@@ -80,6 +90,8 @@ def summarize(
                 "num_tokens": r.spec.num_tokens,
                 "cached_tokens": r.cached_tokens,
                 "expected_reuse": r.spec.expected_reuse,
+                "miss_reason": "cancelled" if r.cancelled and r.spec.expected_reuse
+                else getattr(r, "miss_reason", None),
                 "first_token": r.first_token,
                 "top_logit": r.top_logit,
                 "completion_s": None
@@ -127,6 +139,9 @@ def table(record: dict) -> str:
             f"{leak['referenced']:>10}  {leak['cached']:>7}/{leak['capacity']:<7}  "
             f"{'yes' if leak['balanced'] else 'NO'}"
         )
+    if record.get("miss_reasons"):
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(record["miss_reasons"].items()))
+        lines.append(f"  missed reuse        {why}")
     if record.get("interrupted"):
         lines.append(f"  INTERRUPTED by {record['interrupted']}: "
                      f"{record['unfinished_requests']} requests unfinished; the leak check "

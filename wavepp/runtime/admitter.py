@@ -33,7 +33,18 @@ from wavepp.rounds.messages import (
 )
 from wavepp.rungs import Admission, Rung
 from wavepp.runtime.intake import Intake
-from wavepp.state import RequestId, escrow, lease, num_blocks_for, release
+from wavepp.state import (
+    RequestId,
+    attention_hit,
+    escrow,
+    lease,
+    num_blocks_for,
+    probe,
+    release,
+)
+
+MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited for",
+                "stages disagreed", "cancelled")  # fmt: skip
 
 
 def _entry(offer: Offer) -> AdmitEntry:
@@ -63,6 +74,9 @@ class Admitter:
         self.round_cpu_s: list[float] = []  # rank 0's process CPU seconds during each round
         self.round_spans: list[tuple[float, float, int]] = []  # (start, end, requests) wall
         self.stopping = False
+        # Blocks of admitted, unfinished prompts: a prefix among them is being computed.
+        self.live_blocks: dict[int, int] = {}  # block hash -> live requests holding it
+        self._seen_here: dict[RequestId, tuple[int, int]] = {}  # rank 0's (hit, point)
 
     # -- shared by every mode ---------------------------------------------------------
 
@@ -77,7 +91,43 @@ class Admitter:
         # unblocks the next one (else a refusal could wait forever).
         batch = self.intake.waiting.head(limit)
         self.in_round.update(batch)
+        cache = self.stage.book.cache
+        for rid in batch:  # rank 0's own view, to explain a miss afterwards
+            record = self.intake.records[rid]
+            if record.spec.expected_reuse > 0:
+                o = record.offer
+                self._seen_here[rid] = (attention_hit(cache, o.hashes, o.probe_limit),
+                                        probe(cache, o.hashes, o.probe_limit))  # fmt: skip
         return [self.intake.records[rid].offer for rid in batch], self.intake.capacity_epoch
+
+    def _explain(self, rid: RequestId, point: int) -> str | None:
+        """Why a request expecting reuse got less than 80% of it (rank 0's view), or None."""
+        record = self.intake.records[rid]
+        seen = self._seen_here.pop(rid, None)
+        expected = record.spec.expected_reuse // self.policy.block_size
+        if seen is None or point >= 0.8 * expected:
+            return None
+        hit, local = seen
+        hashes = record.offer.hashes
+        if local > point:
+            return "stages disagreed"  # rank 0 could serve more than the agreed point
+        if hit > local:
+            return "no snapshot near the hit"
+        if point < len(hashes) and self.live_blocks.get(hashes[point], 0):
+            return "in flight and not waited for"
+        return "evicted"
+
+    def ended(self, rid: RequestId) -> None:
+        """A request left the stages: its blocks are no longer being computed."""
+        offer = self.intake.records[rid].offer
+        if self.intake.records[rid].admitted_at is None:
+            return
+        for block in offer.hashes:
+            left = self.live_blocks.get(block, 0) - 1
+            if left > 0:
+                self.live_blocks[block] = left
+            else:
+                self.live_blocks.pop(block, None)
 
     def _apply(
         self, offers: Sequence[Offer], admitted: Sequence[bool], points: Sequence[int], epoch: int
@@ -91,7 +141,12 @@ class Admitter:
         for offer, point in zip(offers[: len(taken)], points, strict=False):
             record = self.intake.records[offer.request_id]
             record.admitted_at, record.status = now, "admitted"
+            record.miss_reason = self._explain(offer.request_id, point)
+            for block in offer.hashes:
+                self.live_blocks[block] = self.live_blocks.get(block, 0) + 1
             self.on_admitted(offer.request_id, point)
+        for offer in offers[len(taken) :]:
+            self._seen_here.pop(offer.request_id, None)
         for rid in self.intake.waiting.head():  # cancelled while offered, and refused
             if self.intake.records[rid].cancelled:
                 self.intake.waiting.remove(rid)

@@ -43,6 +43,7 @@ class Coordinator:
         self.planner = planner
         self.admitter = Admitter(rung, plane, stage, self.intake, policy, max_batch,
                                  heartbeat_s, self._admitted)  # fmt: skip
+        self.intake.on_end = self.admitter.ended
         self.loop = StageZero(stage, planner, self.admitter, self.intake, outbound, done, ring)
         self.has_completions = done is not None
         self.stopping = False

@@ -39,6 +39,7 @@ class Intake:
         self.capacity_epoch = 0  # bumped whenever a request that held room ends
         self.draining = False
         self._subscribers: list[anyio.abc.ObjectSendStream] = []
+        self.on_end: Callable[[RequestId], None] = lambda rid: None  # the admitter's hook
         # A server runs for days: keep only the last ``retain_finished`` ended records
         # (None keeps all, as an offline run's record needs). Totals are counted as
         # requests end, so they cover the forgotten ones too.
@@ -95,6 +96,7 @@ class Intake:
     # -- exits ----------------------------------------------------------------------
 
     def _end(self, record: Record, status: str, held_room: bool) -> None:
+        self.on_end(RequestId(record.spec.request_id))
         record.status = status
         record.done_at = time.time()
         record.finished.set()

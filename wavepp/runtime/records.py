@@ -74,6 +74,7 @@ class Record:
     error: str | None = None
     cancelled: bool = False  # a cancel was asked for; settled when every stage dropped it
     status: str = "queued"
+    miss_reason: str | None = None  # why it reused < 80% of its expected reuse
     finished: anyio.Event = attrs.field(factory=anyio.Event)
 
     def result(self) -> Result:
