@@ -88,3 +88,13 @@ def test_retention_traces_arrive_at_their_rate_and_reuse_documents(tmp_path):
     assert all(s.expected_reuse in (0, 64 * 512) for s in specs)
     cells = retention_cells(tmp_path)
     assert {c.rung for c in cells} == {"R1", "R4"} and all(c.ranks == 8 for c in cells)
+
+
+def test_scaling_model_bounds():
+    from wavepp.bench.scaling import model_bounds
+
+    one = model_bounds("qwen3-next-80b", "h200", 1, 131_072, 16_384, 8192)
+    four = model_bounds("qwen3-next-80b", "h200", 4, 131_072, 16_384, 8192)
+    assert one[0] == 1.0 and four[0] == pytest.approx(1.0, abs=1e-4)  # 12 + 12 + 12 + 12
+    assert 0.25 < four[1] / one[1] < 0.4  # fill and drain of 16 chunks, the last dearest
+    assert model_bounds("kimi-k3-class", "gb300", 4, 131_072, 16_384, 8192)[0] < 0.96

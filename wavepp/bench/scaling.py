@@ -22,6 +22,32 @@ import json
 from pathlib import Path
 
 from wavepp.bench.matrix import Cell, run_cell
+from wavepp.exec.profiles import DEVICES, MODELS, split_layers
+from wavepp.exec.sim import StageCostModel
+
+
+def model_bounds(
+    model: str, device: str, stages: int, prompt: int, budget: int, latency_budget: int
+) -> tuple[float, float]:
+    """What the cost model alone allows, with no runtime overhead: (the balance bound on
+    efficiency — all stages' time over P x the slowest stage's, for one prompt in chunks of
+    ``budget`` — and one prompt's latency in seconds, chunks of ``latency_budget`` flowing
+    through the stages in order)."""
+    m = MODELS[model]
+    costs = [StageCostModel(m, DEVICES[device], layers, s == stages - 1)
+             for s, layers in enumerate(split_layers(m.num_layers, stages))]  # fmt: skip
+
+    def times(size: int) -> list[list[float]]:  # [chunk][stage] seconds
+        chunks = [(a, min(a + size, prompt)) for a in range(0, prompt, size)]
+        return [[c.cost([ch], int(ch[1] == prompt)).seconds for c in costs] for ch in chunks]
+
+    per_stage = [sum(col) for col in zip(*times(budget), strict=True)]
+    balance = sum(per_stage) / (stages * max(per_stage))
+    done = [0.0] * stages  # when each stage finished its previous chunk
+    for row in times(latency_budget):
+        for s, t in enumerate(row):
+            done[s] = max(done[s], done[s - 1] if s else 0.0) + t
+    return balance, done[-1]
 
 
 def _cell(a: argparse.Namespace, ranks: int, concurrency: int, requests: int,
@@ -64,9 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     for ranks in stages:
         tput = run_cell(_cell(a, ranks, a.concurrency, a.requests, a.budget), 1, a.timeout)
         alone = run_cell(_cell(a, ranks, 1, 1, a.latency_budget), 1, a.timeout)
+        balance, ideal_latency = model_bounds(a.model, a.sim_device, ranks, a.prompt_tokens,
+                                              a.budget, a.latency_budget)  # fmt: skip
         rows.append({"stages": ranks, "throughput_tok_s": tput["throughput_tok_s"],
                      "utilization": tput["stage_utilization"],
-                     "latency_s": alone["completion_p50_s"]})  # fmt: skip
+                     "latency_s": alone["completion_p50_s"], "balance_bound": balance,
+                     "model_latency_s": ideal_latency})  # fmt: skip
         print(f"P={ranks}: {tput['throughput_tok_s']:,.0f} tok/s, one prompt alone in "
               f"{alone['completion_p50_s']:.2f} s", flush=True)  # fmt: skip
     base = next(r for r in rows if r["stages"] == 1)
@@ -75,13 +104,22 @@ def main(argv: list[str] | None = None) -> None:
         f"{a.prompt_tokens:,}-token prompts, rung {a.rung}, time scale {a.time_scale}"
     )
     print(f"  {'P':>2}  {'tok/s (c=' + str(a.concurrency) + ')':>16}  {'efficiency':>10}  "
-          f"{'mean util':>9}  {'latency c=1 s':>13}  {'vs P=1':>6}")  # fmt: skip
+          f"{'model bound':>11}  {'mean util':>9}  {'latency c=1 s':>13}  {'vs P=1':>6}  "
+          f"{'model':>6}")  # fmt: skip
+    model_base = next(r for r in rows if r["stages"] == 1)["model_latency_s"]
     for r in rows:
         r["efficiency"] = r["throughput_tok_s"] / (r["stages"] * base["throughput_tok_s"])
         r["latency_ratio"] = r["latency_s"] / base["latency_s"]
         util = sum(r["utilization"]) / len(r["utilization"])
+        r["model_latency_ratio"] = r["model_latency_s"] / model_base
         print(f"  {r['stages']:>2}  {r['throughput_tok_s']:>16,.0f}  {r['efficiency']:>10.1%}  "
-              f"{util:>9.3f}  {r['latency_s']:>13.2f}  {r['latency_ratio']:>5.2f}x")  # fmt: skip
+              f"{r['balance_bound']:>11.1%}  {util:>9.3f}  {r['latency_s']:>13.2f}  "
+              f"{r['latency_ratio']:>5.2f}x  {r['model_latency_ratio']:>5.2f}x")  # fmt: skip
+    print(
+        "  model bound: all stages' predicted time over P x the slowest stage's (uneven "
+        "layer kinds per stage); model: one prompt's latency ratio from the cost model "
+        "alone (chunks flowing through the stages, no runtime overhead)"
+    )
     if a.json:
         record = {"simulated": True, "config": vars(a), "rows": rows}
         Path(a.json).write_text(json.dumps(record, indent=2) + "\n")
