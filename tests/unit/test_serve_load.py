@@ -79,6 +79,7 @@ async def test_closed_loop_with_disconnects(tmp_path):
     assert record["server_reused_share"] is not None
     assert record["throughput_tok_s"] > 0
     assert record["time_to_result_p50_s"] <= record["time_to_result_p99_s"]
+    assert 0 <= record["http_overhead_p50_s"] < record["time_to_result_p50_s"]
     assert "time to result" in table(record)
 
 

@@ -61,6 +61,7 @@ class Outcome:
     sent_at: float | None = None
     answered_at: float | None = None
     cancel_after_s: float | None = None  # when it was abandoned, after sending
+    server_s: float | None = None  # submission to result inside the engine (its timings)
 
     @property
     def latency_s(self) -> float | None:
@@ -186,6 +187,7 @@ class LoadRun:
         outcome.top_logit = result["top_logit"]
         outcome.cached_tokens = result["cached_tokens"]
         outcome.error = result.get("error")
+        outcome.server_s = (result.get("timings") or {}).get("total_s")
         if outcome.status == "done":
             self.latencies.append(outcome.latency_s)
 
@@ -270,6 +272,7 @@ class LoadRun:
         measured = [o for o in self.outcomes if not o.warmup]
         done = [o for o in measured if o.status == "done"]
         latencies = [o.latency_s for o in done]
+        overheads = [o.latency_s - o.server_s for o in done if o.server_s is not None]
         tokens = sum(o.num_tokens for o in done)
         makespan = max(end - start, 1e-9)
         expecting = [o for o in done if o.expected_reuse > 0]
@@ -298,6 +301,8 @@ class LoadRun:
             "input_tokens": tokens,
             "time_to_result_p50_s": percentile(latencies, 50) if latencies else None,
             "time_to_result_p99_s": percentile(latencies, 99) if latencies else None,
+            # client time to result minus the engine's (HTTP, JSON, both event loops)
+            "http_overhead_p50_s": percentile(overheads, 50) if overheads else None,
             "reused_share": sum(o.cached_tokens for o in done) / tokens if tokens else 0.0,
             "good_hit_rate": len(good) / len(expecting) if expecting else None,
             "server_reused_share": server_cached / server_tokens if server_tokens else None,
@@ -320,7 +325,8 @@ def table(record: dict) -> str:
         f"  throughput          {fmt(record['throughput_tok_s'], ' tok/s', digits=0)}"
         f"   (prompt tokens of done requests / makespan {fmt(record['makespan_s'], ' s', 1, 2)})",
         f"  time to result      p50 {fmt(record['time_to_result_p50_s'], ' s')}"
-        f" / p99 {fmt(record['time_to_result_p99_s'], ' s')}",
+        f" / p99 {fmt(record['time_to_result_p99_s'], ' s')}"
+        f"   (outside the engine: p50 {fmt(record['http_overhead_p50_s'], ' s')})",
         f"  reuse               {fmt(record['reused_share'], '%', 100, 1)} of prompt tokens "
         f"cached; good-hit {fmt(record['good_hit_rate'], '%', 100, 1)}; server says "
         f"{fmt(record['server_reused_share'], '%', 100, 1)}",
