@@ -84,5 +84,3 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, **config_args):
 def hf_last_logits(model, tokens) -> torch.Tensor:
     ids = torch.as_tensor(tokens, dtype=torch.long)[None]
     return model(ids).logits[0, -1].float()
-
-

@@ -7,8 +7,7 @@ from __future__ import annotations
 import anyio
 import numpy as np
 
-from wavepp.exec.families import FamilyConfig, build_family_stage
-from wavepp.exec.families.executor import FamilyExecutor
+from wavepp.exec.families import FamilyConfig
 from wavepp.exec.model import ModelConfig, build_stage
 from wavepp.exec.profiles import split_layers
 from wavepp.exec.stage import Admitted, Stage
@@ -40,13 +39,8 @@ class Pipeline:
         self.stages = []
         splits = split_layers(cfg.num_layers, num_stages, layers_per_stage)
         for s, layers in enumerate(splits):
-            first, last = s == 0, s == num_stages - 1
-            if isinstance(cfg, FamilyConfig):
-                modules = build_family_stage(cfg, layers, first, last, weights)
-                executor = FamilyExecutor(modules, capacity, block_size)
-            else:
-                executor = TorchExecutor(build_stage(cfg, layers, first, last, weights),
-                                         capacity, block_size)  # fmt: skip
+            modules = build_stage(cfg, layers, s == 0, s == num_stages - 1, weights)
+            executor = TorchExecutor(modules, capacity, block_size)
             recurrent = any(cfg.kind(i) == "L" for i in layers)
             book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
             self.stages.append(Stage(s, book, executor, block_size, snapshot_interval, recurrent,

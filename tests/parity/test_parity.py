@@ -6,14 +6,21 @@ import pytest
 import torch
 
 from tests.parity.harness import Pipeline
+from wavepp.exec.families import FamilyConfig
 from wavepp.exec.model import BUILTIN, random_weights, reference_logits
 
-SMALL = {
-    name: attrs.evolve(
+
+def _shrink(cfg):
+    if isinstance(cfg, FamilyConfig):
+        return attrs.evolve(cfg, d_model=64, d_ff=128, kv_lora_rank=32, nope_dim=16, rope_dim=8,
+                            v_dim=16, linear_k_dim=16, linear_v_dim=16, d_expert=32,
+                            shared_ff=32)  # fmt: skip
+    return attrs.evolve(
         cfg, d_model=64, d_ff=128, head_dim=16, linear_head_dim=16 if "L" in cfg.pattern else 0
     )
-    for name, cfg in BUILTIN.items()
-}
+
+
+SMALL = {name: _shrink(cfg) for name, cfg in BUILTIN.items()}
 TOL = 1e-4
 
 

@@ -2,8 +2,20 @@
 
 Pure-attention configs follow the Llama layout and its weight names, so Llama-family
 checkpoints load as they are; hybrid configs add ``linear_attn`` layers under the same
-naming scheme. Layer kinds live in a small registry (``MIXERS``) so that published
-hybrid families (Gated DeltaNet, KDA + MLA) can be added as new kinds.
+naming scheme. The published families (Kimi Linear, Qwen3-Next, MiniMax-M2) live in
+``wavepp.exec.families``; ``BUILTIN``, :func:`random_weights`, :func:`build_stage` and
+:func:`reference_logits` take either kind of config.
+
+The layer-kind seam the executor relies on (every mixer, here and in the families):
+
+- a **paged** kind (``paged = True``) declares ``cache_layout() -> {name: entry shape}``,
+  the per-token entries it keeps in the paged pool (``k``/``v`` ``[KV, hd]`` for GQA, a
+  compressed ``latent`` ``[1, rank + rope]`` for MLA), and runs a whole wave with
+  ``paged_forward(h [T, d_model], batch, pools, attention) -> [T, d_model]``;
+- a **recurrent** kind (``paged = False``) declares ``state_shapes() -> {part: shape}``
+  (e.g. the delta-rule state and the short convolution's state) and runs one chunk with
+  ``chunk(h [n, d_model], state | None, cuts) -> (out, state after, [state at cut])``,
+  the states at ``cuts`` (token offsets) being what snapshots keep.
 
 Everything here is plain PyTorch. The paged, chunked, prefix-reusing forward is in
 ``wavepp.exec.torch_exec``; :func:`reference_logits` is the plain full forward the
@@ -12,12 +24,21 @@ parity tests compare it with.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from wavepp.exec.attention import write_paged
+from wavepp.exec.families import (
+    FamilyConfig,
+    build_family_stage,
+    family_random_weights,
+    family_reference_logits,
+)
 
 
 @attrs.frozen
@@ -52,8 +73,18 @@ class ModelConfig:
             raise ValueError("a pattern with L layers needs linear_heads and linear_head_dim")
 
 
-BUILTIN: dict[str, ModelConfig] = {
-    # The embedded default: small enough for four ranks on two CPU cores.
+BUILTIN: dict[str, ModelConfig | FamilyConfig] = {
+    # The embedded default: Kimi-Linear-shaped (KDA + MLA with a latent KV pool, MoE with
+    # a shared expert), small enough for four ranks on two CPU cores.
+    "tiny-kimi": FamilyConfig(
+        family="kimi_linear", vocab_size=512, d_model=128, num_layers=8,
+        mixers=("kda", "kda", "kda", "mla") * 2, mlps=("dense",) + ("moe",) * 7,
+        norm_eps=1e-5, num_heads=4, kv_lora_rank=64, nope_dim=32, rope_dim=16, v_dim=32,
+        linear_heads=4, linear_k_dim=32, linear_v_dim=32, conv_kernel=4, d_ff=256,
+        num_experts=8, top_k=2, d_expert=64, shared_ff=64, routed_scaling=2.0,
+        num_groups=2, topk_groups=1,
+    ),
+    # The earlier default: gated linear attention + GQA, four ranks on two CPU cores.
     "tiny-hybrid": ModelConfig(
         vocab_size=512, d_model=128, num_layers=8, pattern="LLLA", num_heads=4,
         num_kv_heads=2, head_dim=32, d_ff=256, linear_heads=4, linear_head_dim=32,
@@ -171,6 +202,27 @@ class Attention(nn.Module):
         q, k, v = self.qkv(h, positions)
         return self.attend(q, k, v, positions)
 
+    # -- the paged seam -----------------------------------------------------------
+
+    paged = True
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.cfg.num_kv_heads, self.cfg.head_dim),
+                "v": (self.cfg.num_kv_heads, self.cfg.head_dim)}  # fmt: skip
+
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
+        # h: [T, d_model], the wave's new tokens; their prefixes are in the pools.
+        cfg = self.cfg
+        key = ("rope", cfg.head_dim, cfg.rope_theta, h.dtype)
+        if key not in batch.kernel_state:  # once per wave, shared by the stage's layers
+            batch.kernel_state[key] = rope_tables(batch.positions, cfg.head_dim,
+                                                  cfg.rope_theta, h.dtype)  # fmt: skip
+        q, k, v = self.qkv(h, batch.positions, batch.kernel_state[key])  # q: [T, H, hd]
+        write_paged(pools["k"], batch, k)
+        write_paged(pools["v"], batch, v)
+        out = attention(q, pools["k"], pools["v"], batch, cfg.head_dim**-0.5)  # [T, H, hd]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
 
 class GatedLinearAttention(nn.Module):
     """Gated linear attention (kind ``L``): per head, a head_dim x head_dim state
@@ -227,6 +279,27 @@ class GatedLinearAttention(nn.Module):
         state = state * b[-1].exp()[:, None, None] + torch.einsum("sh,shd,she->hde", tail, k, v)
         return o, state
 
+    # -- the recurrent seam ------------------------------------------------------
+
+    paged = False
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"state": self.state_shape()}
+
+    def chunk(self, h: torch.Tensor, state: dict | None, cuts: tuple[int, ...] = ()):
+        """h: [n, d_model]; the chunked-parallel form over the pieces between cuts."""
+        s = torch.zeros(self.state_shape()) if state is None else state["state"]
+        q, k, v, a = self.project(h)
+        s = s.to(q.dtype)
+        bounds = sorted({0, h.shape[0], *[c for c in cuts if 0 < c < h.shape[0]]})
+        outs, at_cut = [], {0: s}
+        for lo, hi in itertools.pairwise(bounds):  # one piece per snapshot cut
+            o, s = self.scan(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], s)
+            outs.append(o)
+            at_cut[hi] = s
+        return (self.finish(h, torch.cat(outs)), {"state": s},
+                [{"state": at_cut[c]} for c in cuts])  # fmt: skip
+
     def full(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v, a = self.project(h)
         state = torch.zeros(self.state_shape(), dtype=h.dtype, device=h.device)
@@ -254,6 +327,10 @@ class DecoderLayer(nn.Module):
     @property
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_name)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp
 
 
 class StageModules(nn.Module):
@@ -289,8 +366,10 @@ class StageModules(nn.Module):
         return self.lm_head(h)
 
 
-def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(cfg: ModelConfig | FamilyConfig, seed: int) -> dict[str, torch.Tensor]:
     """The full model's weights from a seed, the same on every rank whatever the split."""
+    if isinstance(cfg, FamilyConfig):
+        return family_random_weights(cfg, seed)
     generator = torch.Generator().manual_seed(seed)
     full = StageModules(cfg, range(cfg.num_layers), first=True, last=True)
     state = {}
@@ -308,10 +387,12 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_stage(cfg: ModelConfig, layers: range, first: bool, last: bool,
+def build_stage(cfg: ModelConfig | FamilyConfig, layers: range, first: bool, last: bool,
                 weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32) -> StageModules:  # fmt: skip
     """The stage's modules with their weights, on ``device`` in ``dtype``."""
+    if isinstance(cfg, FamilyConfig):
+        return build_family_stage(cfg, layers, first, last, weights, device, dtype)
     modules = StageModules(cfg, layers, first, last)
     wanted = modules.state_dict().keys()
     missing = [k for k in wanted if k not in weights]
@@ -322,8 +403,12 @@ def build_stage(cfg: ModelConfig, layers: range, first: bool, last: bool,
 
 
 @torch.inference_mode()
-def reference_logits(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokens) -> torch.Tensor:
+def reference_logits(
+    cfg: ModelConfig | FamilyConfig, weights: dict[str, torch.Tensor], tokens
+) -> torch.Tensor:
     """Plain single-process forward of the whole model: logits at the last position."""
+    if isinstance(cfg, FamilyConfig):
+        return family_reference_logits(cfg, weights, tokens)
     model = build_stage(cfg, range(cfg.num_layers), True, True, weights)
     x = model.model.embed_tokens(torch.as_tensor(tokens, dtype=torch.long))  # [n, d_model]
     for i in model.layer_ids:

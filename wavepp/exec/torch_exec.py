@@ -1,58 +1,86 @@
-"""The torch executor: one stage of a real decoder LM over a paged KV pool (DESIGN §6).
+"""The torch executor: one stage of a real decoder LM over a paged pool (DESIGN §6).
 
-Per stage it holds, for every attention layer, a KV pool ``[capacity * block, KV, hd]``
-indexed by the slots the state reducers hand out, and, for linear-attention layers,
-the live recurrent state of each running request plus snapshots at block boundaries
-keyed by the hash of the block they follow. The cache effects are exactly the ones the
-reducers decided: this class only reads and writes the slots and snapshots it is told.
+Each layer kind declares its cache (the seam in ``wavepp.exec.model``):
 
-Weights, pools and recurrent states live on one device in one dtype. A wave's
-token-wise work (projections, RoPE, MLP) runs on all its chunks at once; attention
-reads the pool through the block tables of all chunks in one call per layer
-(``wavepp.exec.attention``, its metadata built once per wave); the recurrence runs
-chunk by chunk. The forward runs in a worker thread, so the event loop keeps
-admitting while it computes.
+- a **paged** kind names the per-token entries it keeps (K/V for GQA, the compressed
+  latent for MLA); the stage holds one pool ``[capacity * block_size, *entry]`` per
+  entry and layer, indexed by the slots the state reducers hand out, and the kind runs
+  the whole wave over it in one call per layer (``wavepp.exec.attention``);
+- a **recurrent** kind names its state parts (the delta-rule state and the short
+  convolution's state; or one state for gated linear attention). Running requests keep
+  a live state; snapshots live in a preallocated pool ``[snapshot_capacity, *part]``
+  per layer and part, addressed by slot: ``ChunkWork.snapshot_slots`` to save into,
+  ``resume_slot`` to resume from. While the stage still passes block-hash keys
+  (``snapshot_keys`` / ``prefix_key``), a bounded key -> slot map stands in, its slots
+  freed by ``forget``.
+
+The cache effects are exactly the ones the reducers decided: this class only reads and
+writes the slots it is told. Nothing grows without bound: pools are preallocated, live
+states end with their request (or ``cancel``), the key map is bounded by the snapshot
+pool, the last logits kept for inspection by ``KEEP_LOGITS``.
+
+Weights, pools and states live on one device (recurrent states in fp32, pools in the
+weights' dtype). A wave's token-wise work (projections, MLP, experts) runs on all its
+chunks at once; paged attention reads the pool through the block tables of all chunks;
+the recurrence runs chunk by chunk, chunk-parallel inside. The forward runs in a worker
+thread, so the event loop keeps admitting while it computes.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import anyio
 import anyio.to_thread
 import torch
+from torch import nn
 
-from wavepp.exec.attention import PagedBatch, paged_attention, write_paged
+from wavepp.exec.attention import PagedBatch, paged_attention
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.model import Attention, GatedLinearAttention, StageModules, rope_tables
 from wavepp.state import BlockHash, RequestId
+
+KEEP_LOGITS = 256  # last-stage logits kept for inspection, most recent requests
+State = dict[str, torch.Tensor]  # one recurrent layer's state, by part
 
 
 class TorchExecutor:
     simulated = False
 
-    def __init__(self, modules: StageModules, capacity: int, block_size: int) -> None:
-        """``modules`` already on their device in their dtype (``build_stage``); the pools
-        and states follow them."""
+    def __init__(self, modules: nn.Module, capacity: int, block_size: int,
+                 snapshot_capacity: int | None = None) -> None:  # fmt: skip
+        """``modules``: a stage (``build_stage``) already on its device in its dtype; the
+        pools and states follow it. ``snapshot_capacity``: slots of the snapshot pool
+        (default ``capacity``: at most one snapshot per cached block)."""
         self.m = modules
         self.cfg = modules.cfg
         self.block_size = block_size
-        cfg = self.cfg
         weight = next(modules.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         # The attention kernel over the paged pool (swappable: the benchmark compares it
         # with the old copying path).
         self.attention = paged_attention
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.snapshot_capacity = capacity if snapshot_capacity is None else snapshot_capacity
+        self.pools: dict[int, dict[str, torch.Tensor]] = {}  # layer -> entry -> [rows, ...]
+        self.snapshot_pools: dict[int, dict[str, torch.Tensor]] = {}  # layer -> part -> [S, ..]
         for i in modules.layer_ids:
-            if cfg.kind(i) == "A":
-                shape = (capacity * block_size, cfg.num_kv_heads, cfg.head_dim)
-                self.kv[i] = (self._zeros(shape), self._zeros(shape))  # [slot*bs+off, KV, hd]
-        self.recurrent = [i for i in modules.layer_ids if cfg.kind(i) == "L"]
-        self.live: dict[RequestId, dict[int, torch.Tensor]] = {}  # running requests' states
-        self.snapshots: dict[BlockHash, dict[int, torch.Tensor]] = {}
-        self.last_logits: dict[RequestId, torch.Tensor] = {}  # last stage, for inspection
+            mixer = modules.layer(i).mixer
+            if mixer.paged:
+                self.pools[i] = {
+                    name: self._zeros((capacity * block_size, *shape), self.dtype)
+                    for name, shape in mixer.cache_layout().items()
+                }
+            else:
+                self.snapshot_pools[i] = {
+                    part: self._zeros((self.snapshot_capacity, *shape), torch.float32)
+                    for part, shape in mixer.state_shapes().items()
+                }
+        self.recurrent = list(self.snapshot_pools)
+        self.live: dict[RequestId, dict[int, State]] = {}  # running requests' states
+        self._key_slots: dict[BlockHash, int] = {}  # block-hash key path: hash -> slot
+        self._free_slots = list(range(self.snapshot_capacity - 1, -1, -1))
+        self.last_logits: OrderedDict[RequestId, torch.Tensor] = OrderedDict()
 
     # -- the protocol ---------------------------------------------------------------
 
@@ -64,43 +92,45 @@ class TorchExecutor:
         return StageOutput(out, time.perf_counter() - started, results)
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
+        """Blocks dropped by the state; on the key path their snapshots' slots free up."""
         for block in evicted:
-            self.snapshots.pop(block, None)
+            slot = self._key_slots.pop(block, None)
+            if slot is not None:
+                self._free_slots.append(slot)
 
     def prior_cost(self) -> tuple[float, float, float, float]:
         """A rough (a, c, d, floor) prior for the cost planner: FLOPs at 10 GFLOP/s."""
         params = sum(p.numel() for p in self.m.model.layers.parameters())
-        attn = sum(1 for i in self.m.layer_ids if self.cfg.kind(i) == "A")
+        cfg = self.cfg
+        width = cfg.num_heads * max(cfg.head_dim, getattr(cfg, "kv_lora_rank", 0), 1)
         rate = 10e9
-        return (
-            2 * params / rate,
-            4 * self.cfg.num_heads * self.cfg.head_dim * attn / rate,
-            1e-3,
-            0.0,
-        )
+        return 2 * params / rate, 4 * width * len(self.pools) / rate, 1e-3, 0.0
 
     def cancel(self, rid: RequestId) -> None:
         self.live.pop(rid, None)
         self.last_logits.pop(rid, None)
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this stage holds, by kind (the KV pools are allocated up front)."""
+        """Bytes this stage holds, by kind; the pools are allocated up front."""
 
         def size(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
 
+        live = [t for states in self.live.values() for s in states.values() for t in s.values()]
         return {
             "weights_bytes": size(self.m.parameters()),
-            "kv_pool_bytes": size(t for pair in self.kv.values() for t in pair),
-            "snapshot_bytes": size(t for s in self.snapshots.values() for t in s.values()),
-            "num_snapshots": len(self.snapshots),
-            "live_state_bytes": size(t for s in self.live.values() for t in s.values()),
+            "kv_pool_bytes": size(t for pool in self.pools.values() for t in pool.values()),
+            "snapshot_bytes": size(
+                t for pool in self.snapshot_pools.values() for t in pool.values()
+            ),
+            "snapshot_capacity": self.snapshot_capacity if self.recurrent else 0,
+            "live_state_bytes": size(live),
         }
 
     # -- the math -------------------------------------------------------------------
 
-    def _zeros(self, shape) -> torch.Tensor:
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def _zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkWork], x: torch.Tensor | None):
@@ -112,25 +142,21 @@ class TorchExecutor:
         if batch.num_tokens != x.shape[0]:
             raise ValueError(f"wave of {batch.num_tokens} tokens got activations for {x.shape[0]}")
         x = x.to(self.device, self.dtype)  # x: [tokens, d_model]
-        tables = None
-        if self.kv:
-            cfg = self.cfg
-            tables = rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta, self.dtype)
         for i in self.m.layer_ids:
             layer = self.m.layer(i)
             h = layer.input_layernorm(x)
             mixer = layer.mixer
-            if isinstance(mixer, Attention):
-                mixed = self._attention(i, mixer, batch, h, tables)
+            if mixer.paged:
+                mixed = mixer.paged_forward(h, batch, self.pools[i], self.attention)
             else:
                 mixed = torch.cat(
                     [
-                        self._recurrence(i, mixer, c, h[a:b])
+                        self._recurrent(i, mixer, c, h[a:b])
                         for c, (a, b) in zip(chunks, batch.spans, strict=True)
                     ]
                 )
             x = x + mixed
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.ffn(layer.post_attention_layernorm(x))
         for c in chunks:
             if c.is_last:
                 self.live.pop(c.request_id, None)
@@ -143,41 +169,56 @@ class TorchExecutor:
             top, best = logits.max(-1)
             for row, c in enumerate(c for c in chunks if c.is_last):
                 self.last_logits[c.request_id] = logits[row]
+                self.last_logits.move_to_end(c.request_id)
                 results[c.request_id] = (int(best[row]), float(top[row]))
+            while len(self.last_logits) > KEEP_LOGITS:
+                self.last_logits.popitem(last=False)
         return None, results
 
-    def _attention(self, i: int, mixer: Attention, batch: PagedBatch, h: torch.Tensor,
-                   tables) -> torch.Tensor:  # fmt: skip
-        # h: [T, d_model], the wave's new tokens; their prefixes are in the pool.
-        q, k, v = mixer.qkv(h, batch.positions, tables)  # q: [T, H, hd]; k, v: [T, KV, hd]
-        keys, values = self.kv[i]
-        write_paged(keys, batch, k)
-        write_paged(values, batch, v)
-        out = self.attention(q, keys, values, batch, mixer.cfg.head_dim**-0.5)  # [T, H, hd]
-        return mixer.o_proj(out.reshape(out.shape[0], -1))
-
-    def _recurrence(
-        self, i: int, mixer: GatedLinearAttention, c: ChunkWork, h: torch.Tensor
-    ) -> torch.Tensor:
+    def _resume(self, i: int, c: ChunkWork) -> State | None:
+        """The state before token c.start: live, from a snapshot slot, or None (zeros)."""
         states = self.live.setdefault(c.request_id, {})
-        if i not in states:
-            if c.prefix_key is not None:
-                states[i] = self.snapshots[c.prefix_key][i].clone()
-            elif c.start == 0:
-                states[i] = self._zeros(mixer.state_shape())
-            else:
-                raise RuntimeError(f"{c.request_id}: no state to resume at token {c.start}")
-        q, k, v, a = mixer.project(h)
-        bs = self.block_size
-        saves = dict(zip(c.snapshot_points, c.snapshot_keys, strict=True))
-        outs, state, at = [], states[i], c.start
-        while at < c.end:  # pieces end on block boundaries, where snapshots are taken
-            stop = min(c.end, (at // bs + 1) * bs)
-            a0, a1 = at - c.start, stop - c.start
-            o, state = mixer.scan(q[a0:a1], k[a0:a1], v[a0:a1], a[a0:a1], state)
-            outs.append(o)
-            if stop % bs == 0 and stop // bs in saves:
-                self.snapshots.setdefault(saves[stop // bs], {})[i] = state.clone()
-            at = stop
-        states[i] = state
-        return mixer.finish(h, torch.cat(outs))
+        if i in states:
+            return states[i]
+        if c.start == 0:
+            return None
+        slot = c.resume_slot
+        if slot is None and c.prefix_key is not None:
+            slot = self._key_slots.get(c.prefix_key)
+        if slot is None:
+            raise RuntimeError(
+                f"{c.request_id}: no recurrent state to resume at token {c.start} on layer {i} "
+                "(no live state, no resume_slot, no snapshot under prefix_key)"
+            )
+        return {part: pool[slot].clone() for part, pool in self.snapshot_pools[i].items()}
+
+    def _save_slots(self, c: ChunkWork) -> list[int]:
+        """Snapshot slots for c.snapshot_points: given, or (key path) taken from the map."""
+        if c.snapshot_slots or not c.snapshot_points:
+            if len(c.snapshot_slots) != len(c.snapshot_points):
+                raise ValueError(f"{c.request_id}: {len(c.snapshot_points)} snapshot points but "
+                                 f"{len(c.snapshot_slots)} slots")  # fmt: skip
+            return list(c.snapshot_slots)
+        slots = []
+        for key in c.snapshot_keys:
+            if key not in self._key_slots:
+                if not self._free_slots:
+                    raise RuntimeError(
+                        f"snapshot pool of {self.snapshot_capacity} slots is full; "
+                        "pass snapshot_slots from the state's snapshot pool"
+                    )
+                self._key_slots[key] = self._free_slots.pop()
+            slots.append(self._key_slots[key])
+        return slots
+
+    def _recurrent(self, i: int, mixer: nn.Module, c: ChunkWork, h: torch.Tensor) -> torch.Tensor:
+        # h: [n, d_model] at positions c.start..c.end-1
+        state = self._resume(i, c)
+        cuts = tuple(k * self.block_size - c.start for k in c.snapshot_points)
+        out, after, at_cuts = mixer.chunk(h, state, cuts)
+        pools = self.snapshot_pools[i]
+        for slot, saved in zip(self._save_slots(c), at_cuts, strict=True):
+            for part, tensor in saved.items():
+                pools[part][slot] = tensor
+        self.live[c.request_id][i] = after
+        return out

@@ -1,10 +1,11 @@
 """Paged layer kinds: GQA with q/k norms, partial RoPE and an optional output gate
 (Qwen3-Next, MiniMax-M2), and multi-head latent attention (Kimi Linear's MLA).
 
-Each declares the per-token entry it keeps in the paged pool (``entry_shape``):
-``[2, KV, hd]`` keys and values for GQA, the compressed latent ``[rank + rope_dim]`` for
-MLA. ``project`` makes a chunk's queries and entries; ``attend`` runs the chunk's
-queries over the entries of tokens 0..m-1 (the cached prefix, then the chunk).
+Each declares the per-token entries it keeps in the paged pool (``cache_layout``): keys
+and values ``[KV, hd]`` for GQA, the compressed latent ``[1, rank + rope_dim]`` for MLA.
+``paged_forward`` runs a whole wave over the pool (``wavepp.exec.attention``); MLA
+attends in the absorbed form, straight over the latents. ``full`` is the reference:
+``project`` then ``attend`` over the prompt's own entries.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wavepp.exec.attention import write_paged
 from wavepp.exec.families.common import RMSNorm, rope_partial
 
 
@@ -22,7 +24,8 @@ def _sdpa(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
     if n == m:
         mask, causal = None, True
     else:
-        mask, causal = torch.arange(m)[None, :] <= q_positions[:, None], False  # [n, m]
+        mask = torch.arange(m, device=q.device)[None, :] <= q_positions[:, None]  # [n, m]
+        causal = False
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
@@ -69,9 +72,6 @@ class GQAttention(nn.Module):
             self.q_norm = RMSNorm(num_heads * head_dim, eps)
             self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
 
-    def entry_shape(self) -> tuple[int, ...]:
-        return (2, self.num_kv_heads, self.head_dim)
-
     def project(self, h: torch.Tensor, positions: torch.Tensor):
         # h: [n, d_model] -> (q: [n, H, hd], gate: [n, H*hd] | None), entries: [n, 2, KV, hd]
         n, hd = h.shape[0], self.head_dim
@@ -103,9 +103,23 @@ class GQAttention(nn.Module):
         return self.o_proj(out)
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(h.shape[0])
+        positions = torch.arange(h.shape[0], device=h.device)
         query, entries = self.project(h, positions)
         return self.attend(query, entries, positions)
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
+        # h: [T, d_model], the wave's new tokens; their prefixes are in the pools
+        (q, gate), entries = self.project(h, batch.positions)  # entries: [T, 2, KV, hd]
+        write_paged(pools["k"], batch, entries[:, 0])
+        write_paged(pools["v"], batch, entries[:, 1])
+        out = attention(q, pools["k"], pools["v"], batch, self.head_dim**-0.5)  # [T, H, hd]
+        out = out.reshape(q.shape[0], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 class LatentAttention(nn.Module):
@@ -143,9 +157,6 @@ class LatentAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * v_dim, d_model, bias=False)
         self.scale = qk**-0.5
 
-    def entry_shape(self) -> tuple[int, ...]:
-        return (self.rank + self.rope_dim,)
-
     def project(self, h: torch.Tensor, positions: torch.Tensor):
         # h: [n, d_model] -> q: [n, H, nope + rope], entries: [n, rank + rope]
         n = h.shape[0]
@@ -165,6 +176,24 @@ class LatentAttention(nn.Module):
         return self.o_proj(out.reshape(q.shape[0], -1))
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(h.shape[0])
+        positions = torch.arange(h.shape[0], device=h.device)
         q, entries = self.project(h, positions)
         return self.attend(q, entries, positions)
+
+    def cache_layout(self) -> dict[str, tuple[int, ...]]:
+        return {"latent": (1, self.rank + self.rope_dim)}
+
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
+        """Absorbed form: queries move into the latent space, so attention reads the
+        latent pool as keys ([latent, k_shared]) and its leading ``rank`` dims as values."""
+        q, entries = self.project(h, batch.positions)  # q: [T, H, nope + rope]
+        pool = pools["latent"]  # [rows, 1, rank + rope]
+        write_paged(pool, batch, entries[:, None, :])
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
+        w_k, w_v = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, r], [H, v, r]
+        q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_k)  # [T, H, rank]
+        query = torch.cat([q_latent, q_shared], dim=-1)  # [T, H, rank + rope]
+        out = attention(query, pool, pool[..., : self.rank], batch, self.scale)  # [T, H, rank]
+        out = torch.einsum("thr,hvr->thv", out, w_v)  # [T, H, v]
+        return self.o_proj(out.reshape(q.shape[0], -1))

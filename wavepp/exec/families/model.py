@@ -129,14 +129,22 @@ class FamilyStage(nn.Module):
 
 
 def build_family_stage(
-    cfg: FamilyConfig, layers: range, first: bool, last: bool, weights: dict[str, torch.Tensor]
+    cfg: FamilyConfig,
+    layers: range,
+    first: bool,
+    last: bool,
+    weights: dict[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> FamilyStage:
+    """The stage's modules with their weights, on ``device`` in ``dtype``."""
     modules = FamilyStage(cfg, layers, first, last)
     wanted = modules.state_dict().keys()
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     modules.load_state_dict({k: weights[k] for k in wanted})
+    modules.to(device=device, dtype=dtype)
     for m in modules.modules():
         if hasattr(m, "prepare"):
             m.prepare()  # fused / stacked weights, from the loaded ones
