@@ -44,7 +44,7 @@ class RunConfig:
     planner: str | None = None
     probe: str | None = None
     block_size: int | None = None
-    capacity_blocks: int = 0
+    capacity_blocks: str = attrs.field(default="0", converter=str)
     snapshot_interval: int = 16
     budget: int | None = None
     min_budget: int | None = None
@@ -82,7 +82,8 @@ HELP: dict[str, str] = {
     "planner": "override the rung's planner: 'static', 'mpu', 'cost', or 'pkg.mod:fn'",
     "probe": "override the hint probe with a dotted path 'pkg.mod:fn' (signature of state.probe)",
     "block_size": "tokens per cached block",
-    "capacity_blocks": "KV pool per stage in blocks (0: enough for 1.5 x concurrency prompts)",
+    "capacity_blocks": "KV pool per stage in blocks: one value for every stage, or one per "
+    "stage ('4096,6144,6144,3072'); 0: enough for 1.5 x concurrency prompts",
     "snapshot_interval": "blocks between recurrent-state snapshots on stages with L layers",
     "budget": "M: most tokens in one wave",
     "min_budget": "smallest wave budget MPU may halve to",
@@ -183,6 +184,26 @@ def validate(c: RunConfig) -> None:
     need(c.workload in (*WORKLOADS, "file"), f"--workload {c.workload!r} unknown")
     need(c.time_scale > 0, f"--time-scale must be positive, got {c.time_scale}")
     need(c.threads >= 0, f"--threads must be ≥ 0 (0: automatic), got {c.threads}")
+
+
+def stage_capacities(c: RunConfig, world: int) -> list[int] | None:
+    """``--capacity-blocks`` per stage, or None to size the pools from the workload."""
+    parts = [p.strip() for p in c.capacity_blocks.split(",")]
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise SystemExit(f"wavepp: --capacity-blocks {c.capacity_blocks!r} is not a block "
+                         "count or a comma-separated list of them") from None  # fmt: skip
+    if values == [0]:
+        return None
+    if len(values) == 1:
+        values = values * world
+    if len(values) != world:
+        raise SystemExit(f"wavepp: --capacity-blocks gives {len(values)} pools for {world} "
+                         "stages; give one value, or one per stage")  # fmt: skip
+    if min(values) < 1:
+        raise SystemExit(f"wavepp: every stage needs a pool of ≥ 1 block, got {values}")
+    return values
 
 
 def resolve(dotted: str) -> Any:

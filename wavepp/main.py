@@ -20,14 +20,15 @@ from pathlib import Path
 
 import anyio
 import attrs
+import torch
 import torch.distributed as dist
 
-from wavepp.config import RunConfig, load, resolve
+from wavepp.config import RunConfig, load, resolve, stage_capacities
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
-from wavepp.exec.planes import PlaneError, build_planes
+from wavepp.exec.planes import DataLimits, PlaneError, build_planes, set_limits
 from wavepp.exec.profiles import DEVICES, MODELS, split_layers
 from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
@@ -36,7 +37,7 @@ from wavepp.exec.watchdog import Watchdog
 from wavepp.metrics import summarize, table
 from wavepp.plan import PLANNERS, CostFit, CostModel, PlanContext
 from wavepp.rounds.admission import Policy, StageBook
-from wavepp.rounds.messages import StageReport, decode_untrusted, encode
+from wavepp.rounds.messages import MAX_MESSAGE_BYTES, StageReport, decode_untrusted, encode
 from wavepp.rungs import RUNGS, Admission
 from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.feed import Feed
@@ -114,6 +115,15 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
     return TorchExecutor(modules, capacity, c.block_size), recurrent
 
 
+def data_limits(c: RunConfig, executor) -> DataLimits:
+    """What the data plane accepts: waves of at most --budget tokens, [tokens, d_model]
+    in the model's dtype (the sim sends [tokens] float16 stand-ins)."""
+    if isinstance(executor, TorchExecutor):
+        return DataLimits.for_run(c.budget, executor.cfg.d_model, executor.dtype,
+                                  MAX_MESSAGE_BYTES)  # fmt: skip
+    return DataLimits.for_run(c.budget, None, torch.float16, MAX_MESSAGE_BYTES)
+
+
 def pick_planner(c: RunConfig):
     name = c.planner or RUNGS[c.rung].planner
     if name == "cost":
@@ -189,7 +199,8 @@ async def rank_main(
     c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
 ) -> tuple[dict | None, int]:  # fmt: skip
-    plane, inbound, outbound, done = build_planes(c.timeout_s)
+    device = pick_device(c.device) if c.executor == "torch" else None
+    plane, inbound, outbound, done = build_planes(c.timeout_s, device=device)
     if watchdog is not None:
         for part in (plane, inbound, outbound, done):
             if part is not None:
@@ -202,7 +213,8 @@ async def rank_main(
     # Every rank needs the pool size; rank 0 derives it from the workload. A requests
     # file with no runnable line ends the run on every rank (runnable = 0).
     runnable = 0 if rank == 0 and client is None and not specs else 1
-    proposed = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 else 0)
+    given = stage_capacities(c, world)
+    proposed = given[rank] if given else (auto_capacity(c, specs) if rank == 0 else 0)
     widest, runnable = await plane.all_min([-proposed, runnable])
     if not runnable:
         if rank == 0:
@@ -212,7 +224,7 @@ async def rank_main(
             log(f"{c.requests_file}: no runnable request ({len(rejected)} lines rejected"
                 f"{': ' + lines + more if rejected else ', the file is empty'})")  # fmt: skip
         return None, 2
-    capacity = c.capacity_blocks or -widest
+    capacity = given[rank] if given else -widest
     need = seeded_need(c, specs) if rank == 0 else 0
     if need > capacity:  # the seeded prefixes cannot all stay cached: say so in the output
         log(f"this cell thrashes: its seeded prefixes and requests in flight need {need:,} "
@@ -220,6 +232,7 @@ async def rank_main(
             f"{(need - capacity) / need:.0%})")  # fmt: skip
     min_capacity = (await plane.all_min([capacity]))[0]
     executor, recurrent = build_executor(c, rank, world, capacity)
+    set_limits((inbound, outbound, done), data_limits(c, executor))
     book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent)
     if c.trace_out:
@@ -231,7 +244,8 @@ async def rank_main(
         probe_fn=resolve(c.probe) if c.probe else None,
     )
     if rung.admission is Admission.FREE and min_capacity != capacity:
-        raise SystemExit("wavepp: the oracle rung needs equal --capacity-blocks on every stage")
+        raise SystemExit("wavepp: the oracle rung decides on rank 0's cache alone and needs "
+                         "equal --capacity-blocks on every stage")  # fmt: skip
 
     if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
         watchdog.stats_fn = lambda: _stage_figures(stage)
@@ -314,7 +328,7 @@ async def rank_main(
         round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
         round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
-                                              "capacity_blocks": capacity,
+                                              "capacity_blocks": [r.capacity for r in reports],
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip
     record["rejected"] = rejected

@@ -18,6 +18,8 @@ def check_clean(record: dict, stages: int) -> None:
         assert leak["balanced"], leak
         assert leak["leases"] == leak["escrowed"] == leak["referenced"] == leak["pending"] == 0
         assert leak["cached"] + leak["free"] == leak["capacity"]
+    pools = [leak["capacity"] for leak in record["leak_check"]]
+    assert record["config"]["capacity_blocks"] == pools
     assert record["failed_requests"] == 0
     assert all(0.0 < u <= 1.0 for u in record["stage_utilization"])
 
@@ -25,7 +27,8 @@ def check_clean(record: dict, stages: int) -> None:
 def test_p2_short_suffix_reuses_every_prompt(run_wavepp):
     record, stdout = run_wavepp(2, *SMALL, "--workload", "short-suffix", "--requests", "24",
                                 "--concurrency", "8", "--rung", "R4",
-                                "--capacity-blocks", "4096")  # fmt: skip
+                                "--capacity-blocks", "4096,5120")  # fmt: skip
+    assert [leak["capacity"] for leak in record["leak_check"]] == [4096, 5120]
     check_clean(record, 2)
     assert "SIMULATED" in stdout
     assert record["good_hit_rate"] == 1.0  # a pool of 4,096 blocks keeps every prompt

@@ -29,3 +29,14 @@ def test_bad_options_say_what(tmp_path):
     path.write_text("reqests = 3\n")
     with pytest.raises(SystemExit, match="unknown option 'reqests'"):
         load(["--config", str(path)])
+
+
+def test_capacity_blocks_per_stage():
+    from wavepp.config import stage_capacities
+
+    assert stage_capacities(load(["--capacity-blocks", "0"]), 4) is None
+    assert stage_capacities(load(["--capacity-blocks", "96"]), 3) == [96, 96, 96]
+    assert stage_capacities(load(["--capacity-blocks", "8,16"]), 2) == [8, 16]
+    for bad in ("8,16,24", "x", "8,0"):
+        with pytest.raises(SystemExit, match=r"capacity-blocks|pool of"):
+            stage_capacities(load(["--capacity-blocks", bad]), 2)
