@@ -15,6 +15,7 @@ threads are abandoned on cancellation: a rank that fails does not wait for a pee
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -168,7 +169,10 @@ class Link:
         self.dst = dst
         self.limits = limits or DataLimits()
         self.device = device or torch.device("cpu")
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # NCCL moves device tensors on a stream of their own; over Gloo a CUDA tensor is
+        # staged through host memory (one GPU shared by several ranks).
+        nccl = tensor_group is not None and dist.get_backend(tensor_group) == "nccl"
+        self.stream = torch.cuda.Stream(self.device) if nccl else None
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
@@ -249,7 +253,7 @@ class Link:
 
     def _send_tensor(self, tensor: torch.Tensor) -> None:
         if self.stream is None:
-            self._send(tensor.contiguous(), self.tensor_group)
+            self._send(tensor.cpu().contiguous(), self.tensor_group)
             return
         tensor = tensor.to(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -275,7 +279,7 @@ class Link:
             tensor = torch.empty(header.shape, dtype=header.dtype)
             if tensor.numel():
                 self._recv(tensor, self.tensor_group)
-            return tensor
+            return tensor.to(self.device)
         with torch.cuda.stream(self.stream):
             tensor = torch.empty(header.shape, dtype=header.dtype, device=self.device)
             if tensor.numel():
@@ -302,12 +306,16 @@ def build_planes(
     Returns the rounds plane and, for this rank, the inbound link (from s-1), the
     outbound link (to s+1) and, on rank 0 and the last rank, the completion link.
     Descriptors go over Gloo pair groups; activations over NCCL pair groups when
-    ``device`` is a GPU, else over a second Gloo pair group (the same code path).
+    ``device`` is a GPU and every local rank has one, else over a second Gloo pair
+    group (the same code path; CUDA tensors staged through host memory).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = device or torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)  # new_group does not inherit it
-    tensor_backend = "nccl" if device.type == "cuda" else "gloo"
+    tensor_backend = "gloo"
+    if device.type == "cuda":  # NCCL needs a GPU per rank; ranks sharing one use Gloo
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        tensor_backend = "nccl" if torch.cuda.device_count() >= local_ranks else "gloo"
     rounds = dist.new_group(backend="gloo", timeout=timeout)
 
     def pair(a: int, b: int):
@@ -329,3 +337,10 @@ def build_planes(
         if rank in (0, world - 1):
             done = Link(meta, world - 1, 0, limits, tensors, device)
     return TorchRoundsPlane(rounds, rank, world), inbound, outbound, done
+
+
+def set_limits(links: Sequence[Link | None], limits: DataLimits) -> None:
+    """Bound what these links accept, once the run's shapes are known."""
+    for link in links:
+        if link is not None:
+            link.limits = limits
