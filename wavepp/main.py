@@ -23,7 +23,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from wavepp.config import RunConfig, load, resolve
+from wavepp.config import RunConfig, load, resolve, stage_capacities
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
@@ -213,7 +213,8 @@ async def rank_main(
     # Every rank needs the pool size; rank 0 derives it from the workload. A requests
     # file with no runnable line ends the run on every rank (runnable = 0).
     runnable = 0 if rank == 0 and client is None and not specs else 1
-    proposed = c.capacity_blocks or (auto_capacity(c, specs) if rank == 0 else 0)
+    given = stage_capacities(c, world)
+    proposed = given[rank] if given else (auto_capacity(c, specs) if rank == 0 else 0)
     widest, runnable = await plane.all_min([-proposed, runnable])
     if not runnable:
         if rank == 0:
@@ -223,7 +224,7 @@ async def rank_main(
             log(f"{c.requests_file}: no runnable request ({len(rejected)} lines rejected"
                 f"{': ' + lines + more if rejected else ', the file is empty'})")  # fmt: skip
         return None, 2
-    capacity = c.capacity_blocks or -widest
+    capacity = given[rank] if given else -widest
     need = seeded_need(c, specs) if rank == 0 else 0
     if need > capacity:  # the seeded prefixes cannot all stay cached: say so in the output
         log(f"this cell thrashes: its seeded prefixes and requests in flight need {need:,} "
@@ -243,7 +244,8 @@ async def rank_main(
         probe_fn=resolve(c.probe) if c.probe else None,
     )
     if rung.admission is Admission.FREE and min_capacity != capacity:
-        raise SystemExit("wavepp: the oracle rung needs equal --capacity-blocks on every stage")
+        raise SystemExit("wavepp: the oracle rung decides on rank 0's cache alone and needs "
+                         "equal --capacity-blocks on every stage")  # fmt: skip
 
     if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
         watchdog.stats_fn = lambda: _stage_figures(stage)
@@ -326,7 +328,7 @@ async def rank_main(
         round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
         round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
-                                              "capacity_blocks": capacity,
+                                              "capacity_blocks": [r.capacity for r in reports],
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip
     record["rejected"] = rejected
