@@ -66,6 +66,7 @@ class Stage:
         self.last_end = 0.0
         self.num_waves = 0
         self.spans: list[Span] | None = None  # set to a list to record the timeline
+        self.last_wave_s = 0.0  # wall seconds of the last wave executed here
 
     # -- admission side -----------------------------------------------------------
 
@@ -165,13 +166,21 @@ class Stage:
         if wave.oracle and self.index != 0:  # rank 0 decided them on its own cache
             self.apply_oracle(wave.oracle)
         works = []
+        waited = 0.0
+        t0 = time.perf_counter()
         for chunk in wave.chunks:
-            admitted = await self.wait_admitted(chunk.request_id)
+            if chunk.request_id not in self.requests:  # its round is still under way
+                w0 = time.perf_counter()
+                admitted = await self.wait_admitted(chunk.request_id)
+                waited += time.perf_counter() - w0
+            else:
+                admitted = self.requests[chunk.request_id]
             works.append(self._prepare(chunk, admitted))
         started = time.time()
         if not works:  # a wave that only carries cancels
             for rid in wave.cancels:
                 self.drop(RequestId(rid))
+            self.last_wave_s = 0.0
             return StageOutput(None, 0.0, {}), []
         output = await self.executor.run(works, activations)
         if self.spans is not None:
@@ -187,6 +196,9 @@ class Stage:
             self._publish(work)
         for rid in wave.cancels:  # none of their chunks come after this wave
             self.drop(RequestId(rid))
+        # This stage's whole time on the wave — cache effects, executor, publishing; not
+        # the wait for an admission round — for the cost planner (WaveMsg.stage_s).
+        self.last_wave_s = max(output.seconds, time.perf_counter() - t0 - waited)
         if output.seconds and not all(w.free for w in works):
             self.busy_s += output.seconds
             self.first_start = started if self.first_start is None else self.first_start

@@ -15,6 +15,8 @@ import numpy as np
 
 MAX_MESSAGE_BYTES = 64 << 20  # one round or wave descriptor; more is refused undecoded
 MAX_ENTRIES = 65_536  # requests in one round / chunks in one wave
+MAX_STAGES = 4096  # pipeline stages
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 MAX_HASH_BYTES = 8 << 22  # 4M blocks: a 268M-token prompt at block 64
 MAX_ID_CHARS = 256
 
@@ -96,6 +98,8 @@ class WaveMsg(_Msg, frozen=True):
     stop: bool = False  # no chunks: the run is over, forward and exit
     cancels: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)] = []
     #  requests to drop on every stage after this wave's chunks (none of theirs follow)
+    stage_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_STAGES)] = []
+    #  wall seconds each stage so far spent on this wave: cache effects + executor
 
 
 class Finished(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -112,6 +116,8 @@ class WaveDone(_Msg, frozen=True):
     finished: Annotated[list[Finished], msgspec.Meta(max_length=MAX_ENTRIES)]
     stop: bool = False  # the stop wave reached the last stage: no more will come
     cancelled: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    stage_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_STAGES)] = []
+    #  wall seconds every stage spent on the wave (the cost planner's measurements)
 
 
 class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import anyio
+import msgspec
 
 from wavepp.exec.base import StageOutput
 from wavepp.exec.planes import Link, TorchRoundsPlane
@@ -67,12 +68,13 @@ async def follow_waves(
                         )
                     return
                 output, ended = await stage.execute(wave, tensor)
+                times = [*wave.stage_s, stage.last_wave_s]
                 if outbound is not None:
+                    wave = msgspec.structs.replace(wave, stage_s=times)
                     await to_sender_send.send((encode(wave), output.activations, outbound))
                 else:
-                    message = WaveDone(
-                        wave.wave_id, finished(output, ended), cancelled=wave.cancels
-                    )
+                    message = WaveDone(wave.wave_id, finished(output, ended),
+                                       cancelled=wave.cancels, stage_s=times)  # fmt: skip
                     await to_sender_send.send((encode(message), None, done))
 
     async def sender() -> None:

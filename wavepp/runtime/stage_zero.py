@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import anyio
+import msgspec
 
 from wavepp.exec.planes import Link
 from wavepp.exec.stage import Stage
@@ -42,6 +43,7 @@ class StageZero:
         self.ring = ring
         self.in_flight = 0  # waves sent and not yet back from the last stage
         self.pending_cancels: list[RequestId] = []  # admitted, to drop with the next wave
+        self.measuring: dict[int, Wave] = {}  # measured waves in flight, for the cost fit
 
     def complete(self, results: Sequence[Finished], cancelled: Sequence[str] = ()) -> None:
         for rid in cancelled:
@@ -95,11 +97,14 @@ class StageZero:
                     self.in_flight += 1
                     output, ended = await self.stage.execute(message, None)
                     if message.chunks and not message.chunks[0].free:
-                        self.planner.observe(wave, output.seconds)
+                        self.measuring[wave.wave_id] = wave
+                    times = [self.stage.last_wave_s]
                     if self.outbound is None:
                         self.in_flight -= 1
+                        self._observe(wave.wave_id, times)
                         self.complete(finished(output, ended), message.cancels)
                     else:
+                        message = msgspec.structs.replace(message, stage_s=times)
                         await send_side.send((encode(message), output.activations))
                 if self.outbound is not None:
                     stop = WaveMsg(self.planner.take_wave_id(), 0, [], [], stop=True)
@@ -113,4 +118,12 @@ class StageZero:
             if message.stop:
                 return
             self.in_flight -= 1
+            self._observe(message.wave_id, message.stage_s)
             self.complete(message.finished, message.cancelled)
+
+    def _observe(self, wave_id: int, stage_s: Sequence[float]) -> None:
+        """The slowest stage's whole time on a measured wave teaches the cost fit (it
+        sets the pipeline's pace, runtime overheads included)."""
+        wave = self.measuring.pop(wave_id, None)
+        if wave is not None and stage_s:
+            self.planner.observe(wave, max(stage_s))
