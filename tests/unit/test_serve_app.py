@@ -383,3 +383,20 @@ async def test_over_max_in_flight_gets_429_and_counts_recover():
         assert len(h.engine.requests) == 3  # the refused one never reached the engine
 
     await _with_engine(test, ServeOptions(max_in_flight=2))
+
+
+def test_listening_socket_lets_asyncio_disable_nagle():
+    # asyncio sets TCP_NODELAY on accepted connections only when the socket's proto is
+    # IPPROTO_TCP; with proto 0 every kept-alive answer waited ≈ 40 ms on delayed ACKs.
+    import socket
+
+    from wavepp.serve.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        with pytest.raises(SystemExit, match=r"cannot listen on 127\.0\.0\.1"):
+            bind("127.0.0.1", sock.getsockname()[1])
+    finally:
+        sock.close()
