@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 
 from wavepp.plan import PLANNERS, Pending, PlanContext, estimated_waves, mpu_budget
+from wavepp.spec import planner_property
 
 queues = st.lists(st.integers(1, 40_000), min_size=1, max_size=12)
 contexts = st.builds(
@@ -36,26 +37,10 @@ def drain(planner, sizes, starts, ctx, arrivals):
             live.append(later.pop(0))
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    name=st.sampled_from(sorted(PLANNERS)),
-    sizes=queues,
-    data=st.data(),
-    ctx=contexts,
-    arrivals=st.integers(0, 4),
-)
-def test_every_token_planned_once_in_order_within_budget(name, sizes, data, ctx, arrivals):
-    starts = [data.draw(st.integers(0, n - 1)) for n in sizes]  # the reuse point, in tokens
-    queue, waves = drain(PLANNERS[name], sizes, starts, ctx, arrivals)
-    covered = {p.request_id: p.next_token for p in queue}
-    for wave in waves:
-        assert 0 < wave.num_tokens <= wave.budget <= ctx.budget
-        assert wave.budget >= min(ctx.min_budget, ctx.budget)
-        for chunk in wave.chunks:
-            assert chunk.start == covered[chunk.request_id], "chunks are consecutive, in order"
-            assert chunk.size >= 1
-            covered[chunk.request_id] = chunk.end
-    assert covered == {p.request_id: p.num_tokens for p in queue}, "every token planned"
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_every_token_planned_once_in_order_within_budget(name):
+    """The planner contract of ``python -m wavepp.spec``, for every built-in planner."""
+    planner_property(PLANNERS[name], max_examples=100)()
 
 
 @settings(max_examples=200, deadline=None)

@@ -170,3 +170,18 @@ def cost_plan(
         spent += model.chunk(size, item.next_token)
         used += size
     return Wave(wave_id, max(budget, used), tuple(chunks))
+
+
+class NoCostModel(ValueError):
+    """The cost planner ran without a cost model in its context."""
+
+
+def cost(queue: Sequence[Pending], wave_id: int, ctx: PlanContext) -> Wave | None:
+    """The cost-aware planner as an ordinary :data:`~wavepp.plan.Planner`: plans with the
+    runtime's online fit, ``ctx.cost_model``."""
+    if ctx.cost_model is None:
+        raise NoCostModel(
+            "the cost planner needs PlanContext.cost_model (the runtime's online fit of "
+            "stage time); this runtime passed none"
+        )
+    return cost_plan(queue, wave_id, ctx, ctx.cost_model)

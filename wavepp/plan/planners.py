@@ -5,18 +5,24 @@ and returns the next wave (or None when nothing is left). Every token of every a
 request is planned exactly once and in order: a request's chunks are consecutive and a
 later chunk never comes before an earlier one.
 
-Researchers plug their own planner in by dotted path (``--planner pkg.mod:fn``); it must
-have the signature of :data:`Planner`.
+Researchers plug their own planner in by dotted path (``--planner pkg.mod:fn``) or as
+the ``planner`` field of a policy; it must have the signature of :data:`Planner`. Every
+planner, the cost-aware one included, gets the runtime's online measurements in its
+:class:`PlanContext` (the fitted cost model, recent wave times).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from wavepp.plan.wave import Chunk, Wave
 from wavepp.state.ids import RequestId
+
+if TYPE_CHECKING:
+    from wavepp.plan.cost import CostModel
 
 
 @attrs.frozen
@@ -39,6 +45,10 @@ class PlanContext:
     budget: int  # M: max tokens in one wave
     ring: int  # R: waves the pipeline holds in flight (2P by default)
     min_budget: int  # smallest budget MPU may halve to
+    cost_model: CostModel | None = None  # stage time fitted online from measured waves
+    #   (the executor's prior before any measurement); None where the runtime has none
+    wave_seconds: tuple[float, ...] = ()  # stage 0's most recent measured wave times, s,
+    #   oldest first (a bounded window)
 
 
 Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]

@@ -1,15 +1,19 @@
 """The admission round (DESIGN §4), one round serving every offered request.
 
-Each step is a pure function of one stage's ``StageCache``; :func:`run_round` strings
+Each step is a pure function of one stage's ``StageCache`` that calls the reducers only
+through the policy in use (:class:`wavepp.policy.Policy`); :func:`run_round` strings
 them together with four small collectives on the rounds plane, the same on every rank::
 
     probe        -> MIN   common candidate point p per request
     lease(p)     -> MIN   h: the lowest point any stage could actually protect
     mask(h)      -> AND   the largest point ≤ h every stage serves exactly (snapshots)
-    reconcile + escrow -> MIN   admitted iff every stage escrowed; FCFS cut
+    reconcile + escrow, in the escrow order -> MIN   admitted iff every stage escrowed;
+                                                     the order's cut (FCFS by default)
 
 Points never rise from one step to the next, and every stage ends on the same point
-without further rounds (see ``wavepp.state.probe.reuse_mask``).
+without further rounds (see ``wavepp.state.probe.reuse_mask``). :func:`round_over`
+runs the same steps over several caches in one process (collectives as plain MIN/AND):
+the oracle, the parity harness and the property suite use it.
 """
 
 from __future__ import annotations
@@ -19,21 +23,18 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from wavepp.policy import DEFAULT, EscrowCandidate
+from wavepp.policy import Policy as _Rules
+from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.state import (
     BlockHash,
     RequestId,
     StageCache,
     block_table,
-    cancel,
-    escrow,
-    lease,
-    materialize,
     num_blocks_for,
     point_from_mask,
-    probe,
     probe_linear,
-    reconcile,
     reuse_mask,
 )
 
@@ -49,14 +50,28 @@ class Offer:
 
 
 @attrs.frozen
-class Policy:
-    """How a rung reserves (DESIGN §8)."""
+class RoundMode:
+    """How a rung reserves (DESIGN §8), and the policy whose reducers it calls."""
 
-    block_size: int
-    linear_probe: bool = False  # R1: walk block by block instead of gallop + bisect
+    block_size: int  # tokens per block
     eager: bool = False  # R1/R2: allocate and evict at admission, not at first execution
-    probe_fn: Callable[[StageCache, Sequence[BlockHash], int | None], int] | None = None
-    #  a researcher's own hint probe (same signature as wavepp.state.probe), or None
+    policy: _Rules = DEFAULT  # every decision point; see wavepp.policy
+
+
+def Policy(
+    block_size: int,
+    linear_probe: bool = False,
+    eager: bool = False,
+    probe_fn: Callable[[StageCache, Sequence[BlockHash], int | None], int] | None = None,
+    policy: _Rules = DEFAULT,
+) -> RoundMode:
+    """Deprecated: build a :class:`RoundMode` (R1's linear walk and ``--probe`` become
+    the policy's ``probe``)."""
+    if probe_fn is not None:
+        policy = attrs.evolve(policy, probe=probe_fn)
+    elif linear_probe:
+        policy = attrs.evolve(policy, probe=probe_linear)
+    return RoundMode(block_size=block_size, eager=eager, policy=policy)
 
 
 def blocks_needed(offer: Offer, block_size: int) -> int:
@@ -64,24 +79,33 @@ def blocks_needed(offer: Offer, block_size: int) -> int:
 
 
 def probe_points(
-    cache: StageCache, offers: Sequence[Offer], policy: Policy, timings: list[float] | None = None
+    cache: StageCache, offers: Sequence[Offer], mode: RoundMode, timings: list[float] | None = None
 ) -> list[int]:
-    walk = policy.probe_fn or (probe_linear if policy.linear_probe else probe)
+    walk = mode.policy.probe
     points = []
     for offer in offers:
         t0 = time.perf_counter_ns()
-        points.append(walk(cache, offer.hashes, offer.probe_limit))
+        point = walk(cache, offer.hashes, offer.probe_limit)
+        if not 0 <= point <= offer.probe_limit:
+            raise ProtocolError(
+                f"probe {walk.__qualname__} returned point {point} for {offer.request_id!r}; "
+                f"it must lie in 0..{offer.probe_limit}"
+            )
+        points.append(point)
         if timings is not None:
             timings.append((time.perf_counter_ns() - t0) / 1e3)
     return points
 
 
 def lease_all(
-    cache: StageCache, offers: Sequence[Offer], points: Sequence[int]
+    cache: StageCache, offers: Sequence[Offer], points: Sequence[int], mode: RoundMode | None = None
 ) -> tuple[StageCache, list[int]]:
+    lease = (mode or RoundMode(1)).policy.lease
     held = []
     for offer, point in zip(offers, points, strict=True):
         cache, got = lease(cache, offer.request_id, offer.hashes, point)
+        if got > point:
+            raise ProtocolError(f"lease raised {offer.request_id!r}'s point {point} to {got}")
         held.append(got)
     return cache, held
 
@@ -92,32 +116,87 @@ def serve_masks(
     return [reuse_mask(cache, o.hashes, b, h) for o, b, h in zip(offers, bases, held, strict=True)]
 
 
-def settle(
-    cache: StageCache, offers: Sequence[Offer], agreed: Sequence[int], block_size: int
-) -> tuple[StageCache, list[int]]:
-    """Roll back to the agreed points and escrow each suffix, in FCFS order; 1 where the
-    escrow held.
+def candidates(
+    offers: Sequence[Offer],
+    agreed: Sequence[int],
+    block_size: int,
+    refusals: dict[RequestId, int] | None = None,
+) -> list[EscrowCandidate]:
+    refusals = refusals or {}
+    return [
+        EscrowCandidate(
+            request_id=offer.request_id,
+            position=i,
+            point=point,
+            need=blocks_needed(offer, block_size) - point,
+            waited=refusals.get(offer.request_id, 0),
+        )
+        for i, (offer, point) in enumerate(zip(offers, agreed, strict=True))
+    ]
 
-    Every offer of the round holds a lease by now. If a request's escrow fails only
-    because later offers' leases protect blocks it could otherwise evict, those later
-    offers give their leases up here (and report 0): nobody overtakes the head.
+
+def attempt_order(mode: RoundMode, cands: Sequence[EscrowCandidate]) -> list[int]:
+    """The escrow order's permutation, checked (every rank must compute the same one)."""
+    order = [int(i) for i in mode.policy.escrow_order.order(cands)]
+    if sorted(order) != list(range(len(cands))):
+        raise ProtocolError(
+            f"escrow order {mode.policy.escrow_order.name!r} returned {order} for "
+            f"{len(cands)} offers; it must be a permutation of their indices"
+        )
+    return order
+
+
+def settle(
+    cache: StageCache,
+    offers: Sequence[Offer],
+    agreed: Sequence[int],
+    mode: RoundMode | int,
+    refusals: dict[RequestId, int] | None = None,
+) -> tuple[StageCache, list[int]]:
+    """Roll back to the agreed points and escrow each suffix, in the escrow order; 1
+    where the escrow held (aligned with ``offers``).
+
+    Every offer of the round holds a lease by now. If a blocking offer's escrow fails
+    only because later offers' leases protect blocks it could otherwise evict, those
+    later offers give their leases up here (and report 0): nobody overtakes it.
     """
-    ok: list[int] = []
-    for i, (offer, point) in enumerate(zip(offers, agreed, strict=True)):
+    if isinstance(mode, int):  # the old signature passed the block size
+        mode = RoundMode(mode)
+    rules = mode.policy
+    cands = candidates(offers, agreed, mode.block_size, refusals)
+    order = attempt_order(mode, cands)
+    ok = [0] * len(offers)
+    for j, i in enumerate(order):
+        offer, point = offers[i], agreed[i]
         if offer.request_id not in cache.claims:  # gave its lease up for an earlier offer
-            ok.append(0)
             continue
-        cache, got = reconcile(cache, offer.request_id, offer.hashes, point)
+        cache, got = rules.reconcile(cache, offer.request_id, offer.hashes, point)
         if got != point:
-            raise AssertionError(f"stage cannot serve agreed point {point} of {offer.request_id}")
-        need = blocks_needed(offer, block_size) - point
-        cache, fits = escrow(cache, offer.request_id, need)
-        if not fits:
-            for later in offers[i + 1 :]:
-                cache = cancel(cache, later.request_id)
-            cache, fits = escrow(cache, offer.request_id, need)
-        ok.append(1 if fits else 0)
+            raise ProtocolError(
+                f"stage cannot serve the agreed point {point} of {offer.request_id!r} "
+                f"(reconcile gave {got})"
+            )
+        need = cands[i].need
+        cache, fits = rules.escrow(cache, offer.request_id, need)
+        if not fits and rules.escrow_order.blocks(cands[i]):
+            for later in order[j + 1 :]:
+                cache = rules.cancel(cache, offers[later].request_id)
+            cache, fits = rules.escrow(cache, offer.request_id, need)
+        ok[i] = 1 if fits else 0
     return cache, ok
+
+
+def cut(flags: Sequence[int], mode: RoundMode, cands: Sequence[EscrowCandidate]) -> list[bool]:
+    """Admit what escrowed on every stage, except what comes after a blocking refusal
+    in the escrow order."""
+    admitted = [False] * len(flags)
+    blocked = False
+    for i in attempt_order(mode, cands):
+        if flags[i] and not blocked:
+            admitted[i] = True
+        elif not flags[i] and mode.policy.escrow_order.blocks(cands[i]):
+            blocked = True
+    return admitted
 
 
 def fcfs_cut(flags: Sequence[int]) -> list[bool]:
@@ -130,18 +209,34 @@ def fcfs_cut(flags: Sequence[int]) -> list[bool]:
 
 
 def commit(
-    cache: StageCache, offers: Sequence[Offer], admitted: Sequence[bool], policy: Policy
+    cache: StageCache, offers: Sequence[Offer], admitted: Sequence[bool], mode: RoundMode
 ) -> tuple[StageCache, list[BlockHash]]:
     """Release the refused; for eager rungs, allocate the admitted now."""
+    rules = mode.policy
     evicted: list[BlockHash] = []
     for offer, ok in zip(offers, admitted, strict=True):
         if not ok:
-            cache = cancel(cache, offer.request_id)  # it may have given its lease up already
-        elif policy.eager:
-            cache, done = materialize(cache, offer.request_id)
+            cache = rules.cancel(cache, offer.request_id)  # it may have given its lease up
+        elif mode.eager:
+            cache, done = rules.materialize(cache, offer.request_id, None)
             block_table(cache, offer.request_id)  # eager rungs build tables up front
             evicted.extend(done.evicted)
     return cache, evicted
+
+
+def note_refusals(
+    refusals: dict[RequestId, int], offers: Sequence[Offer], admitted: Sequence[bool]
+) -> dict[RequestId, int]:
+    """Rounds each offer of this round has been refused, for the next round's order.
+
+    Every rank sees the same offers and results, so every rank keeps the same counts.
+    A request not offered again (admitted or cancelled) is forgotten.
+    """
+    return {
+        o.request_id: refusals.get(o.request_id, 0) + 1
+        for o, ok in zip(offers, admitted, strict=True)
+        if not ok
+    }
 
 
 @attrs.frozen
@@ -162,22 +257,61 @@ class StageBook:
     def __init__(self, cache: StageCache) -> None:
         self.cache = cache
         self.probe_us: list[float] = []
+        self.refusals: dict[RequestId, int] = {}  # rounds each waiting offer was refused
 
 
 async def run_round(
-    plane: RoundsPlane, book: StageBook, offers: Sequence[Offer], policy: Policy
+    plane: RoundsPlane, book: StageBook, offers: Sequence[Offer], mode: RoundMode
 ) -> RoundResult:
     """One admission round over ``offers``; every rank calls it with the same offers."""
     t0 = time.perf_counter()
-    points = probe_points(book.cache, offers, policy, book.probe_us)
+    points = probe_points(book.cache, offers, mode, book.probe_us)
     points = await plane.all_min(points)
-    book.cache, held = lease_all(book.cache, offers, points)
+    book.cache, held = lease_all(book.cache, offers, points, mode)
     bases = await plane.all_min(held)
     masks = serve_masks(book.cache, offers, bases, held)
     masks = await plane.all_and(masks)
     agreed = [point_from_mask(b, m) or 0 for b, m in zip(bases, masks, strict=True)]
-    book.cache, ok = settle(book.cache, offers, agreed, policy.block_size)
+    book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
     flags = await plane.all_min(ok)
-    admitted = fcfs_cut(flags)
-    book.cache, evicted = commit(book.cache, offers, admitted, policy)
+    admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, book.refusals))
+    book.cache, evicted = commit(book.cache, offers, admitted, mode)
+    book.refusals = note_refusals(book.refusals, offers, admitted)
     return RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0)
+
+
+def round_over(
+    caches: Sequence[StageCache],
+    offers: Sequence[Offer],
+    mode: RoundMode,
+    refusals: dict[RequestId, int] | None = None,
+    timings: list[float] | None = None,
+) -> tuple[list[StageCache], RoundResult]:
+    """:func:`run_round` over several stages' caches in one process (MIN and AND over
+    a list): the oracle's free decisions, the parity harness, the property suite."""
+    t0 = time.perf_counter()
+    caches = list(caches)
+    n = len(offers)
+    probed = [probe_points(c, offers, mode, timings) for c in caches]
+    points = [min(p[i] for p in probed) for i in range(n)]
+    held = []
+    for s, cache in enumerate(caches):
+        caches[s], got = lease_all(cache, offers, points, mode)
+        held.append(got)
+    bases = [min(h[i] for h in held) for i in range(n)]
+    masks = [-1] * n
+    for s, cache in enumerate(caches):
+        for i, m in enumerate(serve_masks(cache, offers, bases, held[s])):
+            masks[i] &= m
+    agreed = [point_from_mask(b, m) or 0 for b, m in zip(bases, masks, strict=True)]
+    flags = [1] * n
+    for s, cache in enumerate(caches):
+        caches[s], ok = settle(cache, offers, agreed, mode, refusals)
+        flags = [min(f, o) for f, o in zip(flags, ok, strict=True)]
+    admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, refusals))
+    evicted: list[BlockHash] = []
+    for s, cache in enumerate(caches):
+        caches[s], gone = commit(cache, offers, admitted, mode)
+        evicted.extend(gone)
+    result = RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0)
+    return caches, result

@@ -5,7 +5,17 @@ input untouched; see DESIGN §2–§4 for the protocol these functions implement
 """
 
 from wavepp.state.audit import Usage, audit, usage
-from wavepp.state.cache import Claim, Node, StageCache, empty_cache
+from wavepp.state.cache import (
+    LRU,
+    Claim,
+    Eviction,
+    Node,
+    Snapshot,
+    StageCache,
+    empty_cache,
+    lru_key,
+    tail_evictable,
+)
 from wavepp.state.errors import InvariantError, StateError, UnknownRequest
 from wavepp.state.hashing import (
     ROOT_SEED,
@@ -26,6 +36,7 @@ from wavepp.state.probe import (
 )
 from wavepp.state.reducers import (
     Materialized,
+    SnapshotReservation,
     agree,
     block_table,
     can_ever_fit,
@@ -36,20 +47,26 @@ from wavepp.state.reducers import (
     publish,
     reconcile,
     release,
+    reserve_snapshots,
+    resume_slot,
 )
 
 __all__ = [
+    "LRU",
     "MASK_WIDTH",
     "ROOT",
     "ROOT_SEED",
     "BlockHash",
     "Claim",
+    "Eviction",
     "InvariantError",
     "Materialized",
     "Node",
     "NodeId",
     "RequestId",
     "SlotId",
+    "Snapshot",
+    "SnapshotReservation",
     "StageCache",
     "StateError",
     "UnknownRequest",
@@ -66,6 +83,7 @@ __all__ = [
     "escrow",
     "extend_block_hashes",
     "lease",
+    "lru_key",
     "materialize",
     "num_blocks_for",
     "point_from_mask",
@@ -74,7 +92,10 @@ __all__ = [
     "publish",
     "reconcile",
     "release",
+    "reserve_snapshots",
+    "resume_slot",
     "reuse_mask",
     "snapshot_floor",
+    "tail_evictable",
     "usage",
 ]

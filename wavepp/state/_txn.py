@@ -9,13 +9,12 @@ touched; the transaction object never escapes a reducer.
 from __future__ import annotations
 
 import bisect
-import heapq
 from collections.abc import Iterable, Sequence
 
 import attrs
 import immutables
 
-from wavepp.state.cache import Claim, Node, SlotRun, StageCache
+from wavepp.state.cache import Claim, Node, SlotRun, Snapshot, StageCache
 from wavepp.state.errors import InvariantError
 from wavepp.state.ids import ROOT, BlockHash, NodeId, RequestId, SlotId
 
@@ -35,8 +34,17 @@ class _Txn:
         self.num_escrowed = cache.num_escrowed
         self.clock = cache.clock + 1
         self.next_node_id = cache.next_node_id
+        self.key = cache.eviction.key
+        self.evictable = cache.eviction.evictable
+        self._victims: list[tuple[tuple, NodeId]] | None = None  # copied on first change
+        self.snapshot_free: list[SlotRun] = list(cache.snapshot_free)
+        self.num_snapshot_free = cache.num_snapshot_free
+        self.num_snapshot_pending = cache.num_snapshot_pending
+        self._snapshot_lru: list[tuple[int, BlockHash]] | None = None
 
     def finish(self) -> StageCache:
+        victims = self.base.victims if self._victims is None else tuple(self._victims)
+        lru = self.base.snapshot_lru if self._snapshot_lru is None else tuple(self._snapshot_lru)
         return attrs.evolve(
             self.base,
             nodes=self.nodes.finish(),
@@ -51,6 +59,11 @@ class _Txn:
             num_escrowed=self.num_escrowed,
             clock=self.clock,
             next_node_id=self.next_node_id,
+            victims=victims,
+            snapshot_free=tuple(self.snapshot_free),
+            num_snapshot_free=self.num_snapshot_free,
+            num_snapshot_pending=self.num_snapshot_pending,
+            snapshot_lru=lru,
         )
 
     # -- tables -------------------------------------------------------------------
@@ -59,7 +72,40 @@ class _Txn:
         return self.nodes[node_id]  # type: ignore[index]
 
     def put(self, node: Node) -> None:
+        """Store a node; the only way a node changes, so the victim order stays exact."""
+        old = self.nodes.get(node.node_id)
         self.nodes[node.node_id] = node
+        self._reorder(old, node)
+
+    def drop(self, node_id: NodeId) -> None:
+        old = self.nodes.get(node_id)
+        del self.nodes[node_id]
+        self._reorder(old, None)
+
+    def _is_victim(self, node: Node | None) -> bool:
+        return node is not None and node.node_id != ROOT and self.evictable(node) > 0
+
+    def _reorder(self, old: Node | None, new: Node | None) -> None:
+        was, now = self._is_victim(old), self._is_victim(new)
+        if not was and not now:
+            return
+        old_entry = (self.key(old), old.node_id) if was else None  # type: ignore[union-attr]
+        new_entry = (self.key(new), new.node_id) if now else None  # type: ignore[union-attr]
+        if old_entry == new_entry:
+            return
+        if self._victims is None:
+            self._victims = list(self.base.victims)
+        if old_entry is not None:
+            at = bisect.bisect_left(self._victims, old_entry)
+            if at == len(self._victims) or self._victims[at] != old_entry:
+                raise InvariantError(f"node {old.node_id} missing from the victim order")  # type: ignore[union-attr]
+            del self._victims[at]
+        if new_entry is not None:
+            bisect.insort(self._victims, new_entry)
+
+    def next_victim(self) -> NodeId | None:
+        victims = self.base.victims if self._victims is None else self._victims
+        return victims[0][1] if victims else None
 
     def claim(self, request_id: RequestId) -> Claim | None:
         return self.claims.get(request_id)
@@ -106,7 +152,7 @@ class _Txn:
     def touch(self, node_id: NodeId) -> None:
         if node_id != ROOT:
             node = self.node(node_id)
-            self.put(attrs.evolve(node, recency=self.clock))
+            self.put(attrs.evolve(node, recency=self.clock, uses=node.uses + 1))
 
     def protected_prefix(self, hashes: Sequence[BlockHash], point: int) -> int:
         """Blocks 0..q-1 of this chain already protected by some hold (q ≤ point)."""
@@ -131,82 +177,107 @@ class _Txn:
     # -- slots --------------------------------------------------------------------
 
     def take_free(self, count: int) -> list[SlotId]:
-        taken: list[SlotId] = []
-        while count and self.free_runs:
-            start, stop = self.free_runs[-1]
-            k = min(count, stop - start)
-            taken.extend(range(start, start + k))  # type: ignore[arg-type]
-            if start + k == stop:
-                self.free_runs.pop()
-            else:
-                self.free_runs[-1] = (start + k, stop)
-            count -= k
+        taken = _take_runs(self.free_runs, count)
         self.num_free -= len(taken)
         return taken
 
     def give_free(self, slots: Iterable[SlotId]) -> None:
-        runs: list[SlotRun] = []
-        for slot in sorted(slots):
-            if runs and runs[-1][1] == slot:
-                runs[-1] = (runs[-1][0], slot + 1)
-            else:
-                runs.append((slot, slot + 1))
-        self.free_runs.extend(runs)
-        self.num_free += sum(stop - start for start, stop in runs)
+        self.num_free += _give_runs(self.free_runs, slots)
+
+    # -- the snapshot pool ----------------------------------------------------------
+
+    def put_snapshot(self, block: BlockHash, snap: Snapshot | None) -> None:
+        """Store (or with None remove) a snapshot; keeps the unpinned LRU order exact."""
+        old = self.snapshots.get(block)
+        if snap is None:
+            del self.snapshots[block]
+        else:
+            self.snapshots[block] = snap
+        old_entry = (old.recency, block) if old is not None and not old.pins else None
+        new_entry = (snap.recency, block) if snap is not None and not snap.pins else None
+        if old_entry == new_entry:
+            return
+        if self._snapshot_lru is None:
+            self._snapshot_lru = list(self.base.snapshot_lru)
+        if old_entry is not None:
+            at = bisect.bisect_left(self._snapshot_lru, old_entry)
+            if at == len(self._snapshot_lru) or self._snapshot_lru[at] != old_entry:
+                raise InvariantError(f"snapshot {block:#x} missing from the snapshot LRU order")
+            del self._snapshot_lru[at]
+        if new_entry is not None:
+            bisect.insort(self._snapshot_lru, new_entry)
+
+    def drop_snapshot(self, block: BlockHash) -> None:
+        """Remove the snapshot after this block, if any, and free its slot."""
+        snap = self.snapshots.get(block)
+        if snap is not None:
+            self.put_snapshot(block, None)
+            self.give_snapshot_slots([snap.slot])
+
+    def pin_snapshot(self, block: BlockHash, delta: int) -> None:
+        snap = self.snapshots.get(block)
+        if snap is None or snap.pins + delta < 0:
+            raise InvariantError(f"no snapshot after block {block:#x} to pin by {delta}")
+        recency = self.clock if delta > 0 else snap.recency
+        self.put_snapshot(block, attrs.evolve(snap, pins=snap.pins + delta, recency=recency))
+
+    def take_snapshot_slot(self) -> SlotId | None:
+        """A free snapshot slot, else the slot of the least recently used unpinned one."""
+        if self.num_snapshot_free:
+            self.num_snapshot_free -= 1
+            return _take_runs(self.snapshot_free, 1)[0]
+        lru = self.base.snapshot_lru if self._snapshot_lru is None else self._snapshot_lru
+        if not lru:
+            return None
+        block = lru[0][1]
+        slot = self.snapshots[block].slot  # type: ignore[index]
+        self.put_snapshot(block, None)
+        return slot
+
+    def give_snapshot_slots(self, slots: Iterable[SlotId]) -> None:
+        self.num_snapshot_free += _give_runs(self.snapshot_free, slots)
 
     # -- eviction -----------------------------------------------------------------
 
     def evict(self, count: int) -> tuple[list[SlotId], list[BlockHash]]:
-        """Evict ``count`` unprotected blocks, least recently used leaf tails first.
+        """Evict ``count`` blocks, taking victims in the cache's eviction order.
 
-        Candidates come from the transaction's base value, so call this before
-        inserting nodes in the same transaction. Ties in recency go to the older node.
+        The order (``StageCache.victims``) is kept sorted as nodes change, so each victim
+        costs O(log n), not a pass over the tree. A snapshot goes with its block.
         """
-        heap = [
-            (node.recency, node.node_id)
-            for node in self.base.nodes.values()
-            if node.num_evictable_now() > 0
-        ]
-        heapq.heapify(heap)
         slots: list[SlotId] = []
         hashes: list[BlockHash] = []
         while count:
-            if not heap:
+            node_id = self.next_victim()
+            if node_id is None:
                 raise InvariantError(
                     f"materialization needed {count} more blocks but nothing is evictable "
                     f"(cached {self.num_cached}, protected {self.num_protected})"
                 )
-            recency, node_id = heapq.heappop(heap)
-            node = self.nodes.get(node_id)
-            if node is None or node.num_evictable_now() == 0:
-                continue  # stale entry
-            if node.recency != recency:  # touched in this transaction: requeue
-                heapq.heappush(heap, (node.recency, node_id))
-                continue
-            k = min(count, node.num_evictable_now())
+            node = self.node(node_id)
+            k = min(count, self.evictable(node))
             keep = len(node.hashes) - k
             gone = node.hashes[keep:]
             slots.extend(reversed(node.slots[keep:]))
             hashes.extend(reversed(gone))  # deepest first: the order of leaf-first eviction
             for block in gone:
                 del self.index[block]
-                self.snapshots.pop(block, None)
+                self.drop_snapshot(block)
             self.num_cached -= k
             count -= k
             if keep:
                 self.put(attrs.evolve(node, hashes=node.hashes[:keep], slots=node.slots[:keep]))
                 continue
             # The node is gone; its parent inherits its recency (it was used through it).
-            del self.nodes[node_id]
+            self.drop(node_id)
             parent = self.node(node.parent)  # type: ignore[arg-type]
-            parent = attrs.evolve(
-                parent,
-                children=parent.children.delete(node_id),
-                recency=max(parent.recency, node.recency),
+            self.put(
+                attrs.evolve(
+                    parent,
+                    children=parent.children.delete(node_id),
+                    recency=max(parent.recency, node.recency),
+                )
             )
-            self.put(parent)
-            if parent.num_evictable_now() > 0:
-                heapq.heappush(heap, (parent.recency, parent.node_id))
         return slots, hashes
 
     # -- insertion ----------------------------------------------------------------
@@ -256,3 +327,30 @@ class _Txn:
             self.index[block] = target
         self.num_cached += len(hashes)
         return target
+
+
+def _take_runs(runs: list[SlotRun], count: int) -> list[SlotId]:
+    """Take ``count`` slots (or all there are) from the end of a run list."""
+    taken: list[SlotId] = []
+    while count and runs:
+        start, stop = runs[-1]
+        k = min(count, stop - start)
+        taken.extend(range(start, start + k))  # type: ignore[arg-type]
+        if start + k == stop:
+            runs.pop()
+        else:
+            runs[-1] = (start + k, stop)
+        count -= k
+    return taken
+
+
+def _give_runs(runs: list[SlotRun], slots: Iterable[SlotId]) -> int:
+    """Append the slots to a run list as runs; returns how many."""
+    added: list[SlotRun] = []
+    for slot in sorted(slots):
+        if added and added[-1][1] == slot:
+            added[-1] = (added[-1][0], slot + 1)
+        else:
+            added.append((slot, slot + 1))
+    runs.extend(added)
+    return sum(stop - start for start, stop in added)

@@ -22,16 +22,24 @@ class Usage:
     num_cached: int
     num_free: int
     capacity: int
+    num_snapshots: int = 0  # snapshots cached in the snapshot pool
+    num_snapshot_pending: int = 0  # snapshot slots reserved and not yet published
+    num_snapshot_pinned: int = 0  # snapshots some claim resumes from
+    num_snapshot_free: int = 0
+    snapshot_capacity: int = 0
 
     @property
     def balanced(self) -> bool:
-        """No holds of any kind and every slot either free or cached."""
+        """No holds of any kind and every slot (KV or snapshot) either free or cached."""
         return (
             self.num_leases == 0
             and self.num_escrowed == 0
             and self.num_referenced == 0
             and self.num_pending == 0
             and self.num_free + self.num_cached == self.capacity
+            and self.num_snapshot_pending == 0
+            and self.num_snapshot_pinned == 0
+            and self.num_snapshot_free + self.num_snapshots == self.snapshot_capacity
         )
 
 
@@ -45,6 +53,11 @@ def usage(cache: StageCache) -> Usage:
         num_cached=cache.num_cached,
         num_free=cache.num_free,
         capacity=cache.capacity,
+        num_snapshots=len(cache.snapshots),
+        num_snapshot_pending=sum(len(c.pending_snapshots) for c in claims),
+        num_snapshot_pinned=sum(1 for s in cache.snapshots.values() if s.pins),
+        num_snapshot_free=cache.num_snapshot_free,
+        snapshot_capacity=cache.snapshot_capacity,
     )
 
 
@@ -132,3 +145,49 @@ def audit(cache: StageCache) -> None:
             f"escrow over-committed: {cache.num_escrowed} escrowed but only "
             f"{cache.capacity - cache.num_protected - cache.num_allocated} backable"
         )
+    _audit_victims(cache, nodes)
+    _audit_snapshots(cache, nodes, claims)
+
+
+def _audit_victims(cache: StageCache, nodes: dict) -> None:
+    eviction = cache.eviction
+    expected = sorted(
+        (eviction.key(n), nid)
+        for nid, n in nodes.items()
+        if nid != ROOT and eviction.evictable(n) > 0
+    )
+    if list(cache.victims) != expected:
+        raise InvariantError(
+            f"the victim order {list(cache.victims)[:4]} != {expected[:4]} recomputed"
+        )
+
+
+def _audit_snapshots(cache: StageCache, nodes: dict, claims: list) -> None:
+    def fail(message: str) -> None:
+        raise InvariantError(message)
+
+    slots: Counter[int] = Counter()
+    pins: Counter[int] = Counter(c.resume for c in claims if c.resume is not None)
+    for block, snap in cache.snapshots.items():
+        node = nodes[cache.index[block]]
+        if node.depth + node.hashes.index(block) + 1 != snap.k:
+            fail(f"snapshot after block {block:#x} says k={snap.k}, the tree says otherwise")
+        if snap.pins != pins.pop(block, 0):
+            fail(f"snapshot k={snap.k} has {snap.pins} pins; claims resume from it otherwise")
+        slots[snap.slot] += 1
+    if pins:
+        fail(f"claims resume from {len(pins)} snapshots that are not cached")
+    pending = [slot for c in claims for _, slot in c.pending_snapshots]
+    if len(pending) != cache.num_snapshot_pending:
+        fail(f"num_snapshot_pending {cache.num_snapshot_pending} != {len(pending)} reserved")
+    slots.update(pending)
+    free = [s for start, stop in cache.snapshot_free for s in range(start, stop)]
+    if len(free) != cache.num_snapshot_free:
+        fail(f"num_snapshot_free {cache.num_snapshot_free} != {len(free)} in the free runs")
+    slots.update(free)
+    doubled = [s for s, k in slots.items() if k > 1]
+    if doubled or set(slots) != set(range(cache.snapshot_capacity)):
+        fail(f"snapshot slots are not a partition of the snapshot pool (doubled: {doubled[:5]})")
+    lru = sorted((s.recency, b) for b, s in cache.snapshots.items() if not s.pins)
+    if list(cache.snapshot_lru) != lru:
+        fail("the snapshot LRU order does not match the unpinned snapshots")

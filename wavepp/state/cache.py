@@ -26,12 +26,30 @@ Accounting (checked by :func:`audit`)::
 
     capacity == num_free + num_cached + num_allocated
     num_escrowed <= capacity - num_protected - num_allocated   # escrow is backed
+    snapshot_capacity == num_snapshot_free + len(snapshots) + pending snapshot slots
 
 ``num_allocated`` counts slots handed to requests by materialization and not yet
 published into the tree. Unprotected cached blocks are exactly the evictable ones.
+
+Victims without scanning
+------------------------
+``victims`` keeps every node with an evictable tail sorted by the eviction order's key
+(LRU by default: recency, then node id), so materialization takes the next victim from
+its head instead of heapifying the tree. Every node change goes through one place in the
+transaction (``_Txn.put``), which keeps the order exact; :func:`audit` recomputes it.
+
+Snapshot pool
+-------------
+Recurrent-state snapshots (stages with ``L`` layers) live in their own pool of
+``snapshot_capacity`` slots, addressed by slot like KV blocks. ``snapshots`` maps the
+hash of block k-1 to the snapshot after k blocks and its slot. A claim pins the snapshot
+at its lease point (the request resumes from it); the others are evicted least recently
+used when a new one needs a slot, and with their block when the block is evicted.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import immutables
@@ -55,6 +73,7 @@ class Node:
     children: immutables.Map[NodeId, int]  # child id -> its attach point in this node
     pins: tuple[int, ...]  # sorted multiset of "keep first n blocks": holds + protected children
     recency: int  # clock of the last use of this node's tail; larger is more recent
+    uses: int = 0  # times a request leased, published into or released this node's tail
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +92,45 @@ class Node:
         return len(self.hashes) - self.floor()
 
 
+def tail_evictable(node: Node) -> int:
+    """The default (and only safe) count of a node's blocks evictable now: leaf first,
+    never a pinned block."""
+    return node.num_evictable_now()
+
+
+def lru_key(node: Node) -> tuple[int, ...]:
+    """Least recently used first (ties: the older node, by id)."""
+    return (node.recency,)
+
+
+@attrs.frozen
+class Eviction:
+    """The victim order of materialization: which evictable leaf tail goes next.
+
+    ``key`` orders nodes (smallest first) and may read only the node itself, so the
+    order can be kept up to date as nodes change. ``evictable`` says how many tail
+    blocks of a node may go now; anything but :func:`tail_evictable` breaks the
+    protocol (the property suite's ``leased_block_never_evicted`` catches it).
+    """
+
+    name: str
+    key: Callable[[Node], tuple] = lru_key
+    evictable: Callable[[Node], int] = tail_evictable
+
+
+LRU = Eviction("lru")
+
+
+@attrs.frozen
+class Snapshot:
+    """A recurrent-state snapshot after ``k`` blocks, stored in a snapshot-pool slot."""
+
+    k: int  # block count: the state after blocks 0..k-1
+    slot: SlotId  # slot in the stage's snapshot pool, 0..snapshot_capacity-1
+    recency: int  # clock of its last publish or lease; LRU among unpinned snapshots
+    pins: int  # claims whose lease point is k on this chain (they resume from it)
+
+
 @attrs.frozen
 class Claim:
     """What one request holds on one stage. Every field returns to nothing on release."""
@@ -84,6 +142,10 @@ class Claim:
     num_escrowed: int  # blocks reserved for the suffix, not yet materialized
     pending_slots: tuple[SlotId, ...]  # materialized slots of blocks not yet published,
     #                                     in block order from position held()
+    resume: BlockHash | None = None  # the snapshot this claim pins (hash of block point-1);
+    #                                  None unless a recurrent stage leased point > 0
+    pending_snapshots: tuple[tuple[int, SlotId], ...] = ()  # (k, snapshot slot) reserved
+    #                                  for chunks not yet published, k ascending
 
     def held(self) -> int:
         """Blocks 0..held()-1 of the request's chain are cached and protected for it."""
@@ -98,7 +160,7 @@ class StageCache:
     has_recurrent: bool  # stage has L layers: reuse points need a snapshot
     nodes: immutables.Map[NodeId, Node]
     index: immutables.Map[BlockHash, NodeId]  # every cached block -> its node
-    snapshots: immutables.Map[BlockHash, int]  # block h_{k-1} -> k: a snapshot after k blocks
+    snapshots: immutables.Map[BlockHash, Snapshot]  # block h_{k-1} -> the snapshot after k
     claims: immutables.Map[RequestId, Claim]
     free_runs: tuple[SlotRun, ...]  # free slots as runs; order is allocation order
     num_free: int
@@ -108,6 +170,15 @@ class StageCache:
     num_escrowed: int  # sum of Claim.num_escrowed
     clock: int  # bumped by every reducer; recency source
     next_node_id: int
+    eviction: Eviction = LRU  # the victim order of this cache's materializations
+    victims: tuple[tuple[tuple, NodeId], ...] = ()  # (eviction.key(node), id) of nodes
+    #                                     with an evictable tail, sorted: head goes next
+    snapshot_capacity: int = 0  # slots in the snapshot pool
+    snapshot_free: tuple[SlotRun, ...] = ()  # free snapshot slots as runs
+    num_snapshot_free: int = 0
+    num_snapshot_pending: int = 0  # reserved by claims, not yet published
+    snapshot_lru: tuple[tuple[int, BlockHash], ...] = ()  # (recency, hash) of unpinned
+    #                                     snapshots, sorted: head is evicted next
 
     @property
     def num_evictable(self) -> int:
@@ -119,10 +190,25 @@ class StageCache:
         return self.capacity - self.num_protected - self.num_allocated - self.num_escrowed
 
 
-def empty_cache(capacity: int, *, has_recurrent: bool = False) -> StageCache:
-    """A stage cache with ``capacity`` free slots and nothing cached."""
+def empty_cache(
+    capacity: int,
+    *,
+    has_recurrent: bool = False,
+    snapshot_capacity: int | None = None,
+    eviction: Eviction = LRU,
+) -> StageCache:
+    """A stage cache with ``capacity`` free slots and nothing cached.
+
+    ``snapshot_capacity`` defaults to ``capacity``: a snapshot sits on a cached or
+    materialized block, so the pool then never runs short (the behaviour before it was
+    bounded). A smaller pool costs reuse, never correctness.
+    """
     if capacity <= 0:
         raise ValueError(f"a stage needs a positive pool capacity, got {capacity} blocks")
+    if snapshot_capacity is None:
+        snapshot_capacity = capacity
+    if snapshot_capacity < 0:
+        raise ValueError(f"snapshot pool capacity must be ≥ 0, got {snapshot_capacity}")
     root = Node(
         node_id=ROOT,
         parent=None,
@@ -149,4 +235,11 @@ def empty_cache(capacity: int, *, has_recurrent: bool = False) -> StageCache:
         num_escrowed=0,
         clock=0,
         next_node_id=1,
+        eviction=eviction,
+        victims=(),
+        snapshot_capacity=snapshot_capacity,
+        snapshot_free=((0, snapshot_capacity),) if snapshot_capacity else (),
+        num_snapshot_free=snapshot_capacity,
+        num_snapshot_pending=0,
+        snapshot_lru=(),
     )

@@ -2,8 +2,8 @@
 
 Life of a request on one stage::
 
-    lease -> [reconcile ...] -> escrow -> materialize -> publish ... -> release
-                                   any time: cancel
+    lease -> [reconcile ...] -> escrow -> materialize -> [reserve_snapshots] -> publish ...
+          -> release                      any time: cancel
 
 None of them mutates its input; each returns a new value (and, where the runtime must
 act on it, a small effect record). Costs are per call, not per block, except where
@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from wavepp.state._txn import _Txn
-from wavepp.state.cache import Claim, StageCache
+from wavepp.state.cache import Claim, Snapshot, StageCache
 from wavepp.state.errors import StateError, UnknownRequest
 from wavepp.state.ids import ROOT, BlockHash, RequestId, SlotId
 from wavepp.state.probe import attention_hit, snapshot_floor
@@ -29,6 +29,15 @@ class Materialized:
 
     slots: tuple[SlotId, ...]  # new slots for the request, in block order
     evicted: tuple[BlockHash, ...]  # blocks (and their snapshots) dropped to make room
+
+
+@attrs.frozen
+class SnapshotReservation:
+    """Snapshot-pool slots reserved for one chunk; the executor saves the recurrent state
+    after ``points[i]`` blocks into ``slots[i]``. Points that got no slot are left out."""
+
+    points: tuple[int, ...]  # block counts k, ascending
+    slots: tuple[SlotId, ...]  # snapshot-pool slot for each point, same order
 
 
 def _claim(cache: StageCache, request_id: RequestId) -> Claim:
@@ -66,6 +75,9 @@ def lease(
     if tip_len:
         txn.add_pin(tip, tip_len)
         txn.touch(tip)
+    resume = _resume_block(cache, hashes, actual)
+    if resume is not None:
+        txn.pin_snapshot(resume, +1)
     txn.claims[request_id] = Claim(
         point=actual,
         tip=tip,
@@ -73,8 +85,14 @@ def lease(
         num_published=0,
         num_escrowed=0,
         pending_slots=(),
+        resume=resume,
     )
     return txn.finish(), actual
+
+
+def _resume_block(cache: StageCache, hashes: Sequence[BlockHash], point: int) -> BlockHash | None:
+    """The snapshot a lease at ``point`` pins: recurrent stages, point > 0."""
+    return hashes[point - 1] if cache.has_recurrent and point > 0 else None
 
 
 def reconcile(
@@ -100,7 +118,14 @@ def reconcile(
     txn = _Txn(cache)
     tip, tip_len = txn.locate(hashes, target)
     txn.move_hold(claim, tip, tip_len)
-    txn.claims[request_id] = attrs.evolve(claim, point=target, tip=tip, tip_len=tip_len)
+    resume = _resume_block(cache, hashes, target)
+    if resume is not None:
+        txn.pin_snapshot(resume, +1)
+    if claim.resume is not None:
+        txn.pin_snapshot(claim.resume, -1)
+    txn.claims[request_id] = attrs.evolve(
+        claim, point=target, tip=tip, tip_len=tip_len, resume=resume
+    )
     return txn.finish(), target
 
 
@@ -153,6 +178,54 @@ def materialize(
     return txn.finish(), Materialized(slots=tuple(slots), evicted=tuple(evicted))
 
 
+def reserve_snapshots(
+    cache: StageCache, request_id: RequestId, hashes: Sequence[BlockHash], points: Iterable[int]
+) -> tuple[StageCache, SnapshotReservation]:
+    """Reserve snapshot-pool slots for the block counts a chunk will save a snapshot at.
+
+    Call it right before running the chunk. Free slots first, else the least recently
+    used snapshot that no claim pins; a point with no slot left is skipped (snapshots
+    only cost reuse), and so is one whose snapshot is already cached or reserved.
+    :func:`publish` records the reserved snapshots with their slots.
+    """
+    claim = _claim(cache, request_id)
+    wanted = sorted(set(points))
+    held = claim.held()
+    if wanted and not (held < wanted[0] and wanted[-1] <= len(hashes)):
+        raise StateError(
+            f"snapshot points {wanted} of request {request_id!r} outside its unpublished "
+            f"blocks ({held}, {len(hashes)}]"
+        )
+    reserved = {k for k, _ in claim.pending_snapshots}
+    wanted = [k for k in wanted if k not in reserved and hashes[k - 1] not in cache.snapshots]
+    if not wanted:
+        return cache, SnapshotReservation((), ())
+    txn = _Txn(cache)
+    got: list[tuple[int, SlotId]] = []
+    for k in wanted:
+        slot = txn.take_snapshot_slot()
+        if slot is None:
+            break  # every slot holds a pinned or reserved snapshot
+        got.append((k, slot))
+    if not got:
+        return cache, SnapshotReservation((), ())
+    txn.num_snapshot_pending += len(got)
+    txn.claims[request_id] = attrs.evolve(
+        claim, pending_snapshots=tuple(sorted(claim.pending_snapshots + tuple(got)))
+    )
+    return txn.finish(), SnapshotReservation(
+        tuple(k for k, _ in got), tuple(slot for _, slot in got)
+    )
+
+
+def resume_slot(cache: StageCache, hashes: Sequence[BlockHash], point: int) -> SlotId | None:
+    """The snapshot-pool slot of the snapshot after ``point`` blocks, or None."""
+    if point <= 0:
+        return None
+    snap = cache.snapshots.get(hashes[point - 1])
+    return None if snap is None else snap.slot
+
+
 def publish(
     cache: StageCache,
     request_id: RequestId,
@@ -164,8 +237,10 @@ def publish(
 
     They take the request's first pending slots. A block that another request has
     cached meanwhile is shared instead and the request's slot goes back to the pool.
-    ``snapshot_points`` are block counts k in ``(held, end]`` after which the stage
-    saved a recurrent snapshot.
+    The snapshots reserved for points in ``(held, end]`` (:func:`reserve_snapshots`)
+    enter the cache with their slots; ``snapshot_points`` may name more points in that
+    range, which are reserved here (the form of callers that do not reserve first).
+    A snapshot already cached for the same block wins and the new slot goes back.
     """
     claim = _claim(cache, request_id)
     start = claim.held()
@@ -185,6 +260,9 @@ def publish(
         raise StateError(f"snapshot points {points} outside the published range ({start}, {end}]")
     if count == 0:
         return cache
+    if points:
+        cache, _ = reserve_snapshots(cache, request_id, hashes, points)
+        claim = cache.claims[request_id]
     txn = _Txn(cache)
     present = max(start, attention_hit(cache, hashes, end))  # shared by another request
     tip, tip_len = txn.locate(hashes, present) if present > start else (claim.tip, claim.tip_len)
@@ -196,14 +274,21 @@ def publish(
     txn.move_hold(claim, tip, tip_len)
     txn.touch(tip)
     txn.num_allocated -= count
-    for k in points:
-        txn.snapshots[hashes[k - 1]] = k
+    done = [(k, slot) for k, slot in claim.pending_snapshots if k <= end]
+    for k, slot in done:
+        block = hashes[k - 1]
+        if block in txn.snapshots:
+            txn.give_snapshot_slots([slot])  # cached meanwhile: keep the older copy
+        else:
+            txn.put_snapshot(block, Snapshot(k=k, slot=slot, recency=txn.clock, pins=0))
+    txn.num_snapshot_pending -= len(done)
     txn.claims[request_id] = attrs.evolve(
         claim,
         tip=tip,
         tip_len=tip_len,
         num_published=claim.num_published + count,
         pending_slots=claim.pending_slots[count:],
+        pending_snapshots=claim.pending_snapshots[len(done) :],
     )
     return txn.finish()
 
@@ -221,6 +306,10 @@ def release(cache: StageCache, request_id: RequestId) -> StageCache:
     txn.give_free(claim.pending_slots)
     txn.num_allocated -= len(claim.pending_slots)
     txn.num_escrowed -= claim.num_escrowed
+    if claim.resume is not None:
+        txn.pin_snapshot(claim.resume, -1)
+    txn.give_snapshot_slots(slot for _, slot in claim.pending_snapshots)
+    txn.num_snapshot_pending -= len(claim.pending_snapshots)
     del txn.claims[request_id]
     return txn.finish()
 

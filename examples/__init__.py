@@ -1,0 +1,1 @@
+"""Examples that run from the repository root (``examples.policies.<name>``)."""

@@ -1,0 +1,55 @@
+"""Swappable policies (DESIGN §4a): every decision point of the protocol in one record.
+
+No torch here. ``python -m wavepp.spec pkg.mod:NAME`` checks a policy against the
+protocol's invariants; ``docs/policies.md`` documents every field's contract.
+"""
+
+from wavepp.policy.load import (
+    EVICTIONS,
+    POLICIES,
+    PROBES,
+    PolicyError,
+    for_rung,
+    load_policy,
+    resolve,
+    resolve_eviction,
+    resolve_planner,
+    resolve_probe,
+    with_overrides,
+)
+from wavepp.policy.record import (
+    DEFAULT,
+    FCFS,
+    ChunkSpan,
+    EscrowCandidate,
+    EscrowOrder,
+    Placement,
+    Policy,
+    always,
+    arrival_order,
+    every_interval_and_end,
+)
+
+__all__ = [
+    "DEFAULT",
+    "EVICTIONS",
+    "FCFS",
+    "POLICIES",
+    "PROBES",
+    "ChunkSpan",
+    "EscrowCandidate",
+    "EscrowOrder",
+    "Placement",
+    "Policy",
+    "PolicyError",
+    "always",
+    "arrival_order",
+    "every_interval_and_end",
+    "for_rung",
+    "load_policy",
+    "resolve",
+    "resolve_eviction",
+    "resolve_planner",
+    "resolve_probe",
+    "with_overrides",
+]

@@ -1,0 +1,181 @@
+"""The policy record: every decision point of the protocol as one immutable value.
+
+A :class:`Policy` names the functions the runtime calls for each step of a request's
+life (DESIGN §4, §4a)::
+
+    probe -> lease -> [reconcile] -> escrow (in the escrow order) -> materialize
+    (victims in the eviction order) -> reserve snapshots (at the placement's points)
+    -> publish ... -> release;   cancel at any time;   planner for the waves
+
+The defaults are the reducers of :mod:`wavepp.state` and reproduce the runtime's
+behaviour exactly. A researcher replaces single fields (``attrs.evolve(DEFAULT,
+eviction=...)``) and checks the result with ``python -m wavepp.spec pkg.mod:NAME``;
+``docs/policies.md`` gives each field's contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from wavepp import state
+from wavepp.plan import Planner
+from wavepp.state import (
+    LRU,
+    BlockHash,
+    Eviction,
+    Materialized,
+    RequestId,
+    SnapshotReservation,
+    StageCache,
+)
+
+ProbeFn = Callable[[StageCache, Sequence[BlockHash], "int | None"], int]
+"""``probe(cache, hashes, limit) -> point``: read-only local reuse point, ≤ limit."""
+
+LeaseFn = Callable[[StageCache, RequestId, Sequence[BlockHash], int], "tuple[StageCache, int]"]
+"""``lease(cache, rid, hashes, point) -> (cache, actual ≤ point)``."""
+
+ReconcileFn = LeaseFn
+"""``reconcile(cache, rid, hashes, point) -> (cache, new point ≤ old point)``."""
+
+EscrowFn = Callable[[StageCache, RequestId, int], "tuple[StageCache, bool]"]
+"""``escrow(cache, rid, num_blocks) -> (cache, ok)``: ok only if every escrow stays backed."""
+
+MaterializeFn = Callable[[StageCache, RequestId, "int | None"], "tuple[StageCache, Materialized]"]
+"""``materialize(cache, rid, num_blocks) -> (cache, Materialized)``: never fails when backed."""
+
+ReserveFn = Callable[
+    [StageCache, RequestId, Sequence[BlockHash], Sequence[int]],
+    "tuple[StageCache, SnapshotReservation]",
+]
+"""``reserve_snapshots(cache, rid, hashes, points) -> (cache, reservation)``."""
+
+PublishFn = Callable[[StageCache, RequestId, Sequence[BlockHash], int], StageCache]
+"""``publish(cache, rid, hashes, end) -> cache``: blocks held..end-1 enter the cache."""
+
+ReleaseFn = Callable[[StageCache, RequestId], StageCache]
+"""``release(cache, rid)`` / ``cancel(cache, rid) -> cache``: the request holds nothing."""
+
+
+@attrs.frozen
+class ChunkSpan:
+    """What the snapshot placement sees of one chunk about to run on a recurrent stage."""
+
+    request_id: RequestId
+    hashes: tuple[BlockHash, ...]  # the request's full blocks
+    held: int  # blocks 0..held-1 are cached for the request; the chunk publishes past it
+    end_blocks: int  # full blocks at the chunk's end: points may lie in (held, end_blocks]
+    ends_request: bool  # the chunk is the request's last
+    interval: int  # the run's --snapshot-interval, in blocks
+
+
+Placement = Callable[[StageCache, ChunkSpan], Sequence[int]]
+"""``placement(cache, span) -> block counts k in (held, end_blocks]`` to snapshot after."""
+
+
+def every_interval_and_end(cache: StageCache, span: ChunkSpan) -> tuple[int, ...]:
+    """Every ``interval``-th block and the request's end (the runtime's placement)."""
+    if not cache.has_recurrent:
+        return ()
+    step = span.interval
+    points = [k for k in range(span.held + 1, span.end_blocks + 1) if k % step == 0]
+    if span.ends_request and span.end_blocks > span.held and span.end_blocks not in points:
+        points.append(span.end_blocks)  # a snapshot at every request end
+    return tuple(points)
+
+
+@attrs.frozen
+class EscrowCandidate:
+    """One offer of a round as the escrow order sees it (identical on every rank)."""
+
+    request_id: RequestId
+    position: int  # index in the round's offers: arrival (FCFS) order
+    point: int  # the agreed reuse point, blocks
+    need: int  # blocks to escrow: the prompt's blocks minus the point
+    waited: int  # earlier rounds that refused this request
+
+
+@attrs.frozen
+class EscrowOrder:
+    """In which order a round's escrows are tried, and which refusals block the rest.
+
+    ``order`` returns a permutation of the candidates' indices; ``blocks(c)`` says
+    whether refusing ``c`` refuses everything after it in that order (and makes the
+    later offers give their leases up so ``c`` gets every evictable block first). Both
+    must be pure functions of the candidates: every rank computes them alone.
+    """
+
+    name: str
+    order: Callable[[Sequence[EscrowCandidate]], Sequence[int]]
+    blocks: Callable[[EscrowCandidate], bool]
+
+
+def arrival_order(candidates: Sequence[EscrowCandidate]) -> list[int]:
+    return sorted(range(len(candidates)), key=lambda i: candidates[i].position)
+
+
+def always(candidate: EscrowCandidate) -> bool:
+    return True
+
+
+FCFS = EscrowOrder("fcfs", order=arrival_order, blocks=always)
+"""First come, first served: nobody overtakes a refused request."""
+
+
+@attrs.frozen
+class Policy:
+    """Every decision point of the protocol; the runtime calls nothing else."""
+
+    name: str = "default"
+    probe: ProbeFn = state.probe  # hint probe (R1 swaps in state.probe_linear)
+    lease: LeaseFn = state.lease
+    reconcile: ReconcileFn = state.reconcile
+    escrow: EscrowFn = state.escrow
+    escrow_order: EscrowOrder = FCFS  # the order escrows are tried in, and the cut
+    materialize: MaterializeFn = state.materialize
+    eviction: Eviction = LRU  # materialize's victim order (carried by the cache)
+    snapshot_placement: Placement = every_interval_and_end
+    reserve_snapshots: ReserveFn = state.reserve_snapshots
+    publish: PublishFn = state.publish
+    release: ReleaseFn = state.release
+    cancel: ReleaseFn = state.cancel
+    planner: Planner | None = None  # None: the rung's planner (static, mpu or cost)
+
+    def empty_cache(
+        self, capacity: int, *, has_recurrent: bool = False, snapshot_capacity: int | None = None
+    ) -> StageCache:
+        """A stage cache whose materializations follow this policy's eviction order."""
+        return state.empty_cache(
+            capacity,
+            has_recurrent=has_recurrent,
+            snapshot_capacity=snapshot_capacity,
+            eviction=self.eviction,
+        )
+
+    def describe(self) -> dict[str, str]:
+        """Field -> the dotted name of what fills it, for the run's JSON record."""
+        out = {}
+        for field in attrs.fields(Policy):
+            value = getattr(self, field.name)
+            out[field.name] = _dotted(value)
+        return out
+
+
+def _dotted(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return "rung default"
+    if isinstance(value, Eviction | EscrowOrder):
+        return value.name
+    module = getattr(value, "__module__", None)
+    name = getattr(value, "__qualname__", None)
+    return f"{module}:{name}" if module and name else repr(value)
+
+
+DEFAULT = Policy()
+"""Today's runtime: gallop + bisect probe, FCFS escrow, LRU leaf-first eviction,
+snapshots every interval and at request ends, the rung's planner."""

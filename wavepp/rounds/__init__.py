@@ -1,0 +1,38 @@
+"""The rounds plane: typed round messages with their codec, and the admission round.
+
+No torch here (STYLE §1); the Gloo implementation of the plane is in ``wavepp.exec``.
+"""
+
+from wavepp.rounds.admission import (
+    Offer,
+    RoundMode,
+    RoundResult,
+    StageBook,
+    commit,
+    cut,
+    lease_all,
+    probe_points,
+    round_over,
+    run_round,
+    serve_masks,
+    settle,
+)
+from wavepp.rounds.errors import ProtocolError
+from wavepp.rounds.plane import RoundsPlane
+
+__all__ = [
+    "Offer",
+    "ProtocolError",
+    "RoundMode",
+    "RoundResult",
+    "RoundsPlane",
+    "StageBook",
+    "commit",
+    "cut",
+    "lease_all",
+    "probe_points",
+    "round_over",
+    "run_round",
+    "serve_masks",
+    "settle",
+]
