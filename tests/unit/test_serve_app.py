@@ -115,6 +115,9 @@ BAD = [
     ("/v1/prefill", b'{"tokens": [1], "id": ""}', 400, "id"),
     ("/v1/prefill", b'{"tokens": [1], "id": "a\\nb"}', 400, "printable"),
     ("/v1/prefill", json.dumps({"tokens": [1] * 5000}).encode(), 400, "can never fit"),
+    # Bodies over 256 KiB are decoded in a worker thread; same answers.
+    ("/v1/prefill", json.dumps({"tokens": [1] * 100_000}).encode(), 400, "can never fit"),
+    ("/v1/prefill", json.dumps({"tokens": [5000] * 100_000}).encode(), 400, "100,000 token"),
     ("/v1/prefill", b"[" * 100_000, 400, ""),
     ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 16}', 400, "max_tokens 16"),
     ("/v1/completions", b'{"prompt": [1, 2], "stream": true}', 400, "stream"),

@@ -85,6 +85,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+BIG_BODY_BYTES = 256 * 1024
+
+
+async def _off_loop_if_big(raw: bytes, parse, *args):
+    """Decode (and tokenize) a big body in a worker thread, so rank 0's event loop —
+    admission rounds, heartbeats, the other requests — is not held up by it."""
+    if len(raw) < BIG_BODY_BYTES:
+        return parse(*args)
+    return await anyio.to_thread.run_sync(parse, *args)
+
+
 def _rejection(error: ValueError) -> ApiError:
     """The engine refused a submission: 503 while draining, 409 for a repeated id."""
     message = str(error)
@@ -117,14 +128,16 @@ class Frontend:
                 f"flight (--max-in-flight {limit}); retry later",
                 "busy",
             )
+        self.metrics.in_flight += 1  # before the first await: the limit holds under races
         try:
-            handle = await self.engine.submit(
-                submission.tokens, request_id=submission.request_id, priority=submission.priority
-            )
-        except ValueError as error:  # RequestRejected is a ValueError
-            raise _rejection(error) from None
-        self.metrics.in_flight += 1
-        try:
+            try:
+                handle = await self.engine.submit(
+                    submission.tokens,
+                    request_id=submission.request_id,
+                    priority=submission.priority,
+                )
+            except ValueError as error:  # RequestRejected is a ValueError
+                raise _rejection(error) from None
             return await self._outcome(request, handle)
         finally:
             self.metrics.in_flight -= 1
@@ -168,7 +181,9 @@ class Frontend:
     async def prefill(self, request: Request) -> Response:
         async def work(request: Request) -> tuple[dict, int]:
             raw = await read_body(request, self.options.max_body_bytes)
-            submission = parse_prefill(raw, self.engine.vocab_size, self.options.tokenize)
+            submission = await _off_loop_if_big(
+                raw, parse_prefill, raw, self.engine.vocab_size, self.options.tokenize
+            )
             result = await self._run(request, submission)
             return result_body(result), STATUS_CODE.get(result.status, 500)
 
@@ -177,7 +192,9 @@ class Frontend:
     async def completions(self, request: Request) -> Response:
         async def work(request: Request) -> tuple[dict, int]:
             raw = await read_body(request, self.options.max_body_bytes)
-            submission, body = parse_completion(raw, self.engine.vocab_size, self.options.tokenize)
+            submission, body = await _off_loop_if_big(
+                raw, parse_completion, raw, self.engine.vocab_size, self.options.tokenize
+            )
             result = await self._run(request, submission)
             answer = completion_body(result, body, self.options.detokenize)
             if result.status in ("rejected", "failed"):
