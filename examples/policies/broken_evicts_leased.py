@@ -1,15 +1,19 @@
-"""BROKEN ON PURPOSE: an eviction order that forgets leases.
+"""BROKEN ON PURPOSE: a size-aware eviction order that forgets leases.
 
-It counts a node's evictable tail as everything below its last child, ignoring the
-pins that leases and references put on it, so materialization may evict a block a
-live request holds. ``python -m wavepp.spec`` rejects it:
-``leased_block_never_evicted``.
+It frees the largest tails first (fewest victims per materialization) and counts a
+node's evictable tail as everything below its last child, ignoring the pins that
+leases and references put on it, so materialization may evict a block a live request
+holds. ``python -m wavepp.spec`` rejects it: ``leased_block_never_evicted``.
 """
 
 import attrs
 
 from wavepp.policy import DEFAULT
-from wavepp.state import Eviction, Node, lru_key
+from wavepp.state import Eviction, Node
+
+
+def largest_first(node: Node) -> tuple[int, int]:
+    return (-node.num_blocks, node.recency)
 
 
 def below_last_child(node: Node) -> int:
@@ -22,5 +26,7 @@ def below_last_child(node: Node) -> int:
 POLICY = attrs.evolve(
     DEFAULT,
     name="broken-evicts-leased",
-    eviction=Eviction("lru-ignoring-leases", key=lru_key, evictable=below_last_child),
+    eviction=Eviction(
+        "largest-first-ignoring-leases", key=largest_first, evictable=below_last_child
+    ),
 )

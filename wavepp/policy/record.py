@@ -70,20 +70,33 @@ class ChunkSpan:
     end_blocks: int  # full blocks at the chunk's end: points may lie in (held, end_blocks]
     ends_request: bool  # the chunk is the request's last
     interval: int  # the run's --snapshot-interval, in blocks
+    starts_at_held: bool = False  # the chunk starts exactly after the held blocks, so the
+    #                               state after ``held`` blocks can be saved too (k = held)
+
+    @property
+    def lowest(self) -> int:
+        """The smallest block count this chunk can save a snapshot at."""
+        return self.held if self.starts_at_held and self.held > 0 else self.held + 1
 
 
 Placement = Callable[[StageCache, ChunkSpan], Sequence[int]]
-"""``placement(cache, span) -> block counts k in (held, end_blocks]`` to snapshot after."""
+"""``placement(cache, span) -> block counts k in [span.lowest, end_blocks]`` to snapshot
+after (the executor saves the recurrent state there while running the chunk)."""
 
 
 def every_interval_and_end(cache: StageCache, span: ChunkSpan) -> tuple[int, ...]:
-    """Every ``interval``-th block and the request's end (the runtime's placement)."""
+    """Every ``interval``-th block and the request's end (the runtime's placement).
+
+    A request whose last chunk starts right at its last full block (a partial tail
+    only) still gets its end snapshot, saved from the state the chunk resumes from.
+    """
     if not cache.has_recurrent:
         return ()
     step = span.interval
     points = [k for k in range(span.held + 1, span.end_blocks + 1) if k % step == 0]
-    if span.ends_request and span.end_blocks > span.held and span.end_blocks not in points:
-        points.append(span.end_blocks)  # a snapshot at every request end
+    end = span.end_blocks
+    if span.ends_request and end >= span.lowest and end not in points:
+        points.append(end)  # a snapshot at every request end
     return tuple(points)
 
 

@@ -154,7 +154,7 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
         snapshots = Bundle("snapshots")
 
         @initialize(
-            capacities=st.lists(st.integers(6, 40), min_size=2, max_size=4),
+            capacities=st.lists(st.integers(6, 24), min_size=2, max_size=4),
             recurrent=st.lists(st.booleans(), min_size=4, max_size=4),
             snapshot_pools=st.lists(
                 st.one_of(st.none(), st.integers(0, 6)), min_size=4, max_size=4
@@ -396,13 +396,15 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
             ends = end == len(req.hashes)  # the request's last chunk
             for s in range(self.num_stages):
                 cache = self.caches[s]
-                span = ChunkSpan(req.rid, req.hashes, start, end, ends, SNAPSHOT_INTERVAL)
+                span = ChunkSpan(
+                    req.rid, req.hashes, start, end, ends, SNAPSHOT_INTERVAL, starts_at_held=True
+                )
                 with policy_step("snapshot placement"):
                     points = tuple(policy.snapshot_placement(cache, span))
                 check(
-                    all(start < k <= end for k in points),
+                    all(span.lowest <= k <= end for k in points),
                     "snapshot_placement_in_range",
-                    f"stage {s}: placement chose {points} outside ({start}, {end}]",
+                    f"stage {s}: placement chose {points} outside [{span.lowest}, {end}]",
                 )
                 with policy_step("reserve_snapshots"):
                     cache, got = policy.reserve_snapshots(cache, req.rid, req.hashes, points)
@@ -430,8 +432,8 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
             self.finish_request(data.draw(st.sampled_from(done)))
 
         def finish_request(self, req: _Request) -> None:
-            if req.point + req.published < len(req.hashes):
-                self._publish(req, len(req.hashes))
+            if req.point + req.published < len(req.hashes) or req.num_tokens % BLOCK:
+                self._publish(req, len(req.hashes))  # the last chunk (maybe a partial tail)
             for s in range(self.num_stages):
                 with policy_step("release"):
                     self.caches[s] = policy.release(self.caches[s], req.rid)

@@ -191,10 +191,10 @@ def reserve_snapshots(
     claim = _claim(cache, request_id)
     wanted = sorted(set(points))
     held = claim.held()
-    if wanted and not (held < wanted[0] and wanted[-1] <= len(hashes)):
+    if wanted and not (max(held, 1) <= wanted[0] and wanted[-1] <= len(hashes)):
         raise StateError(
-            f"snapshot points {wanted} of request {request_id!r} outside its unpublished "
-            f"blocks ({held}, {len(hashes)}]"
+            f"snapshot points {wanted} of request {request_id!r} outside its blocks "
+            f"[{max(held, 1)}, {len(hashes)}] (k = {held}: the state a chunk resumes from)"
         )
     reserved = {k for k, _ in claim.pending_snapshots}
     wanted = [k for k in wanted if k not in reserved and hashes[k - 1] not in cache.snapshots]
@@ -256,10 +256,12 @@ def publish(
             f"materialized slots; it has {len(claim.pending_slots)}"
         )
     points = sorted(set(snapshot_points))
-    if points and not (start < points[0] and points[-1] <= end):
-        raise StateError(f"snapshot points {points} outside the published range ({start}, {end}]")
+    if points and not (max(start, 1) <= points[0] and points[-1] <= end):
+        raise StateError(
+            f"snapshot points {points} outside the published range [{max(start, 1)}, {end}]"
+        )
     if count == 0:
-        return cache
+        return _record_snapshots(cache, request_id, hashes, end)
     if points:
         cache, _ = reserve_snapshots(cache, request_id, hashes, points)
         claim = cache.claims[request_id]
@@ -274,6 +276,20 @@ def publish(
     txn.move_hold(claim, tip, tip_len)
     txn.touch(tip)
     txn.num_allocated -= count
+    done = _put_snapshots(txn, claim, hashes, end)
+    txn.claims[request_id] = attrs.evolve(
+        claim,
+        tip=tip,
+        tip_len=tip_len,
+        num_published=claim.num_published + count,
+        pending_slots=claim.pending_slots[count:],
+        pending_snapshots=claim.pending_snapshots[done:],
+    )
+    return txn.finish()
+
+
+def _put_snapshots(txn: _Txn, claim: Claim, hashes: Sequence[BlockHash], end: int) -> int:
+    """Record the claim's reserved snapshots at points ≤ end; returns how many."""
     done = [(k, slot) for k, slot in claim.pending_snapshots if k <= end]
     for k, slot in done:
         block = hashes[k - 1]
@@ -282,14 +298,19 @@ def publish(
         else:
             txn.put_snapshot(block, Snapshot(k=k, slot=slot, recency=txn.clock, pins=0))
     txn.num_snapshot_pending -= len(done)
-    txn.claims[request_id] = attrs.evolve(
-        claim,
-        tip=tip,
-        tip_len=tip_len,
-        num_published=claim.num_published + count,
-        pending_slots=claim.pending_slots[count:],
-        pending_snapshots=claim.pending_snapshots[len(done) :],
-    )
+    return len(done)
+
+
+def _record_snapshots(
+    cache: StageCache, request_id: RequestId, hashes: Sequence[BlockHash], end: int
+) -> StageCache:
+    """A chunk that published no block (a partial tail) may still leave a snapshot."""
+    claim = cache.claims[request_id]
+    if not any(k <= end for k, _ in claim.pending_snapshots):
+        return cache
+    txn = _Txn(cache)
+    done = _put_snapshots(txn, claim, hashes, end)
+    txn.claims[request_id] = attrs.evolve(claim, pending_snapshots=claim.pending_snapshots[done:])
     return txn.finish()
 
 
