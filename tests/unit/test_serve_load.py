@@ -106,3 +106,15 @@ def test_bad_options_say_why():
         args = parser().parse_args(["--url", "http://127.0.0.1:1", *argv])
         with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("]", r"\]")):
             validate(args)
+
+
+async def test_openai_endpoint_gives_the_same_answers():
+    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=50_000)
+    record = await run_load(engine, [
+        "--workload", "cold", "--requests", "6", "--prompt-tokens", "40", "--concurrency", "3",
+        "--endpoint", "completions", "--id-prefix", "c-",
+    ])  # fmt: skip
+    assert [r["status"] for r in record["requests"]] == ["done"] * 6
+    for r in record["requests"]:
+        tokens = engine.requests["c-" + r["id"]].tokens
+        assert r["first_token"] == expected_first_token(tokens, VOCAB)
