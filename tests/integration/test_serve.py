@@ -4,13 +4,12 @@
 30% of them abandoned at random points by closing the connection. Every request that
 was not abandoned completes with the first token an offline ``wavepp.main`` run of the
 same prompts gives; ``/metrics`` and ``/health`` answer during the load; SIGTERM to the
-server process drains it, the leak check holds on every stage, and the exit code is 0.
+server's launcher drains it, the leak check holds on every stage, and the exit code is 0.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -21,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import ROOT, TORCHRUN, torchrun
+from tests.integration.conftest import ROOT, torchrun
 from wavepp.serve.prom import families, parse_exposition, sample
 
 pytestmark = pytest.mark.slow
@@ -37,14 +36,16 @@ def free_port() -> int:
 
 
 def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
-    """torchrun ... -m wavepp.serve; returns (process, url, pid of the serving rank)."""
+    """python -m wavepp.serve.launch (torchrun --standalone ... -m wavepp.serve under it);
+    returns (the launcher's process, url, pid of the serving rank)."""
     err = open(tmp_path / "server.err", "w")  # noqa: SIM115 (the child holds it)
     out = open(tmp_path / "server.out", "w")  # noqa: SIM115
     cmd = [
-        *TORCHRUN,
-        "--nproc-per-node=2",
+        sys.executable,
         "-m",
-        "wavepp.serve",
+        "wavepp.serve.launch",
+        "--nproc-per-node",
+        "2",
         "--host",
         "127.0.0.1",
         "--port",
@@ -74,6 +75,7 @@ def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
 def test_server_under_load_matches_offline_and_drains(tmp_path):
     port = free_port()
     server, url, pid = start_server(tmp_path, port)
+    assert pid != server.pid  # the serving rank, under torchrun under the launcher
     try:
         load_cmd = [
             sys.executable,
@@ -143,7 +145,9 @@ def test_server_under_load_matches_offline_and_drains(tmp_path):
         assert record["reused_share"] > 0.3  # the shared prefixes were reused
         assert "throughput" in stdout
     finally:
-        os.kill(pid, signal.SIGTERM)  # the serving rank drains, then the run ends
+        # SIGTERM to the launcher, as a supervisor would: it passes it to the serving rank
+        # (pid on the ready line), which drains; then every rank ends.
+        server.send_signal(signal.SIGTERM)
         try:
             code = server.wait(timeout=180)
         except subprocess.TimeoutExpired:
