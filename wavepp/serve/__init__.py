@@ -4,7 +4,8 @@
 - :func:`serve`: that app under uvicorn on rank 0's event loop, until the engine drains;
 - :mod:`wavepp.serve.api`: request bodies in, result bodies out (pure);
 - :mod:`wavepp.serve.prom`: the Prometheus text format;
-- :mod:`wavepp.serve.testing`: a stand-in engine without torch, for tests.
+- :mod:`wavepp.serve.testing`: a stand-in engine without torch, for tests;
+- ``python -m wavepp.serve.launch``: one node under a supervisor (SIGTERM drains, exit 0).
 """
 
 from wavepp.serve.app import ServeOptions, build_app
