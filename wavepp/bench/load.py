@@ -107,13 +107,15 @@ class Progress:
         self.last = 0.0
         self.tty = sys.stderr.isatty()
 
+    def due(self, final: bool = False) -> bool:
+        """Whether a line would be shown now (so callers build it only then)."""
+        interval = 0.5 if self.tty else 10.0
+        return self.enabled and (final or time.monotonic() - self.last >= interval)
+
     def show(self, text: str, final: bool = False) -> None:
-        if not self.enabled:
+        if not self.due(final):
             return
-        now = time.monotonic()
-        if not final and now - self.last < (0.5 if self.tty else 10.0):
-            return
-        self.last = now
+        self.last = time.monotonic()
         if self.tty:
             print("\r" + text, end="\n" if final else "", file=sys.stderr, flush=True)
         else:
@@ -129,6 +131,7 @@ class LoadRun:
         self.progress = Progress(args.progress)
         self.latencies: list[float] = []  # done requests of this phase (to place cancels)
         self.warm_latencies: list[float] = []
+        self._median_of: tuple[list | None, int, float] = (None, 0, 0.2)  # (over, count, p50)
         self.in_flight = 0
         self.phase = "warm-up"
         self.rng = np.random.default_rng([args.seed, 7])
@@ -137,8 +140,11 @@ class LoadRun:
         """A random point of a request's life: uniform over [0, the median time to result
         of the measured requests done so far] (the warm-up's until five are done)."""
         latencies = self.latencies if len(self.latencies) >= 5 else self.warm_latencies
-        scale = percentile(latencies, 50) if latencies else 0.2
-        return float(self.rng.uniform(0.0, max(scale, 0.01)))
+        source, count, median = self._median_of
+        if source is not latencies or (len(latencies) != count and len(latencies) >= 1.1 * count):
+            median = percentile(latencies, 50) if latencies else 0.2
+            self._median_of = (latencies, len(latencies), median)  # refreshed as it grows 10%
+        return float(self.rng.uniform(0.0, max(median, 0.01)))
 
     async def _send(self, spec: RequestSpec, outcome: Outcome) -> None:
         body = {"tokens": spec.tokens.tolist(), "id": self.prefix + spec.request_id}
@@ -192,6 +198,8 @@ class LoadRun:
             self.latencies.append(outcome.latency_s)
 
     def _show(self, final: bool = False) -> None:
+        if not self.progress.due(final):
+            return
         ended = [o for o in self.outcomes if o.answered_at is not None and not o.warmup]
         done = sum(1 for o in ended if o.status == "done")
         gone = sum(1 for o in ended if o.status in ("cancelled", "disconnected"))
