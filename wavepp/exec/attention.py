@@ -222,12 +222,17 @@ def _split_attention(q, k_pool, v_pool, batch: PagedBatch, scale: float) -> torc
         own_k, own_v = k_pool.index_select(0, rows), v_pool.index_select(0, rows)
         o, lse = _attend(q4, _heads_first(own_k), _heads_first(own_v), True, scale)
         parts = [(o, lse)]
+        # Unmasked, the g query heads of a KV head are just more rows: [1, KV, g*n, D]
+        # reads each key once per row block instead of once per head.
+        h, n, kv = q4.shape[1], b - a, k_pool.shape[1]
+        grouped = q4.reshape(1, kv, (h // kv) * n, q4.shape[-1])
         for piece in pieces if start else ():
             if isinstance(piece, tuple):
                 k_part, v_part = k_pool[piece[0] : piece[1]], v_pool[piece[0] : piece[1]]
             else:
                 k_part, v_part = k_pool.index_select(0, piece), v_pool.index_select(0, piece)
-            parts.append(_attend(q4, _heads_first(k_part), _heads_first(v_part), False, scale))
+            o, lse = _attend(grouped, _heads_first(k_part), _heads_first(v_part), False, scale)
+            parts.append((o.reshape(1, h, n, -1), lse.reshape(1, h, n)))
         merged = parts[0][0] if len(parts) == 1 else _merge(parts)
         out[a:b] = merged[0, :, :, :dv].transpose(0, 1)
     return out
