@@ -13,6 +13,10 @@ INVARIANTS: dict[str, str] = {
         "materializing an admitted request's escrow never fails and yields exactly the "
         "escrowed slots"
     ),
+    "victims_in_eviction_order": (
+        "materialization evicts only when no slot is free, starting with the tail of the "
+        "node the eviction order puts first"
+    ),
     "escrow_backed": "the sum of escrows never exceeds what free + evictable blocks can back",
     "reconcile_monotone": (
         "reuse points never rise (probe -> lease -> agreed point) and every stage serves "

@@ -356,7 +356,14 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
 
         def _materialize(self, req: _Request, s: int) -> None:
             holding = self.held_blocks()
-            before = self.caches[s].claims[req.rid].num_escrowed
+            old = self.caches[s]
+            before = old.claims[req.rid].num_escrowed
+            order = old.eviction
+            heads = [
+                (order.key(n), nid)
+                for nid, n in old.nodes.items()
+                if n.parent is not None and order.evictable(n) > 0
+            ]
             try:
                 self.caches[s], done = policy.materialize(self.caches[s], req.rid, None)
             except Exception as error:
@@ -370,6 +377,20 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
                 f"stage {s}: {req.rid} had {before} escrowed blocks, got {len(done.slots)} slots",
             )
             event(f"materialize evicted {'some' if done.evicted else 'none'}")
+            check(
+                bool(done.evicted) == (before > old.num_free),
+                "victims_in_eviction_order",
+                f"stage {s}: {len(done.evicted)} evicted for {before} blocks with "
+                f"{old.num_free} free",
+            )
+            if done.evicted:
+                first = old.nodes[min(heads)[1]]
+                check(
+                    done.evicted[0] == first.hashes[-1],
+                    "victims_in_eviction_order",
+                    f"stage {s}: first victim {done.evicted[0]:#x}, the order's head is node "
+                    f"{first.node_id} ending in {first.hashes[-1]:#x}",
+                )
             self._evicted(s, done.evicted, holding)
             req.materialized.add(s)
 
