@@ -82,6 +82,7 @@ class Sweep:
         import transformers
 
         self.clock = clock
+        self._prefix: tuple | None = None  # the prefix the pool holds
 
         cfg = MODELS[model]
         if set(cfg.pattern) != {"A"}:
@@ -113,9 +114,11 @@ class Sweep:
 
     @torch.inference_mode()
     def ours_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
-        if cached:
-            for c in self._chunks(tokens[:cached], 0, 8192):  # the prefix, untimed
+        key = (len(tokens), cached, hash(tokens[:cached].tobytes()))
+        if cached and self._prefix != key:  # the prefix, untimed (kept for the next call:
+            for c in self._chunks(tokens[:cached], 0, 8192):  # a suffix never writes it)
                 self.ours.forward([c], None)
+            self._prefix = key
         work = self._chunks(tokens, cached, chunk)
         t0 = self.clock()
         for c in work:
