@@ -23,7 +23,7 @@ EXECUTOR_DEFAULTS = {
             "concurrency": 64, "budget": 8192, "min_budget": 512, "block_size": 64,
             "model": "qwen3-next-80b", "suffix_tokens": 4096},
     "torch": {"workload": "seeded", "requests": 48, "prompt_tokens": 2048, "concurrency": 8,
-              "budget": 512, "min_budget": 64, "block_size": 16, "model": "tiny-hybrid",
+              "budget": 512, "min_budget": 64, "block_size": 16, "model": "tiny-kimi",
               "suffix_tokens": 256},
 }  # fmt: skip
 
@@ -90,8 +90,9 @@ HELP: dict[str, str] = {
     "ring": "waves in flight (0: 2 x stages)",
     "max_batch": "most requests offered to one admission round",
     "model": "sim: profile llama3-70b, qwen3-next-80b, kimi-linear-48b, kimi-k3-class, "
-    "glm5-class or minimax-m2-class; torch: tiny-hybrid, tiny-llama, or a "
-    "checkpoint directory (Hugging Face Llama, or WavePP's layout)",
+    "glm5-class or minimax-m2-class; torch: tiny-kimi (default: KDA + MLA + MoE), "
+    "tiny-hybrid, tiny-llama, small-hybrid, small-llama, or a checkpoint directory "
+    "(Hugging Face Llama, Kimi Linear, Qwen3-Next, MiniMax-M2; or WavePP's layout)",
     "sim_device": "device profile of the sim executor: h100, h200, b200, b300 or gb300",
     "weight_format": "sim: weight format bf16, fp8 or nvfp4 (bytes streamed per parameter, "
     "matrix rate); default: the model profile's (nvfp4 for the paper's models)",

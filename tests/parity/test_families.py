@@ -99,3 +99,22 @@ def test_state_of_a_recurrent_layer_resumes_from_any_cut(family):
             rest, _, _ = mixer.chunk(h[cut:], state, ())
             assert (rest - whole[cut:]).abs().max().item() <= 1e-5
         assert (mixer.full(h) - whole).abs().max().item() <= 1e-5
+
+
+def test_builtin_tiny_kimi_is_a_kimi_linear_checkpoint(tmp_path):
+    """``python -m wavepp.exec.checkpoint --model tiny-kimi`` writes a directory that
+    loads back to the same model and that transformers runs to the same logits."""
+    import transformers
+
+    from wavepp.exec.checkpoint import write_checkpoint
+    from wavepp.exec.model import BUILTIN, random_weights
+
+    cfg = BUILTIN["tiny-kimi"]
+    weights = random_weights(cfg, seed=2)
+    write_checkpoint(tmp_path, cfg, weights)
+    cfg2, weights2 = load_checkpoint(tmp_path)
+    assert cfg2 == cfg and all(torch.equal(weights[k], weights2[k]) for k in weights)
+    model = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, 70)
+    expected = hf_last_logits(model, tokens)
+    assert (family_reference_logits(cfg, weights, tokens) - expected).abs().max() <= TOL

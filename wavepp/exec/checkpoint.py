@@ -4,9 +4,10 @@
   writes it, of a Llama-family model (``model_type`` llama, SiLU MLP, default RoPE: an
   ``A``-only ``ModelConfig``) or of one of the families in ``wavepp.exec.families``
   (``kimi_linear``, ``qwen3_next``, ``minimax_m2``: a ``FamilyConfig``).
-- WavePP's own layout, for hybrids: ``wavepp_config.json`` (the ``ModelConfig`` fields)
-  + ``model.safetensors`` with the same names, ``linear_attn`` for L layers. Write one
-  with ``python -m wavepp.exec.checkpoint --model tiny-hybrid --seed 0 --out DIR``.
+- WavePP's own layout, for its gated-linear-attention hybrids: ``wavepp_config.json``
+  (the ``ModelConfig`` fields) + ``model.safetensors`` with the same names,
+  ``linear_attn`` for L layers. ``python -m wavepp.exec.checkpoint --model tiny-hybrid
+  --seed 0 --out DIR`` writes one; ``--model tiny-kimi`` writes a Kimi Linear directory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wavepp.exec.families import FAMILIES, FamilyConfig, config_from_family
+from wavepp.exec.families.config import kimi_hf_config
 from wavepp.exec.model import BUILTIN, ModelConfig, random_weights
 
 OWN_CONFIG = "wavepp_config.json"
@@ -79,19 +81,27 @@ def load_checkpoint(
     return cfg, weights
 
 
-def write_checkpoint(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def write_checkpoint(
+    path: str | Path, cfg: ModelConfig | FamilyConfig, weights: dict[str, torch.Tensor]
+) -> None:
+    """WavePP's layout for a ``ModelConfig``; a Hugging Face ``config.json`` (as
+    ``save_pretrained`` writes it) for a Kimi Linear ``FamilyConfig``."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    (root / OWN_CONFIG).write_text(json.dumps(attrs.asdict(cfg), indent=2) + "\n")
+    if isinstance(cfg, FamilyConfig):
+        (root / "config.json").write_text(json.dumps(kimi_hf_config(cfg), indent=2) + "\n")
+    else:
+        (root / OWN_CONFIG).write_text(json.dumps(attrs.asdict(cfg), indent=2) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(root / "model.safetensors"))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m wavepp.exec.checkpoint",
-        description="Write a built-in model with seeded random weights in WavePP's layout.",
+        description="Write a built-in model with seeded random weights: tiny-kimi as a "
+        "Hugging Face Kimi Linear directory, the others in WavePP's layout.",
     )
-    parser.add_argument("--model", default="tiny-hybrid", choices=sorted(BUILTIN))
+    parser.add_argument("--model", default="tiny-kimi", choices=sorted(BUILTIN))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="directory to write")
     args = parser.parse_args(argv)

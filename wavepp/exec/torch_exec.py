@@ -101,6 +101,10 @@ class TorchExecutor:
     def prior_cost(self) -> tuple[float, float, float, float]:
         """A rough (a, c, d, floor) prior for the cost planner: FLOPs at 10 GFLOP/s."""
         params = sum(p.numel() for p in self.m.model.layers.parameters())
+        for m in self.m.model.layers.modules():  # a token only runs top_k of the experts
+            if hasattr(m, "experts") and hasattr(m, "top_k"):
+                inactive = 1.0 - m.top_k / len(m.experts)
+                params -= int(inactive * sum(p.numel() for p in m.experts.parameters()))
         cfg = self.cfg
         width = cfg.num_heads * max(cfg.head_dim, getattr(cfg, "kv_lora_rank", 0), 1)
         rate = 10e9

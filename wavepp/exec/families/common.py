@@ -59,7 +59,9 @@ def rope_partial(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_
     """Rotate-half RoPE on the first ``rotary_dim`` dims. x: [n, heads, head_dim]."""
     if rotary_dim == 0:
         return x
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=x.device) / rotary_dim)
+    )
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, rotary_dim/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)

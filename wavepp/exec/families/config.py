@@ -185,3 +185,44 @@ def config_from_family(data: dict) -> FamilyConfig:
             d_expert=data["intermediate_size"],
         )
     raise ValueError(f"model_type {family!r} is not a family here; supported: {FAMILIES}")
+
+
+def kimi_hf_config(cfg: FamilyConfig) -> dict:
+    """The Hugging Face ``config.json`` of a Kimi Linear ``FamilyConfig`` (what
+    :func:`config_from_family` reads back; ``transformers`` loads it too)."""
+    if cfg.family != "kimi_linear":
+        raise ValueError(f"only Kimi Linear configs are written; this one is {cfg.family}")
+    return {
+        "architectures": ["KimiLinearForCausalLM"],
+        "model_type": "kimi_linear",
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.num_layers,
+        "layer_types": ["linear_attention" if m == "kda" else "full_attention" for m in cfg.mixers],
+        "mlp_layer_types": ["sparse" if m == "moe" else "dense" for m in cfg.mlps],
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.nope_dim,
+        "qk_rope_head_dim": cfg.rope_dim,
+        "v_head_dim": cfg.v_dim,
+        "linear_num_heads": cfg.linear_heads,
+        "linear_head_dim": cfg.linear_k_dim,
+        "linear_conv_kernel_dim": cfg.conv_kernel,
+        "intermediate_size": cfg.d_ff,
+        "moe_intermediate_size": cfg.d_expert,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_token": cfg.top_k,
+        "num_shared_experts": cfg.shared_ff // cfg.d_expert if cfg.d_expert else 0,
+        "moe_renormalize": cfg.norm_topk,
+        "routed_scaling_factor": cfg.routed_scaling,
+        "num_expert_group": cfg.num_groups,
+        "topk_group": cfg.topk_groups,
+        "pad_token_id": 0,  # the defaults (Kimi's tokenizer) lie outside a small vocabulary
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }

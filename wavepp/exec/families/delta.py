@@ -46,6 +46,7 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     index = torch.full((num_pieces, chunk), num_tokens, dtype=torch.long)
     for n, (a, b) in enumerate(pieces):
         index[n, : b - a] = torch.arange(a, b)
+    index = index.to(k.device)
 
     def gather(x):  # [T, H, ...] -> [H, N, C, ...], contiguous
         padded = x.new_zeros((heads, num_tokens + 1, *x.shape[2:]))
@@ -55,13 +56,14 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     qs, ks, vs, bs, gs = (gather(x.float()) for x in (q, k, v, beta, g))
     gs = gs.cumsum(2)  # [H, N, C] or [H, N, C, dk]: cumulative log decay within a piece
     k_beta = ks * bs[..., None]
-    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()  # j <= i
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()  # j <= i
     if per_channel:
         ut, intra = _pairwise_channel(qs, ks, k_beta, gs, lower)
         g_last = gs[:, :, -1]  # [H, N, dk]
-        q_in = qs * gs.exp()
+        g_exp = gs.exp()
+        q_in = qs * g_exp
         k_out = ks * (g_last[:, :, None] - gs).exp()
-        w_rhs = k_beta * gs.exp()
+        w_rhs = k_beta * g_exp
     else:
         diff = (gs[..., :, None] - gs[..., None, :]).masked_fill(~lower, -torch.inf)
         decay = diff.exp()  # [H, N, C, C]
@@ -81,7 +83,7 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     )
     decay_last = g_last.exp().transpose(0, 1)  # [N, H] or [N, H, dk]
     decay_last = decay_last[..., None] if per_channel else decay_last[..., None, None]
-    out = torch.empty(num_pieces, heads, chunk, dv)
+    out = torch.empty(num_pieces, heads, chunk, dv, device=k.device)
     s = state.float()
     saved: dict[int, torch.Tensor] = {0: s}  # a cut at 0 is the state given
     cut_set = set(cuts)
@@ -96,7 +98,7 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
     return o.to(v.dtype), s, [saved[c] for c in cuts]
 
 
-def _pairwise_channel(qs, ks, k_beta, gs, lower, sub: int = 16):
+def _pairwise_channel(qs, ks, k_beta, gs, lower, sub: int = 8):
     """Per-channel decays: ut[i, j] = sum_d kb_i k_j exp(G_i - G_j) (j < i) and
     intra[i, j] = sum_d q_i k_j exp(G_i - G_j) (j <= i). qs, ks, k_beta, gs: [H, N, C, dk].
 
@@ -107,36 +109,26 @@ def _pairwise_channel(qs, ks, k_beta, gs, lower, sub: int = 16):
     heads, num_pieces, chunk, dk = ks.shape
     sub = min(sub, chunk)
     nsub = chunk // sub
+    blocks = (heads, num_pieces, nsub, sub, dk)
     g_ref = gs[:, :, sub - 1 :: sub]  # [H, N, nsub, dk]: G at the last token of each J
     # rows i (all tokens) against each reference r_J; clamped where i <= r_J (masked later)
-    row_decay = (gs[:, :, None] - g_ref[:, :, :, None]).clamp(max=0.0).exp()  # [H,N,nsub,C,dk]
-    blocks = (heads, num_pieces, nsub, sub, dk)
+    row_decay = (gs[:, :, None] - g_ref[:, :, :, None]).clamp_(max=0.0).exp_()  # [H,N,nsub,C,dk]
     k_ref = ks.view(blocks) * (g_ref[:, :, :, None] - gs.view(blocks)).exp()  # [H,N,nsub,c,dk]
-    across = torch.arange(chunk)[:, None] // sub > torch.arange(chunk)[None, :] // sub  # I > J
-
-    def off_diagonal(left):  # left: [H, N, C, dk] -> [H, N, C, C], nonzero for I > J only
-        prod = (left[:, :, None] * row_decay) @ k_ref.transpose(-1, -2)  # [H, N, nsub, C, c]
-        return prod.permute(0, 1, 3, 2, 4).reshape(heads, num_pieces, chunk, chunk) * across
-
-    # diagonal sub-chunks, exact: [H, N, nsub, c, c, dk]
+    left = torch.stack([k_beta, qs])[:, :, :, None]  # [2, H, N, 1, C, dk]
+    prod = (left * row_decay) @ k_ref.transpose(-1, -2)  # [2, H, N, nsub, C, c]
+    across = torch.arange(chunk, device=ks.device)
+    across = across[:, None] // sub > across[None, :] // sub  # sub-chunk I > J
+    full = prod.permute(0, 1, 2, 4, 3, 5).reshape(2, heads, num_pieces, chunk, chunk) * across
+    # diagonal sub-chunks, exact; exponents clamped at 0 above the diagonal (masked below)
     g_sub = gs.view(blocks)
-    tri = lower[:sub, :sub]
-    decay = (
-        (g_sub[..., :, None, :] - g_sub[..., None, :, :])
-        .masked_fill(~tri[:, :, None], -torch.inf)
-        .exp()
-    )
-    kd = ks.view(blocks)[..., None, :, :] * decay  # k_j exp(G_i - G_j)
-
-    def with_diagonal(full, left):
-        diag = (left.view(blocks)[..., :, None, :] * kd).sum(-1)  # [H, N, nsub, c, c]
-        grid = full.view(heads, num_pieces, nsub, sub, nsub, sub)
-        torch.diagonal(grid, dim1=2, dim2=4).copy_(diag.permute(0, 1, 3, 4, 2))
-        return full
-
-    ut = with_diagonal(off_diagonal(k_beta), k_beta)
-    ut = ut.masked_fill(~lower.clone().fill_diagonal_(False), 0.0)
-    intra = with_diagonal(off_diagonal(qs), qs)
+    kd = (g_sub[..., :, None, :] - g_sub[..., None, :, :]).clamp_(max=0.0).exp_()
+    kd.mul_(ks.view(blocks)[..., None, :, :])  # [H, N, nsub, c(i), c(j), dk]: k_j e^(G_i - G_j)
+    rhs = torch.stack([k_beta.view(blocks), qs.view(blocks)], dim=-1)  # [H, N, nsub, c, dk, 2]
+    diag = (kd @ rhs).movedim(-1, 0)  # [2, H, N, nsub, c(i), c(j)]
+    grid = full.view(2, heads, num_pieces, nsub, sub, nsub, sub)
+    torch.diagonal(grid, dim1=3, dim2=5).copy_(diag.permute(0, 1, 2, 4, 5, 3))
+    ut = full[0].masked_fill_(~lower.clone().fill_diagonal_(False), 0.0)
+    intra = full[1].masked_fill_(~lower, 0.0)
     return ut, intra
 
 

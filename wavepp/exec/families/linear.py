@@ -33,8 +33,12 @@ class _Recurrent(nn.Module):
         }
 
     def zero_state(self, dtype=torch.float32) -> State:
+        device = (
+            self.o_proj.weight.device if hasattr(self, "o_proj") else self.out_proj.weight.device
+        )
         return {
-            name: torch.zeros(shape, dtype=dtype) for name, shape in self.state_shapes().items()
+            name: torch.zeros(shape, dtype=dtype, device=device)
+            for name, shape in self.state_shapes().items()
         }
 
     def _inputs(self, h):  # -> pre-conv channels [n, C], extras for _mix
@@ -172,9 +176,8 @@ class GatedDeltaNet(_Recurrent):
 
     def prepare(self) -> None:
         """One projection with rows q | k | v | z | b | a, once the checkpoint is loaded."""
-        self._fused = torch.cat([self.in_proj_qkvz.weight, self.in_proj_ba.weight])[
-            self._row_order()
-        ]
+        rows = torch.cat([self.in_proj_qkvz.weight, self.in_proj_ba.weight])
+        self._fused = rows[self._row_order().to(rows.device)]
 
     def _row_order(self) -> torch.Tensor:
         """Rows of [in_proj_qkvz; in_proj_ba] in the order q | k | v | z | b | a (the

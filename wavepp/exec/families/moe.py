@@ -112,18 +112,30 @@ class SparseMoE(nn.Module):
         weights, ids = self.route(x)
         flat = ids.reshape(-1)  # [n k]
         order = flat.argsort(stable=True)
-        token = order // self.top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        token = order // self.top_k  # token of each routed copy, grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
         out = torch.zeros_like(x)
-        at = 0
-        for e, count in enumerate(counts):  # one matmul pair per expert hit
-            if not count:
-                continue
-            rows = order[at : at + count]
-            at += count
-            g, u = F.linear(x[token[at - count : at]], gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, down[e]) * weights.reshape(-1)[rows, None]
-            out.index_add_(0, token[at - count : at], y.to(x.dtype))
+        scale = weights.reshape(-1)[order, None].to(x.dtype)  # [n k, 1]
+        widest = int(counts.max())
+        if widest * self.num_experts <= 2 * flat.numel():
+            # Balanced enough: all experts in one batched matmul over padded groups.
+            starts = torch.cumsum(counts, 0) - counts
+            rank = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
+            padded = x.new_zeros(self.num_experts, widest, x.shape[1])  # [E, widest, D]
+            padded[flat[order], rank] = x[token]
+            g, u = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+            y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))[flat[order], rank]
+            out.index_add_(0, token, y * scale)
+        else:
+            at = 0
+            for e, count in enumerate(counts.tolist()):  # one matmul pair per expert hit
+                if not count:
+                    continue
+                rows = slice(at, at + count)
+                at += count
+                g, u = F.linear(x[token[rows]], gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(g) * u, down[e]) * scale[rows]
+                out.index_add_(0, token[rows], y)
         if self.routing == "kimi" and self.shared_ff:
             out = out + self.shared_experts(x)
         if self.routing == "qwen" and self.shared_ff:
