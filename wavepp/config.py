@@ -41,11 +41,14 @@ class RunConfig:
     concurrency: int | None = None
     open_loop: bool = False
     rung: str = "R4"
+    policy: str | None = None
     planner: str | None = None
     probe: str | None = None
+    eviction: str | None = None
     block_size: int | None = None
     capacity_blocks: str = attrs.field(default="0", converter=str)
     snapshot_interval: int = 16
+    snapshot_capacity: int | None = None
     budget: int | None = None
     min_budget: int | None = None
     ring: int = 0
@@ -80,7 +83,14 @@ HELP: dict[str, str] = {
     "open_loop": "trace workload: release requests at their timestamps instead of closed loop",
     "rung": "runtime configuration of the ablation ladder: " + ", ".join(RUNGS) + " (DESIGN §8)",
     "planner": "override the rung's planner: 'static', 'mpu', 'cost', or 'pkg.mod:fn'",
-    "probe": "override the hint probe with a dotted path 'pkg.mod:fn' (signature of state.probe)",
+    "probe": "override the policy's hint probe: 'gallop', 'linear' or pkg.mod:fn (the "
+    "signature of wavepp.state.probe)",
+    "policy": "a wavepp Policy (every admission, caching and planning decision) as "
+    "pkg.mod:NAME; default: the built-in one (docs/policies.md)",
+    "eviction": "override the policy's victim order: 'lru' or pkg.mod:NAME naming a "
+    "wavepp.state.Eviction",
+    "snapshot_capacity": "recurrent-state snapshot slots per stage (default: as many as KV "
+    "blocks)",
     "block_size": "tokens per cached block",
     "capacity_blocks": "KV pool per stage in blocks: one value for every stage, or one per "
     "stage ('4096,6144,6144,3072'); 0: enough for 1.5 x concurrency prompts",

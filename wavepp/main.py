@@ -23,7 +23,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from wavepp.config import RunConfig, load, resolve, stage_capacities
+from wavepp.config import RunConfig, load, stage_capacities
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
@@ -35,15 +35,16 @@ from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.exec.watchdog import Watchdog
 from wavepp.metrics import summarize, table
-from wavepp.plan import PLANNERS, CostFit, CostModel, PlanContext
-from wavepp.rounds.admission import Policy, StageBook
+from wavepp.plan import CostFit, CostModel, PlanContext
+from wavepp.policy import Policy, PolicyError, for_rung, load_policy, with_overrides
+from wavepp.rounds.admission import RoundMode, StageBook
 from wavepp.rounds.messages import MAX_MESSAGE_BYTES, StageReport, decode_untrusted, encode
 from wavepp.rungs import RUNGS, Admission
 from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.feed import Feed
 from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.planning import WavePlanner
-from wavepp.state import audit, empty_cache, num_blocks_for, usage
+from wavepp.state import audit, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
 from wavepp.workload import (
     cold,
@@ -88,7 +89,8 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     return specs, rejected, []
 
 
-def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
+def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
+                   snapshot_capacity: int | None = None):  # fmt: skip
     """(executor, has recurrent layers) for this rank's stage."""
     counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
     if c.executor == "sim":
@@ -112,7 +114,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int):
     modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights,
                           pick_device(c.device), pick_dtype(c.dtype))  # fmt: skip
     recurrent = any(cfg.kind(layer) == "L" for layer in layers)
-    return TorchExecutor(modules, capacity, c.block_size), recurrent
+    return TorchExecutor(modules, capacity, c.block_size, snapshot_capacity), recurrent
 
 
 def data_limits(c: RunConfig, executor) -> DataLimits:
@@ -124,16 +126,15 @@ def data_limits(c: RunConfig, executor) -> DataLimits:
     return DataLimits.for_run(c.budget, None, torch.float16, MAX_MESSAGE_BYTES)
 
 
-def pick_planner(c: RunConfig):
-    name = c.planner or RUNGS[c.rung].planner
-    if name == "cost":
-        return None  # the coordinator plans with its online cost fit
-    if name in PLANNERS:
-        return PLANNERS[name]
-    if ":" not in name and "." not in name:
-        raise SystemExit(f"wavepp: planner {name!r} is not built in ({', '.join(PLANNERS)}) "
-                         "nor a dotted path")  # fmt: skip
-    return resolve(name)
+def pick_policy(c: RunConfig, rung) -> Policy:
+    """The policy in use: ``--policy`` (or the default), single fields overridden by
+    ``--planner`` / ``--probe`` / ``--eviction``, the rest filled in by the rung."""
+    try:
+        policy = with_overrides(load_policy(c.policy or "default"), planner=c.planner,
+                                probe=c.probe, eviction=c.eviction)  # fmt: skip
+        return for_rung(policy, linear_probe=rung.linear_probe, planner=rung.planner)
+    except PolicyError as error:
+        raise SystemExit(f"wavepp: {error}") from None
 
 
 def _vocab(c: RunConfig) -> int:
@@ -231,18 +232,17 @@ async def rank_main(
             f"blocks, the pool holds {capacity:,} (short by {need - capacity:,}, "
             f"{(need - capacity) / need:.0%})")  # fmt: skip
     min_capacity = (await plane.all_min([capacity]))[0]
-    executor, recurrent = build_executor(c, rank, world, capacity)
+    policy = pick_policy(c, rung)
+    mode = RoundMode(block_size=c.block_size, eager=rung.eager, policy=policy)
+    snapshot_capacity = c.snapshot_capacity or capacity
+    executor, recurrent = build_executor(c, rank, world, capacity, snapshot_capacity)
     set_limits((inbound, outbound, done), data_limits(c, executor))
-    book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
-    stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent)
+    book = StageBook(policy.empty_cache(capacity, has_recurrent=recurrent,
+                                        snapshot_capacity=snapshot_capacity))  # fmt: skip
+    stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent,
+                  policy=policy)  # fmt: skip
     if c.trace_out:
         stage.spans = []
-    policy = Policy(
-        block_size=c.block_size,
-        linear_probe=rung.linear_probe,
-        eager=rung.eager,
-        probe_fn=resolve(c.probe) if c.probe else None,
-    )
     if rung.admission is Admission.FREE and min_capacity != capacity:
         raise SystemExit("wavepp: the oracle rung decides on rank 0's cache alone and needs "
                          "equal --capacity-blocks on every stage")  # fmt: skip
@@ -266,8 +266,8 @@ async def rank_main(
             tg.start_soon(_watch_signals, watchdog, on_signal, scope)
             if rank == 0:
                 coordinator = Coordinator(
-                    rung, plane, stage, outbound, done, _wave_planner(c, world, executor),
-                    policy, min_capacity=min_capacity, vocab_size=vocab,
+                    rung, plane, stage, outbound, done, _wave_planner(c, world, executor, policy),
+                    mode, min_capacity=min_capacity, vocab_size=vocab,
                     ring=c.ring or 2 * world, max_batch=c.max_batch,
                     heartbeat_s=c.heartbeat_s, log=log,
                 )  # fmt: skip
@@ -282,7 +282,7 @@ async def rank_main(
                     await coordinator.run(lambda: client(engine))
             else:
                 async with anyio.create_task_group() as inner:
-                    inner.start_soon(follow_rounds, plane, stage, policy)
+                    inner.start_soon(follow_rounds, plane, stage, mode)
                     inner.start_soon(follow_waves, stage, inbound, outbound, done)
             tg.cancel_scope.cancel()  # the run is over: stop watching signals
 
@@ -294,6 +294,7 @@ async def rank_main(
     except Exception as failure:  # reported, and fails the run below
         error = str(failure)
     use = usage(book.cache)
+    memory = executor.memory_report()
     if not use.balanced and not error and not interrupted:
         held = ", ".join(f"{rid} {claim}" for rid, claim in list(book.cache.claims.items())[:5])
         error = f"stage {rank} still holds claims at the end: {held}"
@@ -304,7 +305,11 @@ async def rank_main(
         leases=use.num_leases, escrowed=use.num_escrowed, referenced=use.num_referenced,
         pending=use.num_pending, cached=use.num_cached, free=use.num_free,
         capacity=use.capacity, balanced=use.balanced and not error, error=error,
-        spans=stage.spans or [],
+        spans=stage.spans or [], snapshots=use.num_snapshots,
+        snapshot_pending=use.num_snapshot_pending, snapshot_pinned=use.num_snapshot_pinned,
+        snapshot_capacity=use.snapshot_capacity,
+        kv_bytes=int(memory.get("kv_pool_bytes", 0)),
+        snapshot_bytes=int(memory.get("snapshot_bytes", 0)),
     )  # fmt: skip
     if interrupted:
         status = 128 + interrupted[0]
@@ -332,6 +337,7 @@ async def rank_main(
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip
     record["rejected"] = rejected
+    record["policy"] = policy.describe()
     if interrupted:
         ended = sum(1 for r in records if r.done_at is not None and not r.spec.warmup)
         total = len(feed.specs) - sum(1 for s in feed.specs if s.warmup) if feed else len(records)
@@ -350,13 +356,10 @@ def _stage_figures(stage: Stage) -> dict[str, float]:
             "capacity": use.capacity}  # fmt: skip
 
 
-def _wave_planner(c: RunConfig, world: int, executor) -> WavePlanner:
+def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePlanner:
     ctx = PlanContext(c.budget, c.ring or 2 * world, c.min_budget)
-    planner = pick_planner(c)
-    if planner is None:
-        fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
-        return WavePlanner(None, ctx, fit)
-    return WavePlanner(planner, ctx, None)
+    fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
+    return WavePlanner(policy.planner, ctx, fit)
 
 
 def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:

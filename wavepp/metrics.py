@@ -80,6 +80,12 @@ def summarize(
                 "cached": rep.cached,
                 "free": rep.free,
                 "capacity": rep.capacity,
+                "snapshots": rep.snapshots,
+                "snapshot_pending": rep.snapshot_pending,
+                "snapshot_pinned": rep.snapshot_pinned,
+                "snapshot_capacity": rep.snapshot_capacity,
+                "kv_bytes": rep.kv_bytes,
+                "snapshot_bytes": rep.snapshot_bytes,
                 "balanced": rep.balanced,
             }
             for rep in reports

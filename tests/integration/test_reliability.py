@@ -60,9 +60,10 @@ def test_same_config_and_seed_give_the_same_first_tokens(run_wavepp):
     tokens = [(r["id"], r["first_token"]) for r in first["requests"]]
     assert tokens == [(r["id"], r["first_token"]) for r in second["requests"]]
     assert all(t >= 0 for _, t in tokens)
-    # Chunk boundaries follow admission timing, so logits agree to float rounding only.
+    # Chunk boundaries follow admission timing, so logits agree to float rounding only
+    # (the parity tolerance: sums in another order, merged by log-sum-exp).
     for a, b in zip(first["requests"], second["requests"], strict=True):
-        assert abs(a["top_logit"] - b["top_logit"]) <= 1e-5
+        assert abs(a["top_logit"] - b["top_logit"]) <= 1e-4
 
 
 def test_cache_pressure_finishes_without_deadlock(run_wavepp):

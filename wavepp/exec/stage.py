@@ -16,19 +16,11 @@ import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
+from wavepp.policy import DEFAULT, ChunkSpan, Policy
 from wavepp.rounds.admission import Offer, StageBook
+from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.messages import ChunkMsg, OracleAdmit, Span, WaveMsg, unpack_hashes
-from wavepp.state import (
-    RequestId,
-    block_table,
-    cancel,
-    escrow,
-    lease,
-    materialize,
-    num_blocks_for,
-    publish,
-    release,
-)
+from wavepp.state import RequestId, block_table, num_blocks_for, resume_slot
 
 
 @attrs.frozen
@@ -51,6 +43,7 @@ class Stage:
         snapshot_interval: int,
         has_recurrent: bool,
         tokens_of: Callable[[RequestId], np.ndarray] | None = None,
+        policy: Policy = DEFAULT,
     ) -> None:
         self.index = index
         self.book = book
@@ -59,6 +52,7 @@ class Stage:
         self.snapshot_interval = snapshot_interval
         self.has_recurrent = has_recurrent
         self.tokens_of = tokens_of  # stage 0 of the torch executor: a request's token ids
+        self.policy = policy  # every cache effect below goes through its reducers
         self.requests: dict[RequestId, Admitted] = {}
         self._arrivals: dict[RequestId, anyio.Event] = {}
         self.busy_s = 0.0
@@ -83,15 +77,16 @@ class Stage:
 
     def apply_oracle(self, admits: Sequence[OracleAdmit]) -> None:
         """Oracle rung: apply rank 0's decisions; equal pools make them exact."""
+        p = self.policy
         for admit in admits:
             offer = offer_from_entry(admit.entry)
-            self.book.cache, got = lease(
+            self.book.cache, got = p.lease(
                 self.book.cache, offer.request_id, offer.hashes, admit.point
             )
             need = num_blocks_for(offer.num_tokens, self.block_size) - got
-            self.book.cache, ok = escrow(self.book.cache, offer.request_id, need)
+            self.book.cache, ok = p.escrow(self.book.cache, offer.request_id, need)
             if got != admit.point or not ok:
-                raise RuntimeError(
+                raise ProtocolError(
                     f"oracle: stage {self.index} cannot follow rank 0 for {offer.request_id!r} "
                     f"(point {got} vs {admit.point}, escrow {ok}); use equal --capacity-blocks"
                 )
@@ -99,35 +94,40 @@ class Stage:
 
     def drop(self, rid: RequestId) -> None:
         """Cancel whatever the request holds here: lease, escrow, slots, live state."""
-        self.book.cache = cancel(self.book.cache, rid)
+        self.book.cache = self.policy.cancel(self.book.cache, rid)
         self.requests.pop(rid, None)
         self._arrivals.pop(rid, None)
-        drop_state = getattr(self.executor, "cancel", None)
-        if drop_state is not None:
-            drop_state(rid)
+        self.executor.cancel(rid)
 
     # -- execution side -----------------------------------------------------------
 
     def _prepare(self, chunk: ChunkMsg, admitted: Admitted) -> ChunkWork:
-        bs = self.block_size
+        bs, p = self.block_size, self.policy
         rid = chunk.request_id
         claim = self.book.cache.claims[rid]
         have = claim.held() + len(claim.pending_slots)
         need = num_blocks_for(chunk.end, bs) - have
         if need > 0:
-            self.book.cache, done = materialize(self.book.cache, rid, need)
-            self.executor.forget(done.evicted)
+            self.book.cache, done = p.materialize(self.book.cache, rid, need)
+            self.executor.forget(done.evicted)  # KV only: snapshots are slot-addressed
         held = claim.held()
-        end_blocks = chunk.end // bs
-        points: list[int] = []
-        if self.has_recurrent:
-            step = self.snapshot_interval
-            points = [k for k in range(held + 1, end_blocks + 1) if k % step == 0]
-            if chunk.end == chunk.num_tokens and end_blocks > held and end_blocks not in points:
-                points.append(end_blocks)  # a snapshot at every request end
         hashes = admitted.offer.hashes
-        start_block = chunk.start // bs
-        resumable = chunk.start % bs == 0 and start_block > 0
+        points: Sequence[int] = ()
+        if self.has_recurrent:
+            span = ChunkSpan(rid, hashes, held, chunk.end // bs,
+                             ends_request=chunk.end == chunk.num_tokens,
+                             interval=self.snapshot_interval,
+                             starts_at_held=chunk.start == held * bs)  # fmt: skip
+            points = p.snapshot_placement(self.book.cache, span)
+        self.book.cache, snaps = p.reserve_snapshots(self.book.cache, rid, hashes, points)
+        resume = None
+        if self.has_recurrent and chunk.start and chunk.start == admitted.point * bs:
+            # its first chunk here: the recurrent state comes from the lease point's
+            # snapshot (later chunks continue the executor's live state)
+            resume = resume_slot(self.book.cache, hashes, admitted.point)
+            if resume is None:
+                raise ProtocolError(f"stage {self.index}: no snapshot to resume {rid!r} at "
+                                    f"token {chunk.start}")  # fmt: skip
         tokens = None
         if self.tokens_of is not None:
             tokens = self.tokens_of(rid)[chunk.start : chunk.end]
@@ -137,25 +137,21 @@ class Stage:
             end=chunk.end,
             num_tokens=chunk.num_tokens,
             block_table=block_table(self.book.cache, rid),
-            snapshot_points=tuple(points),
+            snapshot_points=snaps.points,
             free=chunk.free,
-            snapshot_keys=tuple(hashes[k - 1] for k in points),
-            prefix_key=hashes[start_block - 1] if resumable else None,
+            snapshot_slots=snaps.slots,
+            resume_slot=resume,
             tokens=tokens,
         )
 
     def _publish(self, work: ChunkWork) -> None:
         admitted = self.requests[work.request_id]
+        p = self.policy
         end_blocks = work.end // self.block_size
-        self.book.cache = publish(
-            self.book.cache,
-            work.request_id,
-            admitted.offer.hashes,
-            end_blocks,
-            work.snapshot_points,
-        )
+        self.book.cache = p.publish(self.book.cache, work.request_id, admitted.offer.hashes,
+                                    end_blocks)  # fmt: skip
         if work.is_last:
-            self.book.cache = release(self.book.cache, work.request_id)
+            self.book.cache = p.release(self.book.cache, work.request_id)
             del self.requests[work.request_id]
             self._arrivals.pop(work.request_id, None)
 

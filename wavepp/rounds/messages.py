@@ -149,6 +149,12 @@ class StageReport(_Msg, frozen=True):
     balanced: bool
     error: str = ""
     spans: Annotated[list[Span], msgspec.Meta(max_length=1 << 20)] = []  # with --trace-out
+    snapshots: Count = 0  # recurrent-state snapshots cached in the snapshot pool
+    snapshot_pending: Count = 0  # snapshot slots reserved and not published
+    snapshot_pinned: Count = 0  # snapshots a claim resumes from
+    snapshot_capacity: Count = 0
+    kv_bytes: Count = 0  # the stage's KV pool (K/V or latent entries), bytes
+    snapshot_bytes: Count = 0  # its snapshot pool, bytes
 
 
 DataMessage = WaveMsg | WaveDone

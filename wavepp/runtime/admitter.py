@@ -21,7 +21,7 @@ import anyio
 
 from wavepp.exec.planes import TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage
-from wavepp.rounds.admission import Offer, Policy, probe_points, run_round
+from wavepp.rounds.admission import Offer, RoundMode, probe_points, run_round
 from wavepp.rounds.messages import (
     AdmitEntry,
     AdmitRound,
@@ -33,15 +33,7 @@ from wavepp.rounds.messages import (
 )
 from wavepp.rungs import Admission, Rung
 from wavepp.runtime.intake import Intake
-from wavepp.state import (
-    RequestId,
-    attention_hit,
-    escrow,
-    lease,
-    num_blocks_for,
-    probe,
-    release,
-)
+from wavepp.state import RequestId, attention_hit, num_blocks_for, probe
 
 MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited for",
                 "stages disagreed", "cancelled")  # fmt: skip
@@ -55,14 +47,14 @@ def _entry(offer: Offer) -> AdmitEntry:
 class Admitter:
     def __init__(
         self, rung: Rung, plane: TorchRoundsPlane, stage: Stage, intake: Intake,
-        policy: Policy, max_batch: int, heartbeat_s: float,
+        mode: RoundMode, max_batch: int, heartbeat_s: float,
         on_admitted: Callable[[RequestId, int], None],
     ) -> None:  # fmt: skip
         self.rung = rung
         self.plane = plane
         self.stage = stage
         self.intake = intake
-        self.policy = policy
+        self.mode = mode  # the rung's reservation mode and the policy in use
         self.max_batch = max_batch
         self.heartbeat_s = heartbeat_s
         self.on_admitted = on_admitted  # (request, agreed point in blocks): plan it
@@ -104,7 +96,7 @@ class Admitter:
         """Why a request expecting reuse got less than 80% of it (rank 0's view), or None."""
         record = self.intake.records[rid]
         seen = self._seen_here.pop(rid, None)
-        expected = record.spec.expected_reuse // self.policy.block_size
+        expected = record.spec.expected_reuse // self.mode.block_size
         if seen is None or point >= 0.8 * expected:
             return None
         hit, local = seen
@@ -132,21 +124,25 @@ class Admitter:
     def _apply(
         self, offers: Sequence[Offer], admitted: Sequence[bool], points: Sequence[int], epoch: int
     ) -> None:
+        """Apply a round's outcome. The policy's escrow order may admit offers that are
+        not a prefix of the round (only FCFS's cut is); every refusal blocks further
+        rounds until room is freed."""
         now = time.time()
         self.in_round.clear()
         taken = [o.request_id for o, ok in zip(offers, admitted, strict=True) if ok]
         if len(taken) < len(offers):
             self.refused_at_epoch = epoch
         self.intake.waiting.pop_admitted(taken)
-        for offer, point in zip(offers[: len(taken)], points, strict=False):
+        for offer, ok, point in zip(offers, admitted, points, strict=True):
+            if not ok:
+                self._seen_here.pop(offer.request_id, None)
+                continue
             record = self.intake.records[offer.request_id]
             record.admitted_at, record.status = now, "admitted"
             record.miss_reason = self._explain(offer.request_id, point)
             for block in offer.hashes:
                 self.live_blocks[block] = self.live_blocks.get(block, 0) + 1
             self.on_admitted(offer.request_id, point)
-        for offer in offers[len(taken) :]:
-            self._seen_here.pop(offer.request_id, None)
         for rid in self.intake.waiting.head():  # cancelled while offered, and refused
             if self.intake.records[rid].cancelled:
                 self.intake.waiting.remove(rid)
@@ -161,7 +157,7 @@ class Admitter:
             await self.plane.broadcast(
                 encode(AdmitRound(self.round_id, [_entry(o) for o in offers]))
             )
-            result = await run_round(self.plane, self.stage.book, offers, self.policy)
+            result = await run_round(self.plane, self.stage.book, offers, self.mode)
         self.round_seconds.append(result.seconds)
         self.round_cpu_s.append(time.process_time() - cpu)
         self.round_spans.append((started, time.time(), len(offers)))
@@ -175,23 +171,26 @@ class Admitter:
         """The oracle: the same decisions as a round, on rank 0's cache, for free."""
         t0, cpu = time.perf_counter(), time.process_time()
         offers, epoch = self._offers(len(self.intake.waiting))
-        book = self.stage.book
+        book, p = self.stage.book, self.mode.policy
         flags, points = [], []
         for offer in offers:
-            point = probe_points(book.cache, [offer], self.policy, book.probe_us)[0]
-            cache, point = lease(book.cache, offer.request_id, offer.hashes, point)
-            need = num_blocks_for(offer.num_tokens, self.policy.block_size) - point
-            cache, ok = escrow(cache, offer.request_id, need)
+            point = probe_points(book.cache, [offer], self.mode, book.probe_us)[0]
+            cache, point = p.lease(book.cache, offer.request_id, offer.hashes, point)
+            need = num_blocks_for(offer.num_tokens, self.mode.block_size) - point
+            cache, ok = p.escrow(cache, offer.request_id, need)
             flags.append(ok)
             points.append(point)
             if not ok:
-                book.cache = release(cache, offer.request_id)
+                book.cache = p.release(cache, offer.request_id)
                 break
             book.cache = cache
             self.stage.register(Admitted(offer, point))
             self.oracle_admits.append(OracleAdmit(_entry(offer), point))
         self.round_seconds.append(time.perf_counter() - t0)
         self.round_cpu_s.append(time.process_time() - cpu)
+        for offer in offers[len(flags) :]:  # not tried after the refusal: back to waiting
+            self.in_round.discard(offer.request_id)
+            self._seen_here.pop(offer.request_id, None)
         self._apply(offers[: len(flags)], flags, points, epoch)
 
     async def admit_on_path(self) -> None:

@@ -19,7 +19,7 @@ import anyio
 
 from wavepp.exec.planes import Link, TorchRoundsPlane
 from wavepp.exec.stage import Stage
-from wavepp.rounds.admission import Policy
+from wavepp.rounds.admission import RoundMode
 from wavepp.rungs import Rung
 from wavepp.runtime.admitter import Admitter
 from wavepp.runtime.intake import Intake
@@ -32,7 +32,7 @@ from wavepp.state import RequestId
 class Coordinator:
     def __init__(
         self, rung: Rung, plane: TorchRoundsPlane, stage: Stage, outbound: Link | None,
-        done: Link | None, planner: WavePlanner, policy: Policy, *, min_capacity: int,
+        done: Link | None, planner: WavePlanner, mode: RoundMode, *, min_capacity: int,
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
         log: Callable[[str], None],
     ) -> None:  # fmt: skip
@@ -41,7 +41,7 @@ class Coordinator:
         self.log = log
         self.intake = Intake(stage.block_size, min_capacity, vocab_size, Signal(), log)
         self.planner = planner
-        self.admitter = Admitter(rung, plane, stage, self.intake, policy, max_batch,
+        self.admitter = Admitter(rung, plane, stage, self.intake, mode, max_batch,
                                  heartbeat_s, self._admitted)  # fmt: skip
         self.intake.on_end = self.admitter.ended
         self.loop = StageZero(stage, planner, self.admitter, self.intake, outbound, done, ring)

@@ -10,7 +10,7 @@ import msgspec
 from wavepp.exec.base import StageOutput
 from wavepp.exec.planes import Link, TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage, offer_from_entry
-from wavepp.rounds.admission import Policy, run_round
+from wavepp.rounds.admission import RoundMode, run_round
 from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
     AdmitRound,
@@ -25,7 +25,7 @@ from wavepp.rounds.messages import (
 from wavepp.state import RequestId
 
 
-async def follow_rounds(plane: TorchRoundsPlane, stage: Stage, policy: Policy) -> None:
+async def follow_rounds(plane: TorchRoundsPlane, stage: Stage, mode: RoundMode) -> None:
     """WAVE on ranks > 0: take part in every round rank 0 opens, until Stop."""
     while True:
         message = decode_untrusted(await plane.broadcast(None), RoundMessage)
@@ -33,7 +33,7 @@ async def follow_rounds(plane: TorchRoundsPlane, stage: Stage, policy: Policy) -
             return
         if isinstance(message, AdmitRound):
             offers = [offer_from_entry(e) for e in message.entries]
-            result = await run_round(plane, stage.book, offers, policy)
+            result = await run_round(plane, stage.book, offers, mode)
             for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
                 if ok:
                     stage.register(Admitted(offer, point))

@@ -1,25 +1,30 @@
 """Wave planning on rank 0: the admitted requests' unplanned tokens, and the planner.
 
-The planner is any function ``(queue, wave_id, ctx) -> Wave | None`` (DESIGN §5); the
-cost-aware one plans with a fit of stage times that :meth:`WavePlanner.observe` keeps
-up to date from measured waves. Every plan is checked before it leaves: a planner that
-breaks the budget or skips tokens is a bug, reported as a :class:`ProtocolError`.
+The planner is the policy's: any function ``(queue, wave_id, ctx) -> Wave | None``
+(DESIGN §5). Every planner sees the same online measurements in its context: the cost
+model fitted from measured waves (the slowest stage's whole time on each, kept up to
+date by :meth:`WavePlanner.observe`) and the latest wave times. Every plan is checked
+before it leaves: a planner that breaks the budget or skips tokens is a bug, reported
+as a :class:`ProtocolError`.
 """
 
 from __future__ import annotations
 
-from wavepp.plan import CostFit, Pending, PlanContext, Planner, Wave, cost_plan, observe
+from collections import deque
+
+import attrs
+
+from wavepp.plan import CostFit, Pending, PlanContext, Planner, Wave, observe
 from wavepp.runtime.records import ProtocolError
 from wavepp.state import RequestId
 
 
 class WavePlanner:
-    def __init__(self, planner: Planner | None, ctx: PlanContext, cost_fit: CostFit | None) -> None:
-        if (planner is None) == (cost_fit is None):
-            raise ValueError("give a planner, or a cost fit for the cost-aware planner")
+    def __init__(self, planner: Planner, ctx: PlanContext, cost_fit: CostFit) -> None:
         self.planner = planner
         self.ctx = ctx
-        self.cost_fit = cost_fit  # R5: the online fit of one stage's wave time
+        self.cost_fit = cost_fit  # the online fit of the pipeline's wave time
+        self.recent: deque[float] = deque(maxlen=16)  # latest measured wave times, s
         self.queue: list[Pending] = []  # admitted requests with unplanned tokens, FCFS
         self.next_wave_id = 0
 
@@ -34,10 +39,9 @@ class WavePlanner:
         return self.next_wave_id - 1
 
     def next(self) -> Wave | None:
-        if self.cost_fit is not None:
-            wave = cost_plan(self.queue, self.next_wave_id, self.ctx, self.cost_fit.model())
-        else:
-            wave = self.planner(self.queue, self.next_wave_id, self.ctx)
+        ctx = attrs.evolve(self.ctx, cost_model=self.cost_fit.model(),
+                           wave_seconds=tuple(self.recent))  # fmt: skip
+        wave = self.planner(self.queue, self.next_wave_id, ctx)
         if wave is None:
             return None
         if wave.num_tokens > wave.budget or wave.budget > self.ctx.budget:
@@ -54,7 +58,8 @@ class WavePlanner:
         return wave
 
     def observe(self, wave: Wave, seconds: float) -> None:
-        """A measured stage-0 time of ``wave`` (the cost fit learns from it)."""
-        if self.cost_fit is not None and seconds:
+        """A measured time of ``wave`` (the cost fit and the planner's window learn it)."""
+        if seconds:
+            self.recent.append(seconds)
             shape = [(c.end - c.start, c.start) for c in wave.chunks]
             self.cost_fit = observe(self.cost_fit, shape, seconds)

@@ -6,6 +6,7 @@ import anyio
 import attrs
 
 from wavepp.errors import RequestRejected as RequestRejected  # re-exported
+from wavepp.rounds.errors import ProtocolError as ProtocolError  # re-exported
 from wavepp.workload import RequestSpec
 
 
@@ -30,8 +31,6 @@ class Signal:
 
 
 
-class ProtocolError(RuntimeError):
-    """A rank broke the runtime's protocol (a planner, a peer, a stage): a bug, not input."""
 
 
 STATUSES = ("queued", "admitted", "running", "done", "cancelled", "rejected", "failed")
