@@ -23,6 +23,11 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.Co
     return proc
 
 
+def run_plain(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run a command from the repository root, whatever its exit status."""
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture
 def run_wavepp(tmp_path):
     def run(nproc: int, *options: str, timeout: float = 240) -> tuple[dict, str]:
