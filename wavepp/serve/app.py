@@ -99,11 +99,13 @@ async def _off_loop_if_big(raw: bytes, parse, *args):
 def _rejection(error: ValueError) -> ApiError:
     """The engine refused a submission: 503 while draining, 409 for a repeated id."""
     message = str(error)
-    if "draining" in message:
+    reason = getattr(error, "reason", None)  # wavepp.errors.RequestRejected's kind
+    if reason == "draining" or (reason is None and "draining" in message):
         return ApiError(
             503, f"the server is draining and takes no new requests ({message})", "unavailable"
         )
-    if "duplicate" in message or "already" in message:
+    if reason == "duplicate" or (reason is None and ("duplicate" in message
+                                                     or "already" in message)):
         return ApiError(409, message)
     return ApiError(400, message)
 
