@@ -99,3 +99,16 @@ def test_workloads_are_deterministic_and_shaped():
     m = mixed(8, 1000, 3000, seed=0)
     assert sum(1 for r in m if not r.warmup and r.num_tokens == 3000) == 2
     assert not np.array_equal(cold(2, 100, 0)[0].tokens, cold(2, 100, 1)[0].tokens)
+
+
+def test_stage_memory_figures_for_per_stage_pools():
+    from wavepp.exec.profiles import kv_block_bytes, stage_weight_bytes
+
+    glm = MODELS["glm5-class"]
+    stages = split_layers(glm.num_layers, 4)
+    weights = [stage_weight_bytes(glm, r, s == 0, s == 3) for s, r in enumerate(stages)]
+    assert 95e9 < min(weights) < max(weights) < 115e9  # 741B params x 0.5625 B over 4
+    assert weights[0] < weights[1]  # stage 0 holds the 3 dense layers (and the embeddings)
+    assert kv_block_bytes(glm, stages[0], 64) == 64 * 20 * (512 + 64) * 2  # 20 MLA layers
+    assert kv_block_bytes(MODELS["kimi-k3-class"], range(0, 3), 64) == 0  # KDA only
+    assert DEVICES["gb300"].memory_bytes == 288e9

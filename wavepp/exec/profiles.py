@@ -32,6 +32,7 @@ class DeviceProfile:
     fp4_flops: float = 0.0  # dense FP4 FLOP/s (0: no FP4 tensor cores)
     fp4_efficiency: float = 0.0  # share of the FP4 peak an NVFP4 GEMM reaches
     hbm_efficiency: float = 1.0  # share of the datasheet bandwidth a weight stream reaches
+    memory_bytes: float = 0.0  # HBM capacity (datasheet), bytes
 
     def matrix_flops(self, weight_format: str) -> float:
         """Dense peak of the GEMMs whose weights are in ``weight_format``."""
@@ -56,8 +57,12 @@ DEVICES: dict[str, DeviceProfile] = {
     # H100 SXM / H200: 989 TFLOP/s bf16, 1,979 fp8 (dense); 3.35 / 4.8 TB/s. GEMMs at 80%
     # (≈ 790 TFLOP/s measured bf16), attention at 55%; these three keep the datasheet
     # bandwidth (hbm_efficiency 1.0), as in the tables measured before the paper profiles.
-    "h100": DeviceProfile("h100", 989e12, 3.35e12, 0.80, 0.55, 0.0005, fp8_flops=1979e12),
-    "h200": DeviceProfile("h200", 989e12, 4.8e12, 0.80, 0.55, 0.0005, fp8_flops=1979e12),
+    "h100": DeviceProfile(
+        "h100", 989e12, 3.35e12, 0.80, 0.55, 0.0005, fp8_flops=1979e12, memory_bytes=80e9
+    ),
+    "h200": DeviceProfile(
+        "h200", 989e12, 4.8e12, 0.80, 0.55, 0.0005, fp8_flops=1979e12, memory_bytes=141e9
+    ),
     # B200: 2.25 PFLOP/s bf16, 4.5 fp8, 9 fp4 (dense); 8 TB/s.
     "b200": DeviceProfile(
         "b200",
@@ -69,6 +74,7 @@ DEVICES: dict[str, DeviceProfile] = {
         fp8_flops=4.5e15,
         fp4_flops=9e15,
         fp4_efficiency=0.70,
+        memory_bytes=192e9,
     ),
     # B300 (Blackwell Ultra, HGX B300 datasheet, per GPU = system / 8): FP4 108 PFLOP/s
     # dense -> 13.5; FP8 72 sparse -> 4.5 dense; BF16 36 sparse -> 2.25 dense; HBM3e 8 TB/s.
@@ -86,6 +92,7 @@ DEVICES: dict[str, DeviceProfile] = {
         fp4_flops=13.5e15,
         fp4_efficiency=0.70,
         hbm_efficiency=0.85,
+        memory_bytes=288e9,
     ),
     # GB300 (GB300 NVL72 datasheet, per GPU = rack / 72): FP4 1,080 PFLOP/s dense -> 15;
     # FP8 720 sparse -> 5 dense; BF16 360 sparse -> 2.5 dense; HBM3e 576 TB/s -> 8 TB/s.
@@ -101,6 +108,7 @@ DEVICES: dict[str, DeviceProfile] = {
         fp4_flops=15e15,
         fp4_efficiency=0.70,
         hbm_efficiency=0.85,
+        memory_bytes=288e9,
     ),
 }
 
@@ -312,6 +320,23 @@ MODELS: dict[str, ModelProfile] = {
         _minimax_m2_class(),
     )
 }
+
+
+def stage_weight_bytes(
+    model: ModelProfile, layers: range, first: bool, last: bool, weight_format: str | None = None
+) -> float:
+    """Bytes of one stage's weights: its layers in the weight format, plus the embedding
+    table on the first stage and the LM head on the last (both bf16)."""
+    fmt = weight_format or model.weight_format
+    params = sum(model.mixer_params(i) + model.mlp_params(i)[1] for i in layers)
+    table = model.vocab * model.d_model * KV_BYTES
+    return params * WEIGHT_FORMATS[fmt] + table * (int(first) + int(last))
+
+
+def kv_block_bytes(model: ModelProfile, layers: range, block_size: int) -> int:
+    """Bytes one cached block of ``block_size`` tokens takes on a stage holding ``layers``
+    (A and M layers; L layers keep per-request states, not per-token caches)."""
+    return block_size * sum(model.kv_bytes_per_token(i) for i in layers)
 
 
 def split_layers(num_layers: int, num_stages: int, counts: list[int] | None = None) -> list[range]:
