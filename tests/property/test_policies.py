@@ -9,7 +9,7 @@ import pytest
 from wavepp.policy import load_policy
 from wavepp.spec import INVARIANTS, check_policy
 
-WORKING = ["lfu", "recompute_cost", "smallest_fit", "fair_share", "junction", "counting"]
+WORKING = ["lfu", "recompute_cost", "smallest_fit", "fair_share", "interval_only", "counting"]
 BROKEN = {
     "broken_evicts_leased": "leased_block_never_evicted",
     "broken_escrow_double_count": "escrow_backed",

@@ -27,6 +27,7 @@ from wavepp.policy.record import (
     Policy,
     always,
     arrival_order,
+    at_junctions,
     every_interval_and_end,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "PolicyError",
     "always",
     "arrival_order",
+    "at_junctions",
     "every_interval_and_end",
     "for_rung",
     "load_policy",

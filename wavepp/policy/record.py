@@ -100,6 +100,21 @@ def every_interval_and_end(cache: StageCache, span: ChunkSpan) -> tuple[int, ...
     return tuple(points)
 
 
+def at_junctions(cache: StageCache, span: ChunkSpan) -> tuple[int, ...]:
+    """The default placement: every ``interval``-th block, the request's end, and the
+    **junction** — where the request leaves the path this stage already caches (its
+    attention hit beyond the blocks it holds). A hybrid stage resumes only at a
+    snapshot, so the next request branching at the same point (a shared system prompt,
+    a document followed by other questions) reuses the prefix from here instead of
+    from the last interval point below it, or from nothing."""
+    points = set(every_interval_and_end(cache, span))
+    if cache.has_recurrent:
+        hit = state.attention_hit(cache, span.hashes, span.end_blocks)
+        if span.held < hit <= span.end_blocks:
+            points.add(hit)
+    return tuple(sorted(points))
+
+
 @attrs.frozen
 class EscrowCandidate:
     """One offer of a round as the escrow order sees it (identical on every rank)."""
@@ -150,7 +165,7 @@ class Policy:
     escrow_order: EscrowOrder = FCFS  # the order escrows are tried in, and the cut
     materialize: MaterializeFn = state.materialize
     eviction: Eviction = LRU  # materialize's victim order (carried by the cache)
-    snapshot_placement: Placement = every_interval_and_end
+    snapshot_placement: Placement = at_junctions
     reserve_snapshots: ReserveFn = state.reserve_snapshots
     publish: PublishFn = state.publish
     release: ReleaseFn = state.release
