@@ -55,6 +55,7 @@ def summarize(
         # what a perfect cache of unbounded size would reuse of the same requests
         "ideal_reused_share": sum(r.spec.expected_reuse for r in ok) / tokens if tokens else 0.0,
         "stage_utilization": utilization,
+        "stage_waves": [rep.num_waves for rep in reports],  # measured waves each stage ran
         "bubble_share": [1.0 - u for u in utilization],
         "probe_p50_us": _p(probes, 50),
         "probe_p99_us": _p(probes, 99),
