@@ -112,3 +112,18 @@ def test_stage_memory_figures_for_per_stage_pools():
     assert kv_block_bytes(glm, stages[0], 64) == 64 * 20 * (512 + 64) * 2  # 20 MLA layers
     assert kv_block_bytes(MODELS["kimi-k3-class"], range(0, 3), 64) == 0  # KDA only
     assert DEVICES["gb300"].memory_bytes == 288e9
+
+
+def test_seeded_pools_hold_their_prefixes():
+    from wavepp.config import load
+    from wavepp.main import auto_capacity, seeded_need
+
+    # The old paper seeded-131k cell: 32 prefixes of 117,952 tokens (1,843 blocks each)
+    # needed 58,976 blocks; 1.5 x 16 prompts gave 49,152.
+    c = load(["--executor", "sim", "--workload", "seeded", "--prompt-tokens", "131072",
+              "--requests", "128", "--concurrency", "16"])  # fmt: skip
+    specs = seeded(128, 131072, seed=0, block_size=64)
+    assert seeded_need(c, specs) == 32 * 1843 + 16 * (2048 - 1843)
+    assert auto_capacity(c, specs) == seeded_need(c, specs) > 49_152
+    cold_c = load(["--executor", "sim", "--workload", "short-suffix"])
+    assert seeded_need(cold_c, short_suffix(4, 1000, seed=0)) == 0  # meant to evict
