@@ -2,10 +2,15 @@
 ``transformers``' own PyTorch fallback of the same layer, same weights, same input.
 
 For each kind a one-layer model is made by ``transformers`` with unit-scale random
-weights, saved with ``save_pretrained`` and loaded by WavePP; both then run the layer
-on the same hidden states (one prompt, no cache). Printed per row: best-of-N seconds of
-each (interleaved runs), the ratio transformers / WavePP (> 1: WavePP faster) and the
-max abs difference of the outputs. ``python -m wavepp.bench.kernels [--tokens 2048] [--repeats 7]``.
+weights, saved with ``save_pretrained`` and loaded by WavePP; both then run on the same
+hidden states (one prompt, no cache). Rows ``kda-kernel`` / ``gdn-kernel`` time the
+chunked delta rule alone (WavePP's ``chunk_delta`` against transformers'
+``chunk_kimi_delta_attention`` / ``torch_chunk_gated_delta_rule``, both from the
+layer's own q, k, v, gate and beta, both normalizing q and k); the other rows time
+whole layers, whose projections and convolutions are the same matrix products on both
+sides. Printed per row: best-of-N CPU seconds of each (one thread, interleaved runs),
+the ratio transformers / WavePP (> 1: WavePP faster) and the max abs difference of the
+outputs. ``python -m wavepp.bench.kernels [--tokens 2048] [--repeats 7]``.
 
 Needs ``transformers`` (the ``dev`` extra).
 """
@@ -60,15 +65,16 @@ def _configs(width: int):
 
 
 def _time_pair(ours, theirs, repeats: int) -> tuple[float, float]:
-    """Best-of-``repeats`` seconds of each, runs interleaved so that load from other
-    processes hits both alike (the minimum is the run least disturbed)."""
+    """Best-of-``repeats`` CPU seconds of each (one intra-op thread, so CPU time is the
+    work done; other processes on a shared machine do not inflate it), runs
+    interleaved."""
     ours(), theirs()  # warm-up
     ours_s, theirs_s = [], []
     for _ in range(repeats):
         for fn, times in ((ours, ours_s), (theirs, theirs_s)):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append(time.process_time() - t0)
     return min(ours_s), min(theirs_s)
 
 
@@ -96,6 +102,46 @@ def _callables(hf, cfg, attr: str, ours_layer, h: torch.Tensor):
     return ours_fn, hf_fn
 
 
+def _kernel_callables(kind: str, mixer, h: torch.Tensor):
+    """(WavePP's chunk_delta, transformers' chunked torch fallback) of the delta rule alone,
+    on the layer's own q, k, v, gate and beta for h: [1, tokens, width]; both include the
+    q/k L2 normalization."""
+    from wavepp.exec.families.common import l2norm, short_conv
+    from wavepp.exec.families.delta import chunk_delta
+
+    with torch.inference_mode():
+        x, extras = mixer._inputs(h[0])
+        y, _ = short_conv(x, mixer.zero_state()["conv"], mixer.conv_weight())
+        _, _, v, g, beta = mixer._mix(y, extras)
+    n, state = h.shape[1], mixer.zero_state()["delta"]
+    if kind == "kda":
+        from transformers.models.kimi_linear.modeling_kimi_linear import (
+            chunk_kimi_delta_attention as theirs,
+        )
+
+        q, k, _ = y.float().view(n, 3, mixer.num_heads, mixer.dk).unbind(1)
+        q_ours, k_ours = q, k
+    else:
+        from transformers.models.qwen3_next.modeling_qwen3_next import (
+            torch_chunk_gated_delta_rule as theirs,
+        )
+
+        q = y[:, : mixer.key_dim].reshape(n, mixer.num_k_heads, mixer.dk).float()
+        k = y[:, mixer.key_dim : 2 * mixer.key_dim].reshape(n, mixer.num_k_heads, mixer.dk).float()
+        r = mixer.num_heads // mixer.num_k_heads
+        q_ours, k_ours = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+
+    def ours():
+        q1 = l2norm(q_ours) * mixer.dk**-0.5
+        return chunk_delta(q1, l2norm(k_ours), v, g, beta, state)[0]
+
+    def hf():
+        return theirs(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                      output_final_state=True, use_qk_l2norm_in_kernel=True)[0][0]  # fmt: skip
+
+    return ours, hf
+
+
 def run(kinds: list[str], tokens: int, repeats: int, width: int, seed: int) -> list[dict]:
     import transformers  # noqa: F401
 
@@ -103,7 +149,7 @@ def run(kinds: list[str], tokens: int, repeats: int, width: int, seed: int) -> l
     configs = _configs(width)
     rows = []
     for kind in kinds:
-        config_cls, model_cls, args, attr = configs[kind]
+        config_cls, model_cls, args, attr = configs[kind.removesuffix("-kernel")]
         torch.manual_seed(seed)
         hf = model_cls(config_cls(**args)).eval()
         _redraw(hf, seed)
@@ -112,7 +158,10 @@ def run(kinds: list[str], tokens: int, repeats: int, width: int, seed: int) -> l
             cfg, weights = load_checkpoint(tmp)
         ours_layer = build_family_stage(cfg, range(1), True, True, weights).layer(0)
         h = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(seed))
-        ours_fn, hf_fn = _callables(hf, cfg, attr, ours_layer, h)
+        if kind.endswith("-kernel"):
+            ours_fn, hf_fn = _kernel_callables(kind.removesuffix("-kernel"), ours_layer.mixer, h)
+        else:
+            ours_fn, hf_fn = _callables(hf, cfg, attr, ours_layer, h)
         with torch.inference_mode():
             diff = (ours_fn() - hf_fn()).abs().max().item()
             ours_s, hf_s = _time_pair(ours_fn, hf_fn, repeats)
@@ -142,8 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--kinds",
-        default="kda,gdn,mla,gated-attn,kimi-moe,qwen-moe",
-        help="rows: kda, gdn (delta rules), mla, gated-attn, kimi-moe, qwen-moe",
+        default="kda-kernel,gdn-kernel,kda,gdn,mla,gated-attn,kimi-moe,qwen-moe",
+        help="rows: kda-kernel, gdn-kernel (the chunked delta rules alone), and whole "
+        "layers: kda, gdn, mla, gated-attn, kimi-moe, qwen-moe",
     )
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
