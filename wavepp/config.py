@@ -72,7 +72,7 @@ class RunConfig:
 
 HELP: dict[str, str] = {
     "executor": "what runs a wave: 'sim' (cost model, labelled simulated) or 'torch' (real model)",
-    "workload": "request mix: " + ", ".join(WORKLOADS) + " (DESIGN §7)",
+    "workload": "request mix: " + ", ".join(WORKLOADS) + " (docs/design.md §7)",
     "trace": "Mooncake-format JSONL for --workload trace (timestamp, input_length, hash_ids)",
     "requests_file": 'JSONL of {"id": ..., "tokens": [...]} to run instead of a workload',
     "requests": "measured requests (for trace: how many lines of the trace to replay)",
@@ -81,8 +81,9 @@ HELP: dict[str, str] = {
     "suffix_tokens": "short-suffix workload: tokens each request adds to a cached prompt",
     "concurrency": "closed loop: requests outstanding at once (c)",
     "open_loop": "trace workload: release requests at their timestamps instead of closed loop",
-    "rung": "runtime configuration of the ablation ladder: " + ", ".join(RUNGS) + " (DESIGN §8)",
-    "planner": "override the rung's planner: 'static', 'mpu', 'cost', or 'pkg.mod:fn'",
+    "rung": "runtime configuration of the ablation ladder: " + ", ".join(RUNGS)
+    + " (docs/design.md §8)",
+    "planner": "override the policy's planner: 'static', 'mpu', 'cost', or 'pkg.mod:fn'",
     "probe": "override the policy's hint probe: 'gallop', 'linear' or pkg.mod:fn (the "
     "signature of wavepp.state.probe)",
     "policy": "a wavepp Policy (every admission, caching and planning decision) as "

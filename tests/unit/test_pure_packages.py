@@ -1,4 +1,4 @@
-"""STYLE §1: the bookkeeping packages never import torch (checked in a fresh interpreter).
+"""The bookkeeping packages never import torch (checked in a fresh interpreter).
 
 Every module of each package is imported, so the check cannot pass by importing an
 empty namespace package.

@@ -67,7 +67,7 @@ class CostModel:
 
 @attrs.frozen
 class CostFit:
-    """Online least squares for (a, c, d), regularized toward a prior (a value, STYLE §2)."""
+    """Online least squares for (a, c, d), regularized toward a prior (a value)."""
 
     prior: CostModel
     weight: float  # strength of the prior, in observations

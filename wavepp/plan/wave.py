@@ -1,4 +1,4 @@
-"""Plans are data (STYLE §6): chunks and waves, with a short text form that parses back."""
+"""Plans are data: chunks and waves, with a short text form that parses back."""
 
 from __future__ import annotations
 

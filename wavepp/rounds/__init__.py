@@ -1,6 +1,6 @@
 """The rounds plane: typed round messages with their codec, and the admission round.
 
-No torch here (STYLE §1); the Gloo implementation of the plane is in ``wavepp.exec``.
+No torch here; the Gloo implementation of the plane is in ``wavepp.exec``.
 """
 
 from wavepp.rounds.admission import (

@@ -1,4 +1,4 @@
-"""Errors of the rounds plane's protocol (STYLE §12: what and why, with the numbers)."""
+"""Errors of the rounds plane's protocol (what and why, with the numbers)."""
 
 
 class ProtocolError(RuntimeError):

@@ -1,4 +1,4 @@
-"""Typed messages between ranks and their codec (STYLE §4): no Python objects cross ranks.
+"""Typed messages between ranks and their codec: no Python objects cross ranks.
 
 Every message is a frozen ``msgspec.Struct`` encoded as msgpack. Bytes from a peer
 are input, not objects: :func:`decode_untrusted` checks the size first, decodes into

@@ -1,6 +1,6 @@
 """The state core: immutable cache tables and the pure reducers of admission.
 
-No torch and no I/O here (STYLE §1). Every reducer returns a new value and leaves its
+No torch and no I/O here. Every reducer returns a new value and leaves its
 input untouched; see DESIGN §2–§4 for the protocol these functions implement.
 """
 

@@ -1,4 +1,4 @@
-"""Errors of the state core. Each message gives the numbers (STYLE §12)."""
+"""Errors of the state core. Each message gives the numbers."""
 
 
 class StateError(ValueError):

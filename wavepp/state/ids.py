@@ -1,4 +1,4 @@
-"""Distinct names for distinct ids (STYLE §7)."""
+"""Distinct names for distinct ids."""
 
 from typing import NewType
 
