@@ -362,8 +362,13 @@ def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePla
     return WavePlanner(policy.planner, ctx, fit)
 
 
+_failing = False  # a failure is being reported: signals no longer interrupt it
+
+
 def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
     """Log why this rank fails (and which peer looks gone), tell the peers, exit 1."""
+    global _failing
+    _failing = True
     leaves = [error]
     while leaves and isinstance(leaves[0], BaseExceptionGroup):
         leaves = list(leaves[0].exceptions)
@@ -404,6 +409,18 @@ def run_ranks(
     watchdog = None
     if world > 1:
         watchdog = Watchdog(rank, world, log, dead_after_s=config.dead_after_s).start()
+
+    def outside_the_run(signum, frame) -> None:
+        # While the run goes, rank_main watches the signals itself. Before it, or while a
+        # failure is being reported (torchrun stops every rank when one fails), a signal
+        # must not kill this rank before it has said why it fails.
+        if not _failing:
+            status = watchdog.status if watchdog is not None else "starting"
+            fail_fast(RuntimeError(f"stopped by {signal.Signals(signum).name} while {status}"),
+                      watchdog)  # fmt: skip
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, outside_the_run)
     try:
         record, status = anyio.run(rank_main, config, rank, world, watchdog, client,
                                    sigterm_drains)  # fmt: skip
