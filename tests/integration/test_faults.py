@@ -59,9 +59,9 @@ def run_and_break(tmp_path, sig: int, victim: int = 2):
             time.sleep(0.5)
             pids = rank_pids(tag)
         assert len(pids) == 4, log.read_text()[-3000:]
-        while "measuring" not in log.read_text() and time.monotonic() < deadline + 120:
+        while "warm-up:" not in log.read_text() and time.monotonic() < deadline + 120:
             time.sleep(0.5)  # a loaded machine may still be importing torch: wait for the run
-        assert "measuring" in log.read_text(), log.read_text()[-3000:]
+        assert "warm-up:" in log.read_text(), log.read_text()[-3000:]
         time.sleep(2)  # well into the run
         assert proc.poll() is None, log.read_text()[-3000:]
         t0 = time.monotonic()

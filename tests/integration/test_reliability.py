@@ -24,7 +24,8 @@ def test_cancel_queued_and_running_requests_release_everything(run_wavepp, tmp_p
     path = tmp_path / "requests.jsonl"
     write_rows(path, rows)
     # Concurrency 2: "long" runs in 125 waves of 32 tokens; "queued" waits behind it.
-    record, _ = run_wavepp(2, "--requests-file", str(path), "--concurrency", "2",
+    record, _ = run_wavepp(2, "--model", "tiny-hybrid", "--requests-file", str(path),
+                           "--concurrency", "2",
                            "--budget", "32", "--min-budget", "16", "--block-size", "16",
                            "--seed", "1")  # fmt: skip
     results = {r["id"]: r for r in record["requests"]}

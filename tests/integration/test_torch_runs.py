@@ -36,7 +36,8 @@ def test_requests_file_first_tokens_match_reference(run_wavepp, tmp_path, stages
     path = tmp_path / "requests.jsonl"
     write_requests(path, rows)
     # Concurrency 1: "turn" runs after "doc" finished and reuses its cached prefix.
-    record, stdout = run_wavepp(stages, "--requests-file", str(path), "--concurrency", "1",
+    record, stdout = run_wavepp(stages, "--model", "tiny-hybrid", "--requests-file", str(path),
+                                "--concurrency", "1",
                                 "--block-size", "16", "--budget", "64", "--snapshot-interval",
                                 "4", "--seed", "3")  # fmt: skip
     assert "real model" in stdout and record["simulated"] is False

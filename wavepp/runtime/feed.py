@@ -71,6 +71,7 @@ class Feed:
         warmups = [s for s in self.specs if s.warmup]
         measured = [s for s in self.specs if not s.warmup]
         if warmups:
+            self.log(f"warm-up: {len(warmups)} requests (not measured)")
             handles = await self._closed(warmups, "warm-up")
             if not handles:
                 self.log(f"every one of the {len(warmups)} warm-up requests was rejected; "
