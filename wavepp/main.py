@@ -29,7 +29,7 @@ from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
 from wavepp.exec.planes import DataLimits, PlaneError, build_planes, set_limits
-from wavepp.exec.profiles import DEVICES, MODELS, split_layers
+from wavepp.exec.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
 from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
@@ -161,6 +161,25 @@ def auto_capacity(c: RunConfig, specs) -> int:
                seeded_need(c, specs))  # fmt: skip
 
 
+def device_pools(c: RunConfig, world: int) -> list[StagePool] | None:
+    """The sim's default pools: each stage's KV pool from its device memory minus its own
+    weights (``wavepp.exec.profiles.stage_pool``), or None where the executor is not the
+    sim or the weights leave no room (then the pools follow the workload). Every rank
+    computes the same list."""
+    if c.executor != "sim" or c.model not in MODELS:
+        return None
+    model, device = MODELS[c.model], DEVICES[c.sim_device]
+    counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
+    stages = split_layers(model.num_layers, world, counts)
+    try:
+        return [stage_pool(model, device, layers, s == 0, s == world - 1, c.block_size,
+                           c.snapshot_interval, c.weight_format)
+                for s, layers in enumerate(stages)]  # fmt: skip
+    except ValueError as error:
+        log(f"{error}; the pools follow the workload instead (as if memory were unbounded)")
+        return None
+
+
 def seeded_need(c: RunConfig, specs) -> int:
     """Blocks a seeded or mixed workload needs so its seeded prefixes stay cached: the
     prefixes, plus ``concurrency`` times the most new blocks of one measured request (0
@@ -186,11 +205,9 @@ async def _watch_signals(watchdog: Watchdog | None, on_signal, scope: anyio.Canc
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             if watchdog is not None:  # torchrun stops everyone when one rank dies
-                for _ in range(6):
-                    peers = watchdog.peer_report()
-                    if peers:
-                        raise PlaneError(f"stopped by the launcher; {peers}")
-                    await anyio.sleep(0.5)
+                peers = await anyio.to_thread.run_sync(watchdog.suspects)
+                if peers:
+                    raise PlaneError(f"stopped by the launcher; {peers}")
             if on_signal(signum):
                 scope.cancel()
                 return
@@ -215,6 +232,12 @@ async def rank_main(
     # file with no runnable line ends the run on every rank (runnable = 0).
     runnable = 0 if rank == 0 and client is None and not specs else 1
     given = stage_capacities(c, world)
+    pools = None if given else device_pools(c, world)
+    if pools:
+        given = [pool.blocks for pool in pools]
+        if rank == 0:
+            log(f"KV pools from device memory (SIMULATED {c.sim_device}): "
+                + "; ".join(f"stage {s} {pool.describe()}" for s, pool in enumerate(pools)))  # fmt: skip
     proposed = given[rank] if given else (auto_capacity(c, specs) if rank == 0 else 0)
     widest, runnable = await plane.all_min([-proposed, runnable])
     if not runnable:
@@ -226,12 +249,21 @@ async def rank_main(
                 f"{': ' + lines + more if rejected else ', the file is empty'})")  # fmt: skip
         return None, 2
     capacity = given[rank] if given else -widest
+    min_capacity = min(given) if given else capacity
     need = seeded_need(c, specs) if rank == 0 else 0
-    if need > capacity:  # the seeded prefixes cannot all stay cached: say so in the output
+    if need > min_capacity:  # the seeded prefixes cannot all stay cached: say so
         log(f"this cell thrashes: its seeded prefixes and requests in flight need {need:,} "
-            f"blocks, the pool holds {capacity:,} (short by {need - capacity:,}, "
-            f"{(need - capacity) / need:.0%})")  # fmt: skip
-    min_capacity = (await plane.all_min([capacity]))[0]
+            f"blocks, the smallest stage pool holds {min_capacity:,} (short by "
+            f"{need - min_capacity:,}, {(need - min_capacity) / need:.0%})")  # fmt: skip
+    if rung.admission is Admission.FREE and capacity != min_capacity:
+        # The oracle's rank 0 decides for every stage on its own cache, so every stage
+        # gets the smallest pool. It stays an upper bound: in a round the agreed point
+        # is at most the smallest pool's hit and an escrow must fit the smallest pool,
+        # and a simulated wave's time does not depend on the pool.
+        if rank == 0:
+            log(f"oracle: every stage's pool is the smallest, {min_capacity:,} blocks "
+                "(rank 0 decides for all stages)")  # fmt: skip
+        capacity = min_capacity
     policy = pick_policy(c, rung)
     mode = RoundMode(block_size=c.block_size, eager=rung.eager, policy=policy)
     snapshot_capacity = c.snapshot_capacity or capacity
@@ -243,9 +275,6 @@ async def rank_main(
                   policy=policy)  # fmt: skip
     if c.trace_out:
         stage.spans = []
-    if rung.admission is Admission.FREE and min_capacity != capacity:
-        raise SystemExit("wavepp: the oracle rung decides on rank 0's cache alone and needs "
-                         "equal --capacity-blocks on every stage")  # fmt: skip
 
     if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
         watchdog.stats_fn = lambda: _stage_figures(stage)
@@ -338,6 +367,11 @@ async def rank_main(
     )  # fmt: skip
     record["rejected"] = rejected
     record["policy"] = policy.describe()
+    record["pools_from"] = ("--capacity-blocks" if c.capacity_blocks.strip() not in ("", "0")
+                            else "device memory" if pools else "workload")  # fmt: skip
+    # Of admitted requests, summed over rounds: agreed point below some stage's hit,
+    # lowest lease below the MIN of the probes, no common point in the first mask window.
+    record["admission_counters"] = coordinator.admitter.counters.to_json()
     if interrupted:
         ended = sum(1 for r in records if r.done_at is not None and not r.spec.warmup)
         total = len(feed.specs) - sum(1 for s in feed.specs if s.warmup) if feed else len(records)
@@ -377,11 +411,9 @@ def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
         reason = error.code
     peers = ""
     if watchdog is not None:
-        deadline = time.monotonic() + 3.0  # let a dead peer's heartbeat go stale
-        while not peers and time.monotonic() < deadline:
-            peers = watchdog.peer_report()
-            time.sleep(0.5)
-        watchdog.finish(failure=reason[:2000])
+        peers = watchdog.suspects()  # let a dead peer's heartbeat go stale
+        # the peers learn why, and whom this rank suspects, so they can name the cause too
+        watchdog.finish(failure=(reason + (f" — {peers}" if peers else ""))[:2000])
     log(f"failed: {reason}" + (f" — {peers}" if peers else ""))
     if not any(isinstance(e, SystemExit | PlaneError | KeyboardInterrupt) for e in leaves):
         traceback.print_exception(error)

@@ -126,8 +126,13 @@ class Watchdog:
         return out
 
     def peer_report(self) -> str:
-        """Which peers failed or look gone, for an error message; empty if none."""
-        notes = []
+        """Which peers failed or look gone, for an error message; empty if none.
+
+        Silent peers come first, the longest silent first: when one rank dies, the launcher
+        stops the others a moment later, so the rank silent longest is the likely cause.
+        """
+        failed, silent = [], []
+        now = time.monotonic()
         for rank in range(self.world):
             if rank == self.rank:
                 continue
@@ -137,12 +142,27 @@ class Watchdog:
                 return ""
             counter, _, status = value.partition("|")
             if counter == "failed":
-                notes.append(f"rank {rank} failed: {status}")
-            elif (
-                rank in self._seen and time.monotonic() - self._seen[rank][1] > 2 * self.interval_s
-            ):
-                notes.append(f"rank {rank} stopped beating (it was {status})")
-        return "; ".join(notes)
+                failed.append(f"rank {rank} failed: {status}")
+            elif rank in self._seen and now - self._seen[rank][1] > 2 * self.interval_s:
+                quiet = now - self._seen[rank][1]
+                silent.append((quiet, f"rank {rank} stopped beating {quiet:.1f} s ago "
+                                      f"(it was {status})"))  # fmt: skip
+        silent.sort(key=lambda item: -item[0])
+        return "; ".join([note for _, note in silent] + failed)
+
+    def suspects(self, window_s: float = 4.0) -> str:
+        """``peer_report`` after a window long enough for a just-killed peer to go quiet.
+
+        A rank that fails because a peer died often learns it within a second, before the
+        dead peer's heartbeat is stale, while a rank the launcher is already stopping may
+        look quiet first; reporting at the first non-empty answer would name the wrong one.
+        """
+        deadline = time.monotonic() + window_s
+        report = self.peer_report()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            report = self.peer_report() or report
+        return report
 
     def finish(self, failure: str | None = None) -> None:
         """Stop beating; peers then ignore this rank (or learn why it failed)."""
