@@ -94,7 +94,9 @@ HELP: dict[str, str] = {
     "blocks)",
     "block_size": "tokens per cached block",
     "capacity_blocks": "KV pool per stage in blocks: one value for every stage, or one per "
-    "stage ('4096,6144,6144,3072'); 0: enough for 1.5 x concurrency prompts",
+    "stage ('4096,6144,6144,3072'); 0: sim, each stage's device memory x 0.9 minus its "
+    "weights, over its bytes per block (workload-sized where the weights do not fit); "
+    "torch, enough for 1.5 x concurrency prompts",
     "snapshot_interval": "blocks between recurrent-state snapshots on stages with L layers",
     "budget": "M: most tokens in one wave",
     "min_budget": "smallest wave budget MPU may halve to",

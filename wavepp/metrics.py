@@ -146,6 +146,11 @@ def table(record: dict) -> str:
             f"{leak['referenced']:>10}  {leak['cached']:>7}/{leak['capacity']:<7}  "
             f"{'yes' if leak['balanced'] else 'NO'}"
         )
+    counters = record.get("admission_counters")
+    if counters is not None:
+        lines.append(f"  agreement           {counters['disagreements']} disagreements, "
+                     f"{counters['rollbacks']} roll-backs, {counters['fallbacks']} mask "
+                     "fallbacks (admitted requests)")  # fmt: skip
     if record.get("miss_reasons"):
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(record["miss_reasons"].items()))
         lines.append(f"  missed reuse        {why}")

@@ -47,6 +47,15 @@ def test_p4_rungs_finish_clean(run_wavepp):
         assert record["rung"] == rung
         assert record["good_hit_rate"] == 1.0
         results[rung] = record
+    # Pools from device memory (Qwen3-Next-80B on H200): the end stages hold the
+    # embeddings and the LM head, so their pools are smaller; the oracle, whose rank 0
+    # decides for every stage, gives every stage the smallest.
+    pools = results["R3"]["config"]["capacity_blocks"]
+    assert results["R3"]["pools_from"] == "device memory"
+    assert pools[0] == pools[3] < pools[1] == pools[2]
+    assert results["oracle"]["config"]["capacity_blocks"] == [pools[0]] * 4
+    for record in results.values():
+        assert set(record["admission_counters"]) == {"disagreements", "rollbacks", "fallbacks"}
     # R1 admits on the execution path, one request per round (4 seeds + 16 requests).
     assert results["R1"]["admission_rounds"] >= 16 + 4
     # The others batch: fewer rounds than requests.

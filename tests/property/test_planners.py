@@ -121,6 +121,33 @@ def test_a_large_per_wave_cost_keeps_waves_large():
     assert cost_plan(queue, 0, ctx, CostModel(a=2.5e-7, c=0.0, d=8e-3)).budget == 4096
 
 
+@settings(max_examples=200, deadline=None)
+@given(sizes=queues, data=st.data(), ctx=contexts, model=models,
+       floor=st.floats(0, 1e-2))  # fmt: skip
+def test_with_the_ring_fed_a_per_wave_cost_keeps_full_waves(sizes, data, ctx, model, floor):
+    """Where the full budget already feeds every stage (n(M) ≥ P), smaller waves only add
+    per-wave cost (d > 0): the cost planner plans budget M, as static does — whatever
+    the chunks' prefixes (attention work does not depend on how a request is chunked)."""
+    from wavepp.plan.cost import choose_budget
+
+    starts = [data.draw(st.integers(0, n - 1)) for n in sizes]
+    queue = [Pending(f"r{i}", s, n) for i, (n, s) in enumerate(zip(sizes, starts, strict=True))]
+    model = CostModel(model.a, model.c, model.d, floor)
+    if estimated_waves(queue, ctx.budget) >= max(ctx.ring / 2, 1.0) and model.d >= 1e-5:
+        assert choose_budget(queue, ctx, model) == ctx.budget
+
+
+def test_waves_at_the_floor_measure_the_per_wave_cost():
+    # The prior puts 256-token waves at the 8 ms floor; measured at 20 ms, they say the
+    # runtime costs 12 ms a wave, and the fit learns d from them.
+    prior = CostModel(a=1e-6, c=0.0, d=5e-4, floor=8e-3)
+    fit = CostFit(prior=prior, weight=1.0)
+    for _ in range(50):
+        fit = observe(fit, [(256, 0)], 20e-3)
+    assert fit.model().d == pytest.approx(12e-3, rel=0.1)
+    assert fit.model().a == prior.a  # nothing learned about tokens
+
+
 def test_fit_recovers_coefficients_from_measured_waves():
     truth = CostModel(a=2e-6, c=3e-11, d=1e-3)
     fit = CostFit(prior=CostModel(a=1e-6, c=1e-11, d=5e-4), weight=1.0)

@@ -114,6 +114,28 @@ def test_stage_memory_figures_for_per_stage_pools():
     assert DEVICES["gb300"].memory_bytes == 288e9
 
 
+def test_default_sim_pools_follow_each_stages_memory_and_weights():
+    from wavepp.config import load
+    from wavepp.exec.profiles import POOL_HEADROOM, stage_pool, stage_weight_bytes
+    from wavepp.main import device_pools
+
+    qwen, h200 = MODELS["qwen3-next-80b"], DEVICES["h200"]
+    stages = split_layers(qwen.num_layers, 4)
+    pools = [stage_pool(qwen, h200, r, s == 0, s == 3, 64, 16) for s, r in enumerate(stages)]
+    # 12 layers a stage: 3 gated GQA (2 KV heads x 256, K and V, bf16, 64 tokens) and 9
+    # Gated DeltaNet layers whose fp32 32 x 128 x 128 state is snapshotted every 16 blocks.
+    per_block = 64 * 3 * 2 * 2 * 256 * 2 + 9 * 32 * 128 * 128 * 4 / 16
+    for s, pool in enumerate(pools):
+        weights = stage_weight_bytes(qwen, stages[s], s == 0, s == 3)
+        assert pool.blocks == int((141e9 * POOL_HEADROOM - weights) // per_block)
+    # the embeddings (stage 0) and the LM head (stage 3) leave the end stages less room
+    assert pools[0].blocks == pools[3].blocks < pools[1].blocks == pools[2].blocks
+    c = load(["--executor", "sim", "--workload", "cold"])
+    assert [p.blocks for p in device_pools(c, 4)] == [p.blocks for p in pools]
+    assert device_pools(c, 1) is None  # 80 B bf16 weights do not fit one H200
+    assert device_pools(load(["--executor", "torch"]), 4) is None  # the workload sizes them
+
+
 def test_seeded_pools_hold_their_prefixes():
     from wavepp.config import load
     from wavepp.main import auto_capacity, seeded_need

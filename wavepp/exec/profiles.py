@@ -339,6 +339,54 @@ def kv_block_bytes(model: ModelProfile, layers: range, block_size: int) -> int:
     return block_size * sum(model.kv_bytes_per_token(i) for i in layers)
 
 
+STATE_BYTES = 4  # recurrent states (and their snapshots) kept in fp32
+POOL_HEADROOM = 0.9  # share of HBM the weights and caches may take (activations, workspace)
+
+
+def snapshot_bytes(model: ModelProfile, layers: range) -> int:
+    """Bytes of one recurrent-state snapshot on a stage holding ``layers``: a
+    ``head_dim x head_dim`` state per value head of each L layer, fp32."""
+    per_layer = model.linear_heads * model.linear_head_dim**2 * STATE_BYTES
+    return per_layer * sum(1 for i in layers if model.kind(i) == "L")
+
+
+@attrs.frozen
+class StagePool:
+    """One stage's KV pool sized from its device memory (the sim's default pools)."""
+
+    blocks: int  # KV blocks the pool holds
+    memory_bytes: float  # the device's HBM
+    weight_bytes: float  # this stage's weights (embeddings on the first, head on the last)
+    block_bytes: float  # per block: its KV plus 1/interval of a snapshot (recurrent stages)
+
+    def describe(self) -> str:
+        return (f"{self.blocks:,} blocks = ({self.memory_bytes / 1e9:,.0f} GB x "
+                f"{POOL_HEADROOM:.0%} - {self.weight_bytes / 1e9:,.1f} GB weights) / "
+                f"{self.block_bytes / 1e6:,.3f} MB per block")  # fmt: skip
+
+
+def stage_pool(
+    model: ModelProfile, device: DeviceProfile, layers: range, first: bool, last: bool,
+    block_size: int, snapshot_interval: int, weight_format: str | None = None,
+) -> StagePool:  # fmt: skip
+    """The KV pool a stage's device memory leaves: ``(memory x POOL_HEADROOM - this
+    stage's weights) / bytes per block``. On a stage with L layers each block also
+    carries 1/``snapshot_interval`` of a snapshot (one snapshot per interval), so pools
+    differ between stages as their weights and layer kinds do."""
+    weights = stage_weight_bytes(model, layers, first, last, weight_format)
+    per_block = kv_block_bytes(model, layers, block_size)
+    per_block += snapshot_bytes(model, layers) / max(snapshot_interval, 1)
+    room = device.memory_bytes * POOL_HEADROOM - weights
+    if device.memory_bytes <= 0 or per_block <= 0 or room < per_block:
+        raise ValueError(
+            f"{model.name} layers {layers.start}..{layers.stop - 1} on {device.name}: "
+            f"{weights / 1e9:,.1f} GB of weights leave no KV pool in "
+            f"{device.memory_bytes / 1e9:,.0f} GB x {POOL_HEADROOM:.0%}; use more stages "
+            "or --capacity-blocks"
+        )
+    return StagePool(int(room // per_block), device.memory_bytes, weights, per_block)
+
+
 def split_layers(num_layers: int, num_stages: int, counts: list[int] | None = None) -> list[range]:
     """Layers of each stage: even by default (earlier stages take the remainder)."""
     if counts is None:

@@ -8,8 +8,10 @@ MPU sizes waves by token count, but a chunk's time grows with its attention pref
 tokens it holds (MoE experts make it large).
 
 This planner chooses the wave budget b among MPU's halvings by predicted throughput —
-busy stages times tokens per predicted second, so a large per-wave cost (memory-bound
-MoE weights, launches) is weighed against an under-fed ring — then turns b into a
+busy stages times tokens per predicted second at the admitted work's mean cost per
+token, so a large per-wave cost (memory-bound MoE weights, launches, the runtime's own
+per-wave overhead as fitted) is weighed against an under-fed ring; with the ring fed it
+plans full waves, as static does — then turns b into a
 *time* budget, the predicted time of b tokens at the head chunk's prefix, and fills the
 wave first come first served until the predicted time reaches it (never more than M
 tokens). Chunks deep into long prompts get fewer tokens, short-prefix chunks more, so
@@ -17,7 +19,8 @@ waves take equal time. Where a token's cost depends on neither its prefix nor it
 (c = d = 0) it plans exactly what MPU plans.
 
 The coefficients are fitted online from measured stage times (:func:`observe`), by
-ridge regression toward a prior taken from the executor's cost model.
+ridge regression toward a prior taken from the executor's cost model; waves at the
+floor measure d alone.
 """
 
 from __future__ import annotations
@@ -91,13 +94,16 @@ class CostFit:
 def observe(fit: CostFit, chunks: Sequence[tuple[int, int]], seconds: float) -> CostFit:
     """Add one measured wave: its (tokens, prefix) chunks and its stage time.
 
-    Waves at the floor say nothing about a and c, and are skipped."""
+    A wave the prior puts at the floor says nothing about a and c, only about the
+    per-wave cost: it counts as a measurement of d alone (``seconds - floor``)."""
     prior = fit.prior
-    if seconds <= 1.05 * (prior.d + prior.floor):
-        return fit
-    x = np.array(
-        [sum(t for t, _ in chunks), sum(t * (p + t / 2) for t, p in chunks), 1.0], dtype=float
-    )
+    tokens = sum(t for t, _ in chunks)
+    attention = sum(t * (p + t / 2) for t, p in chunks)
+    if prior.a * tokens + prior.c * attention <= prior.floor:
+        x = np.array([0.0, 0.0, 1.0])
+        seconds = max(seconds - prior.floor, 0.0)
+    else:
+        x = np.array([tokens, attention, 1.0], dtype=float)
     xtx = np.array(fit.xtx) + np.outer(x, x)
     xty = np.array(fit.xty) + x * seconds
     return attrs.evolve(
@@ -118,21 +124,39 @@ def candidate_budgets(ctx: PlanContext) -> list[int]:
     return out
 
 
+def mean_token_seconds(queue: Sequence[Pending], model: CostModel) -> float:
+    """Predicted seconds per token of the admitted work, however it is chunked.
+
+    A request's attention work, ``c·r·(p + r/2)`` for its r remaining tokens after p,
+    is the same whether it runs as one chunk or many (the chunks' prefixes grow), so
+    only this mean — not the head chunk's prefix — is fair to every budget."""
+    work = sum(max(0, p.remaining) for p in queue)
+    if work == 0:
+        return model.a
+    return sum(model.chunk(p.remaining, p.next_token) for p in queue if p.remaining > 0) / work
+
+
 def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) -> int:
     """The budget with the best predicted steady throughput.
 
     With n(b) waves of work (MPU's estimate), ``min(1, n(b)/P)`` of the P stages stay
-    busy, each wave taking t(b) at the head chunk's prefix: throughput(b) =
-    ``min(1, n(b)/P) * b / t(b)``. A per-wave cost (d) favours fewer, larger waves; an
-    idle stage favours more, smaller ones. Ties go to MPU's own choice, so where a
-    token costs the same whatever its prefix and waves cost nothing more (c = d = 0)
-    this is exactly MPU.
+    busy, each wave taking ``t(b) = d + max(floor, b·s)`` with s the mean seconds per
+    token of the admitted work: throughput(b) = ``min(1, n(b)/P) * b / t(b)``. The
+    per-wave cost (d, the weight-streaming floor) favours fewer, larger waves; an idle
+    stage favours more, smaller ones; where the ring is fed by every budget, M wins and
+    this plans what static plans. Ties go to MPU's own choice, so where waves cost
+    nothing beyond their tokens (d = floor = 0) this is exactly MPU.
     """
     stages = max(ctx.ring / 2, 1.0)
-    prefix = queue[0].next_token
+    per_token = mean_token_seconds(queue, model)
+    work = sum(max(0, p.remaining) for p in queue)
+
+    def rate(b: int) -> float:  # tokens per second of one busy stage
+        tokens = min(b, work)  # a wave holds no more than the work left
+        return tokens / max(model.d + max(model.floor, tokens * per_token), 1e-30)
+
     scores = {
-        b: min(1.0, estimated_waves(queue, b) / stages) * b / max(model.wave([(b, prefix)]), 1e-30)
-        for b in candidate_budgets(ctx)
+        b: min(1.0, estimated_waves(queue, b) / stages) * rate(b) for b in candidate_budgets(ctx)
     }
     best = max(scores.values())
     tied = [b for b, v in scores.items() if v >= best * (1 - 1e-9)]

@@ -5,9 +5,11 @@ No torch here; the Gloo implementation of the plane is in ``wavepp.exec``.
 
 from wavepp.rounds.admission import (
     Offer,
+    RoundCounters,
     RoundMode,
     RoundResult,
     StageBook,
+    agree_over,
     commit,
     cut,
     lease_all,
@@ -23,10 +25,12 @@ from wavepp.rounds.plane import RoundsPlane
 __all__ = [
     "Offer",
     "ProtocolError",
+    "RoundCounters",
     "RoundMode",
     "RoundResult",
     "RoundsPlane",
     "StageBook",
+    "agree_over",
     "commit",
     "cut",
     "lease_all",

@@ -6,12 +6,16 @@ them together with four small collectives on the rounds plane, the same on every
 
     probe        -> MIN   common candidate point p per request
     lease(p)     -> MIN   h: the lowest point any stage could actually protect
-    mask(h)      -> AND   the largest point ≤ h every stage serves exactly (snapshots)
+    mask(h)      -> AND   the largest point ≤ h every stage serves exactly (snapshots);
+                          where a window of MASK_WIDTH points holds none, one more AND
+                          over the next window down (point 0 is always served)
     reconcile + escrow, in the escrow order -> MIN   admitted iff every stage escrowed;
                                                      the order's cut (FCFS by default)
 
 Points never rise from one step to the next, and every stage ends on the same point
-without further rounds (see ``wavepp.state.probe.reuse_mask``). :func:`round_over`
+(see ``wavepp.state.probe.reuse_mask``). The probe MIN carries the negated points too,
+so every rank also learns the highest local hit, for the round's counters
+(:class:`RoundCounters`) at no extra collective. :func:`round_over`
 runs the same steps over several caches in one process (collectives as plain MIN/AND):
 the oracle, the parity harness and the property suite use it.
 """
@@ -28,6 +32,7 @@ from wavepp.policy import Policy as _Rules
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.state import (
+    MASK_WIDTH,
     BlockHash,
     RequestId,
     StageCache,
@@ -240,11 +245,63 @@ def note_refusals(
 
 
 @attrs.frozen
+class RoundCounters:
+    """How far a round's agreement fell below the stages' own hits, counted over the
+    requests it admitted (each request is counted once: in the round that admits it)."""
+
+    disagreements: int = 0  # agreed point below some stage's local reuse point
+    rollbacks: int = 0  # the lowest actual lease below the MIN of the probes
+    fallbacks: int = 0  # the mask AND found no common point in its first window
+
+    def __add__(self, other: RoundCounters) -> RoundCounters:
+        return RoundCounters(self.disagreements + other.disagreements,
+                             self.rollbacks + other.rollbacks,
+                             self.fallbacks + other.fallbacks)  # fmt: skip
+
+    def to_json(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+def count_round(
+    admitted: Sequence[bool], highest: Sequence[int], points: Sequence[int],
+    bases: Sequence[int], agreed: Sequence[int], fell_back: Sequence[bool],
+) -> RoundCounters:  # fmt: skip
+    """The counters of one round: ``highest`` the highest local hit of each offer over
+    the stages, ``points`` the MIN of the hits, ``bases`` the MIN of the leases."""
+    rows = [i for i, ok in enumerate(admitted) if ok]
+    return RoundCounters(
+        disagreements=sum(1 for i in rows if agreed[i] < highest[i]),
+        rollbacks=sum(1 for i in rows if bases[i] < points[i]),
+        fallbacks=sum(1 for i in rows if fell_back[i]),
+    )
+
+
+def first_agreement(bases: Sequence[int], masks: Sequence[int]) -> list[int | None]:
+    """The agreed point of each offer from its AND-ed mask over ``bases[i] - 0 ..
+    bases[i] - MASK_WIDTH + 1``, or None where that window holds no common point."""
+    return [point_from_mask(b, m) for b, m in zip(bases, masks, strict=True)]
+
+
+def lower_windows(windows: Sequence[int], agreed: Sequence[int | None]) -> list[int]:
+    """The offers still without a point, whose windows move one width down.
+
+    A window that reaches 0 always holds a point (every stage serves 0), so a window
+    is lowered only while it starts at or above ``MASK_WIDTH`` and this ends."""
+    todo = [i for i, p in enumerate(agreed) if p is None]
+    for i in todo:
+        if windows[i] < MASK_WIDTH:
+            raise ProtocolError(f"mask window at {windows[i]} has no common point, yet "
+                                "every stage serves point 0")  # fmt: skip
+    return todo
+
+
+@attrs.frozen
 class RoundResult:
     admitted: tuple[bool, ...]
     points: tuple[int, ...]  # agreed reuse points in blocks (meaningful where admitted)
     evicted: tuple[BlockHash, ...]
     seconds: float
+    counters: RoundCounters = RoundCounters()  # of the admitted offers
 
 
 class StageBook:
@@ -265,19 +322,34 @@ async def run_round(
 ) -> RoundResult:
     """One admission round over ``offers``; every rank calls it with the same offers."""
     t0 = time.perf_counter()
-    points = probe_points(book.cache, offers, mode, book.probe_us)
-    points = await plane.all_min(points)
+    n = len(offers)
+    local = probe_points(book.cache, offers, mode, book.probe_us)
+    both = await plane.all_min([*local, *(-p for p in local)])  # MIN and MAX in one
+    points, highest = both[:n], [-p for p in both[n:]]
     book.cache, held = lease_all(book.cache, offers, points, mode)
     bases = await plane.all_min(held)
     masks = serve_masks(book.cache, offers, bases, held)
     masks = await plane.all_and(masks)
-    agreed = [point_from_mask(b, m) or 0 for b, m in zip(bases, masks, strict=True)]
+    found = first_agreement(bases, masks)
+    fell_back = [p is None for p in found]
+    windows = list(bases)
+    while todo := lower_windows(windows, found):  # the same on every rank: masks are AND-ed
+        for i in todo:
+            windows[i] -= MASK_WIDTH
+        sub = [offers[i] for i in todo]
+        masks = serve_masks(book.cache, sub, [windows[i] for i in todo], [held[i] for i in todo])
+        masks = await plane.all_and(masks)
+        for i, m in zip(todo, masks, strict=True):
+            found[i] = point_from_mask(windows[i], m)
+    agreed = [int(p) for p in found if p is not None]
     book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
     flags = await plane.all_min(ok)
     admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, book.refusals))
     book.cache, evicted = commit(book.cache, offers, admitted, mode)
     book.refusals = note_refusals(book.refusals, offers, admitted)
-    return RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0)
+    counters = count_round(admitted, highest, points, bases, agreed, fell_back)
+    return RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0,
+                       counters)  # fmt: skip
 
 
 def round_over(
@@ -294,16 +366,13 @@ def round_over(
     n = len(offers)
     probed = [probe_points(c, offers, mode, timings) for c in caches]
     points = [min(p[i] for p in probed) for i in range(n)]
+    highest = [max(p[i] for p in probed) for i in range(n)]
     held = []
     for s, cache in enumerate(caches):
         caches[s], got = lease_all(cache, offers, points, mode)
         held.append(got)
     bases = [min(h[i] for h in held) for i in range(n)]
-    masks = [-1] * n
-    for s, cache in enumerate(caches):
-        for i, m in enumerate(serve_masks(cache, offers, bases, held[s])):
-            masks[i] &= m
-    agreed = [point_from_mask(b, m) or 0 for b, m in zip(bases, masks, strict=True)]
+    agreed, fell_back = agree_over(caches, offers, bases, held)
     flags = [1] * n
     for s, cache in enumerate(caches):
         caches[s], ok = settle(cache, offers, agreed, mode, refusals)
@@ -313,5 +382,40 @@ def round_over(
     for s, cache in enumerate(caches):
         caches[s], gone = commit(cache, offers, admitted, mode)
         evicted.extend(gone)
-    result = RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0)
+    counters = count_round(admitted, highest, points, bases, agreed, fell_back)
+    result = RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0,
+                         counters)  # fmt: skip
     return caches, result
+
+
+def _and_masks(
+    caches: Sequence[StageCache], offers: Sequence[Offer], windows: Sequence[int],
+    held: Sequence[Sequence[int]],
+) -> list[int]:  # fmt: skip
+    masks = [-1] * len(offers)
+    for s, cache in enumerate(caches):
+        for i, m in enumerate(serve_masks(cache, offers, windows, held[s])):
+            masks[i] &= m
+    return masks
+
+
+def agree_over(
+    caches: Sequence[StageCache], offers: Sequence[Offer], bases: Sequence[int],
+    held: Sequence[Sequence[int]],
+) -> tuple[list[int], list[bool]]:  # fmt: skip
+    """The mask step of :func:`run_round` over several caches in one process: the
+    largest point at or below ``bases[i]`` that every stage serves exactly, the window
+    moving down by ``MASK_WIDTH`` while it holds none; and whether the first window
+    held none (a fallback). ``held[s][i]``: stage s's lease of offer i."""
+    found = first_agreement(bases, _and_masks(caches, offers, bases, held))
+    fell_back = [p is None for p in found]
+    windows = list(bases)
+    while todo := lower_windows(windows, found):
+        for i in todo:
+            windows[i] -= MASK_WIDTH
+        sub = [offers[i] for i in todo]
+        masks = _and_masks(caches, sub, [windows[i] for i in todo],
+                           [[h[i] for i in todo] for h in held])  # fmt: skip
+        for i, m in zip(todo, masks, strict=True):
+            found[i] = point_from_mask(windows[i], m)
+    return [int(p) for p in found if p is not None], fell_back

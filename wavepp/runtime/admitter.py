@@ -21,7 +21,7 @@ import anyio
 
 from wavepp.exec.planes import TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage
-from wavepp.rounds.admission import Offer, RoundMode, probe_points, run_round
+from wavepp.rounds.admission import Offer, RoundCounters, RoundMode, probe_points, run_round
 from wavepp.rounds.messages import (
     AdmitEntry,
     AdmitRound,
@@ -65,6 +65,7 @@ class Admitter:
         self.round_seconds: list[float] = []  # wall seconds of each round
         self.round_cpu_s: list[float] = []  # rank 0's process CPU seconds during each round
         self.round_spans: list[tuple[float, float, int]] = []  # (start, end, requests) wall
+        self.counters = RoundCounters()  # disagreements, roll-backs, fallbacks: summed
         self.stopping = False
         # Blocks of admitted, unfinished prompts: a prefix among them is being computed.
         self.live_blocks: dict[int, int] = {}  # block hash -> live requests holding it
@@ -161,6 +162,7 @@ class Admitter:
         self.round_seconds.append(result.seconds)
         self.round_cpu_s.append(time.process_time() - cpu)
         self.round_spans.append((started, time.time(), len(offers)))
+        self.counters += result.counters
         for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
             if ok:
                 self.stage.register(Admitted(offer, point))

@@ -31,6 +31,7 @@ from wavepp.policy import ChunkSpan, Policy
 from wavepp.rounds.admission import (
     Offer,
     RoundMode,
+    agree_over,
     attempt_order,
     candidates,
     commit,
@@ -38,7 +39,6 @@ from wavepp.rounds.admission import (
     lease_all,
     note_refusals,
     probe_points,
-    serve_masks,
     settle,
 )
 from wavepp.rounds.errors import ProtocolError
@@ -51,7 +51,6 @@ from wavepp.state import (
     block_hashes,
     can_ever_fit,
     num_blocks_for,
-    point_from_mask,
     probe_linear,
     usage,
 )
@@ -235,11 +234,7 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
                     self.caches[s], got = lease_all(cache, offers, points, mode)
                 held.append(got)
             bases = [min(h[i] for h in held) for i in range(n)]
-            masks = [-1] * n
-            for s, cache in enumerate(self.caches):
-                for i, m in enumerate(serve_masks(cache, offers, bases, held[s])):
-                    masks[i] &= m
-            agreed = [point_from_mask(b, m) or 0 for b, m in zip(bases, masks, strict=True)]
+            agreed, _ = agree_over(self.caches, offers, bases, held)
             for i, req in enumerate(reqs):
                 check(
                     agreed[i] <= bases[i] <= points[i],

@@ -1,0 +1,180 @@
+"""The agreed reuse point when stages hold different blocks and snapshots (issue 15).
+
+Stages with different pools and snapshot placements (some attention-only) are filled
+by one earlier prompt each, then a round offers a prompt sharing it. The spec:
+- the agreed point is served exactly by every stage (its blocks cached, a snapshot
+  there on recurrent stages) and never rises: agreed ≤ lowest lease ≤ MIN of probes;
+- it is the *best* such point: no higher point at or below the lowest lease is served
+  by every stage, however far below the first mask window it lies (no fallback to 0);
+- ``run_round`` over a plane of in-process ranks makes exactly ``round_over``'s
+  decisions, counters included.
+"""
+
+from __future__ import annotations
+
+import anyio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wavepp.rounds.admission import (
+    Offer,
+    RoundMode,
+    StageBook,
+    lease_all,
+    round_over,
+    run_round,
+)
+from wavepp.state import (
+    MASK_WIDTH,
+    block_hashes,
+    empty_cache,
+    materialize,
+    publish,
+    release,
+    reserve_snapshots,
+)
+
+B = 2  # tokens per block
+MODE = RoundMode(B)
+
+
+def _offer(rid: str, tokens: list[int]) -> Offer:
+    return Offer(rid, len(tokens), block_hashes(tokens, B), (len(tokens) - 1) // B)
+
+
+def _stage(capacity: int, recurrent: bool, doc: list[int], snaps: list[int], keep: int):
+    """A stage that computed ``doc``'s first ``keep`` blocks, with snapshots at ``snaps``."""
+    cache = empty_cache(capacity, has_recurrent=recurrent)
+    o = _offer("doc", [*doc[: keep * B], 1])
+    caches, res = round_over([cache], [o], MODE)
+    assert res.admitted == (True,)
+    cache, _ = materialize(caches[0], "doc")
+    points = [k for k in snaps if 0 < k <= keep] if recurrent else []
+    cache, _ = reserve_snapshots(cache, "doc", o.hashes, points)
+    cache = publish(cache, "doc", o.hashes, keep)
+    return release(cache, "doc")
+
+
+def _serves(cache, hashes, k: int) -> bool:
+    blocks = all(h in cache.index for h in hashes[:k])
+    snap = k == 0 or not cache.has_recurrent or hashes[k - 1] in cache.snapshots
+    return blocks and snap
+
+
+stages = st.lists(
+    st.tuples(
+        st.booleans(),  # recurrent
+        st.lists(st.integers(1, 3 * MASK_WIDTH + 10), max_size=6),  # snapshot points
+        st.integers(0, 3 * MASK_WIDTH + 10),  # blocks kept
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+def _setup(spec, length):
+    doc = [(i * 7) % 5 for i in range((length + 1) * B)]
+    caches = [_stage(length + 8, rec, doc, snaps, min(keep, length)) for rec, snaps, keep in spec]
+    return caches, _offer("q", [*doc[: length * B], 3, 3, 3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=stages, length=st.integers(1, 3 * MASK_WIDTH + 10))
+def test_agreed_point_is_served_everywhere_and_the_best_below_the_lowest_lease(spec, length):
+    caches, offer = _setup(spec, length)
+    probes = [MODE.policy.probe(c, offer.hashes, offer.probe_limit) for c in caches]
+    after, result = round_over(caches, [offer], MODE)
+    assert result.admitted == (True,)
+    point = result.points[0]
+    assert point <= min(probes)  # never rises
+    for cache in caches:  # before the round and after it: the same blocks serve it
+        assert _serves(cache, offer.hashes, point)
+    served = [k for k in range(min(probes) + 1) if all(_serves(c, offer.hashes, k) for c in caches)]
+    best = max(served)
+    assert point == best
+    base = min(lease_all(c, [offer], [min(probes)], MODE)[1][0] for c in caches)
+    assert point <= base <= min(probes)
+    counters = result.counters
+    assert counters.disagreements == (1 if point < max(probes) else 0)
+    assert counters.rollbacks == (1 if base < min(probes) else 0)
+    # a fallback: the best point lies more than one window below the lowest lease
+    assert counters.fallbacks == (1 if base - point >= MASK_WIDTH else 0)
+    for cache in after:
+        assert cache.claims["q"].point == point
+
+
+def test_a_window_without_a_common_point_moves_down_instead_of_dropping_all_reuse():
+    # Stage 0 has snapshots at 90 and 10, stage 1 at 100, 80 and 10: the probes say 90
+    # and 100, the leases 90 and 80, and no point in 80 .. 18 serves both: the old mask
+    # step gave 0; the next window down finds 10.
+    doc = [(i * 7) % 5 for i in range(121 * B)]
+    caches = [_stage(200, True, doc, [90, 10], 120), _stage(200, True, doc, [100, 80, 10], 120)]
+    offer = _offer("q", [*doc[: 120 * B], 3])
+    _, result = round_over(caches, [offer], MODE)
+    assert result.admitted == (True,) and result.points == (10,)
+    assert result.counters.to_json() == {"disagreements": 1, "rollbacks": 1, "fallbacks": 1}
+
+
+class _Plane:
+    """In-process ranks: every collective waits for all ranks' values."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.pending: list[tuple[int, list[int]]] = []
+        self.done = anyio.Event()
+        self.result: list[int] = []
+
+    def rank(self, r: int) -> _Rank:
+        return _Rank(self, r)
+
+    async def reduce(self, r: int, values, op) -> list[int]:
+        self.pending.append((r, list(values)))
+        done = self.done
+        if len(self.pending) == self.world:
+            rows = [v for _, v in self.pending]
+            assert len({len(v) for v in rows}) == 1, "ranks issued different collectives"
+            self.result = [op(col) for col in zip(*rows, strict=True)]
+            self.pending, self.done = [], anyio.Event()
+            done.set()
+        await done.wait()
+        return list(self.result)
+
+
+class _Rank:
+    def __init__(self, plane: _Plane, rank: int) -> None:
+        self.plane, self.rank, self.world_size = plane, rank, plane.world
+
+    async def all_min(self, values):
+        return await self.plane.reduce(self.rank, values, min)
+
+    async def all_and(self, values):
+        def band(col):
+            out = -1
+            for v in col:
+                out &= v
+            return out
+
+        return await self.plane.reduce(self.rank, values, band)
+
+
+@settings(max_examples=25, deadline=None)
+@given(spec=stages, length=st.integers(1, 3 * MASK_WIDTH + 10))
+def test_run_round_makes_round_over_decisions(spec, length):
+    caches, offer = _setup(spec, length)
+    _, expected = round_over(caches, [offer], MODE)
+    plane = _Plane(len(caches))
+    books = [StageBook(c) for c in caches]
+    results = [None] * len(caches)
+
+    async def one(r: int) -> None:
+        results[r] = await run_round(plane.rank(r), books[r], [offer], MODE)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for r in range(len(caches)):
+                tg.start_soon(one, r)
+
+    anyio.run(main)
+    for res in results:
+        assert res.admitted == expected.admitted and res.points == expected.points
+        assert res.counters == expected.counters
