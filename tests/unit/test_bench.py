@@ -98,3 +98,15 @@ def test_scaling_model_bounds():
     assert one[0] == 1.0 and four[0] == pytest.approx(1.0, abs=1e-4)  # 12 + 12 + 12 + 12
     assert 0.25 < four[1] / one[1] < 0.4  # fill and drain of 16 chunks, the last dearest
     assert model_bounds("kimi-k3-class", "gb300", 4, 131_072, 16_384, 8192)[0] < 0.96
+
+
+def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():
+    from wavepp.bench.scaling import balanced_split, model_bounds
+
+    counts = balanced_split("kimi-k3-class", "gb300", 2, 131_072, 16_384)
+    assert sum(counts) == 61 and counts != [31, 30]
+    by_cost = model_bounds("kimi-k3-class", "gb300", 2, 131_072, 16_384, 8192, counts)[0]
+    by_count = model_bounds("kimi-k3-class", "gb300", 2, 131_072, 16_384, 8192)[0]
+    assert by_cost > by_count
+    # 15 MLA layers cannot split evenly over 4 contiguous stages: the count split is best
+    assert balanced_split("kimi-k3-class", "gb300", 4, 131_072, 16_384) == [16, 15, 15, 15]

@@ -26,20 +26,60 @@ from wavepp.exec.profiles import DEVICES, MODELS, split_layers
 from wavepp.exec.sim import StageCostModel
 
 
+def _chunks(prompt: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, prompt)) for a in range(0, prompt, size)]
+
+
+def balanced_split(model: str, device: str, stages: int, prompt: int, budget: int) -> list[int]:
+    """Layers per stage that minimize the slowest stage's predicted time for one prompt
+    in chunks of ``budget`` (contiguous layers; the last stage also runs the LM head).
+
+    Splitting by count puts unequal numbers of attention layers on the stages of a hybrid
+    (Kimi-class: 15 MLA layers among 61), and at long prompts an attention layer costs far
+    more than a linear one; this splits by predicted cost instead (dynamic programming
+    over contiguous ranges, each range's time from the same cost model as the runs)."""
+    m, dev = MODELS[model], DEVICES[device]
+    chunks = _chunks(prompt, budget)
+    n = m.num_layers
+    memo: dict[tuple[int, int, bool], float] = {}
+
+    def span(a: int, b: int, last: bool) -> float:
+        key = (a, b, last)
+        if key not in memo:
+            cost = StageCostModel(m, dev, range(a, b), last)
+            memo[key] = sum(cost.cost([ch], int(ch[1] == prompt)).seconds for ch in chunks)
+        return memo[key]
+
+    # best[k][b]: the least slowest-stage time of layers 0..b-1 over k stages, and a cut
+    best = [[(float("inf"), -1)] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, -1)
+    for k in range(1, stages + 1):
+        last = k == stages
+        for b in range(k, n + 1) if not last else (n,):
+            best[k][b] = min((max(best[k - 1][a][0], span(a, b, last)), a) for a in range(k - 1, b))
+    counts, b = [], n
+    for k in range(stages, 0, -1):
+        a = best[k][b][1]
+        counts.append(b - a)
+        b = a
+    return counts[::-1]
+
+
 def model_bounds(
-    model: str, device: str, stages: int, prompt: int, budget: int, latency_budget: int
-) -> tuple[float, float]:
+    model: str, device: str, stages: int, prompt: int, budget: int, latency_budget: int,
+    counts: list[int] | None = None,
+) -> tuple[float, float]:  # fmt: skip
     """What the cost model alone allows, with no runtime overhead: (the balance bound on
     efficiency — all stages' time over P x the slowest stage's, for one prompt in chunks of
     ``budget`` — and one prompt's latency in seconds, chunks of ``latency_budget`` flowing
-    through the stages in order)."""
+    through the stages in order). ``counts``: layers per stage (default: even)."""
     m = MODELS[model]
     costs = [StageCostModel(m, DEVICES[device], layers, s == stages - 1)
-             for s, layers in enumerate(split_layers(m.num_layers, stages))]  # fmt: skip
+             for s, layers in enumerate(split_layers(m.num_layers, stages, counts))]  # fmt: skip
 
     def times(size: int) -> list[list[float]]:  # [chunk][stage] seconds
-        chunks = [(a, min(a + size, prompt)) for a in range(0, prompt, size)]
-        return [[c.cost([ch], int(ch[1] == prompt)).seconds for c in costs] for ch in chunks]
+        return [[c.cost([ch], int(ch[1] == prompt)).seconds for c in costs]
+                for ch in _chunks(prompt, size)]  # fmt: skip
 
     per_stage = [sum(col) for col in zip(*times(budget), strict=True)]
     balance = sum(per_stage) / (stages * max(per_stage))
@@ -51,11 +91,12 @@ def model_bounds(
 
 
 def _cell(a: argparse.Namespace, ranks: int, concurrency: int, requests: int,
-          budget: int) -> Cell:  # fmt: skip
+          budget: int, counts: list[int] | None = None) -> Cell:  # fmt: skip
+    split = ("--layers-per-stage", ",".join(map(str, counts))) if counts else ()
     args = ("--executor", "sim", "--model", a.model, "--sim-device", a.sim_device,
             "--workload", "cold", "--prompt-tokens", str(a.prompt_tokens),
             "--requests", str(requests), "--budget", str(budget),
-            "--time-scale", str(a.time_scale), *a.extra.split())  # fmt: skip
+            "--time-scale", str(a.time_scale), *split, *a.extra.split())  # fmt: skip
     return Cell(f"cold-{a.prompt_tokens // 1024}k", concurrency, a.rung, args, ranks=ranks)
 
 
@@ -78,6 +119,11 @@ def main(argv: list[str] | None = None) -> None:
         help="M of the c = 1 runs (a prompt needs ≥ 15 chunks for 0.3x at P = 4: "
         "1/P + (P-1)/(chunks x P))",
     )  # fmt: skip
+    p.add_argument(
+        "--balance", choices=("cost", "count"), default="cost",
+        help="layers per stage: 'cost' minimizes the slowest stage's predicted time for "
+        "the prompt (hybrids with unevenly spread attention layers); 'count' splits evenly",
+    )  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--extra", default="", help="more wavepp.main options for every run")
     p.add_argument("--timeout", type=float, default=1800)
@@ -88,11 +134,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--stages must include 1 (the single-stage reference)")
     rows = []
     for ranks in stages:
-        tput = run_cell(_cell(a, ranks, a.concurrency, a.requests, a.budget), 1, a.timeout)
-        alone = run_cell(_cell(a, ranks, 1, 1, a.latency_budget), 1, a.timeout)
+        counts = None
+        if a.balance == "cost" and ranks > 1:
+            counts = balanced_split(a.model, a.sim_device, ranks, a.prompt_tokens, a.budget)
+        tput = run_cell(_cell(a, ranks, a.concurrency, a.requests, a.budget, counts), 1,
+                        a.timeout)  # fmt: skip
+        alone = run_cell(_cell(a, ranks, 1, 1, a.latency_budget, counts), 1, a.timeout)
         balance, ideal_latency = model_bounds(a.model, a.sim_device, ranks, a.prompt_tokens,
-                                              a.budget, a.latency_budget)  # fmt: skip
-        rows.append({"stages": ranks, "throughput_tok_s": tput["throughput_tok_s"],
+                                              a.budget, a.latency_budget, counts)  # fmt: skip
+        rows.append({"stages": ranks, "layers_per_stage": counts or "even",
+                     "throughput_tok_s": tput["throughput_tok_s"],
                      "utilization": tput["stage_utilization"],
                      "latency_s": alone["completion_p50_s"], "balance_bound": balance,
                      "model_latency_s": ideal_latency})  # fmt: skip
