@@ -302,6 +302,31 @@ class RoundResult:
     evicted: tuple[BlockHash, ...]
     seconds: float
     counters: RoundCounters = RoundCounters()  # of the admitted offers
+    cpu_s: float = 0.0  # this rank's thread CPU in the round's own steps (not the waits)
+
+
+class _WorkClock:
+    """The round's own CPU time on this rank: thread time, paused while a collective is
+    awaited (the event loop then runs other tasks, and the wait is the collective's)."""
+
+    def __init__(self, plane: RoundsPlane) -> None:
+        self.plane, self.cpu, self._mark = plane, 0.0, time.thread_time()
+
+    async def _wait(self, pending):
+        self.cpu += time.thread_time() - self._mark
+        try:
+            return await pending
+        finally:
+            self._mark = time.thread_time()
+
+    async def all_min(self, values):
+        return await self._wait(self.plane.all_min(values))
+
+    async def all_and(self, values):
+        return await self._wait(self.plane.all_and(values))
+
+    def stop(self) -> float:
+        return self.cpu + time.thread_time() - self._mark
 
 
 class StageBook:
@@ -322,6 +347,7 @@ async def run_round(
 ) -> RoundResult:
     """One admission round over ``offers``; every rank calls it with the same offers."""
     t0 = time.perf_counter()
+    plane = _WorkClock(plane)  # type: ignore[assignment]  # the collectives, timed apart
     n = len(offers)
     local = probe_points(book.cache, offers, mode, book.probe_us)
     both = await plane.all_min([*local, *(-p for p in local)])  # MIN and MAX in one
@@ -349,7 +375,7 @@ async def run_round(
     book.refusals = note_refusals(book.refusals, offers, admitted)
     counters = count_round(admitted, highest, points, bases, agreed, fell_back)
     return RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0,
-                       counters)  # fmt: skip
+                       counters, plane.stop())  # fmt: skip
 
 
 def round_over(
