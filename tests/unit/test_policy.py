@@ -2,6 +2,8 @@
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from examples.policies import smallest_fit
 from wavepp import state
@@ -19,7 +21,14 @@ from wavepp.policy import (
     with_overrides,
 )
 from wavepp.rounds import ProtocolError
-from wavepp.rounds.admission import Offer, Policy, RoundMode, round_over, settle
+from wavepp.rounds.admission import (
+    Offer,
+    Policy,
+    RoundMode,
+    round_over,
+    settle,
+    worth_offering,
+)
 from wavepp.state import block_hashes, empty_cache
 
 B = 2
@@ -132,3 +141,31 @@ def test_settle_raises_a_typed_error_when_a_stage_cannot_serve_the_agreed_point(
     lying = attrs.evolve(DEFAULT, reconcile=lambda c, rid, h, p: (c, p + 1))
     with pytest.raises(ProtocolError, match="cannot serve the agreed point 0 of 'a'"):
         settle(cache, [a], [0], RoundMode(B, policy=lying))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacities=st.lists(st.integers(4, 24), min_size=1, max_size=3),
+    warm=st.lists(st.integers(1, 6), max_size=6),
+    asks=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=6), min_size=1, max_size=8),
+)
+def test_offers_past_the_fcfs_cut_would_never_be_admitted(capacities, warm, asks):
+    """A round over the head the admitter offers (``worth_offering`` on stage 0's cache)
+    admits exactly what a round over every waiting request admits."""
+    caches = [empty_cache(c) for c in capacities]
+    seed = offer("seed", *warm) if warm else None
+    for s, cache in enumerate(caches):  # a cached path some offers share
+        if seed is not None and len(seed.hashes) <= capacities[s]:
+            cache, _ = state.lease(cache, "seed", seed.hashes, 0)
+            cache, _ = state.escrow(cache, "seed", len(seed.hashes))
+            cache, _ = state.materialize(cache, "seed")
+            cache = state.publish(cache, "seed", seed.hashes, len(seed.hashes))
+            caches[s] = state.release(cache, "seed")
+    offers = [offer(f"r{i}", *blocks) for i, blocks in enumerate(asks)]
+    mode = RoundMode(B)
+    _, everyone = round_over(caches, offers, mode)
+    k = worth_offering(caches[0], offers, mode)
+    assert 1 <= k <= len(offers)
+    _, head = round_over(caches, offers[:k], mode)
+    assert everyone.admitted[:k] == head.admitted
+    assert not any(everyone.admitted[k:])

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from wavepp.policy import DEFAULT, EscrowCandidate
+from wavepp.policy import DEFAULT, FCFS, EscrowCandidate
 from wavepp.policy import Policy as _Rules
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
@@ -36,6 +36,7 @@ from wavepp.state import (
     BlockHash,
     RequestId,
     StageCache,
+    attention_hit,
     block_table,
     num_blocks_for,
     point_from_mask,
@@ -81,6 +82,28 @@ def Policy(
 
 def blocks_needed(offer: Offer, block_size: int) -> int:
     return num_blocks_for(offer.num_tokens, block_size)
+
+
+def worth_offering(cache: StageCache, offers: Sequence[Offer], mode: RoundMode) -> int:
+    """How many of ``offers`` (the queue's head, in arrival order) a round should take.
+
+    Under FCFS (the default escrow order) nothing after a refused offer is admitted, and
+    no stage can escrow more than its ``num_backable`` blocks; an offer needs at least its
+    blocks beyond its attention hit here (the agreed point is at most this stage's hit).
+    So the offers past the first one that cannot fit even then would be probed, leased,
+    refused and released for nothing: that is most of a round's work when the pool is
+    full and many requests wait. The first offer that cannot fit is still taken, so the
+    round refuses it and admission waits for room. Other escrow orders: every offer.
+    """
+    if mode.policy.escrow_order is not FCFS:
+        return len(offers)
+    room = cache.num_backable
+    for i, offer in enumerate(offers):
+        hit = attention_hit(cache, offer.hashes, offer.probe_limit)
+        room -= blocks_needed(offer, mode.block_size) - hit
+        if room < 0:
+            return i + 1
+    return len(offers)
 
 
 def probe_points(
