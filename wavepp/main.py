@@ -391,7 +391,7 @@ def _stage_figures(stage: Stage) -> dict[str, float]:
 
 
 def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePlanner:
-    ctx = PlanContext(c.budget, c.ring or 2 * world, c.min_budget)
+    ctx = PlanContext(c.budget, c.ring or 2 * world, c.min_budget, stages=world)
     fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
     return WavePlanner(policy.planner, ctx, fit)
 

@@ -33,3 +33,9 @@ def test_static_fills_first_come_first_served():
 def test_wave_text_form_parses_back():
     wave = Wave(3, 4096, (Chunk("req-1", 128, 2048, 9000), Chunk("x", 0, 2048, 2048)))
     assert parse_wave(str(wave)) == wave
+
+
+def test_mpu_keeps_full_waves_on_one_stage():
+    queue = [Pending("a", 0, 3000)]  # the tail: one request, less than a wave left
+    assert mpu_budget(queue, PlanContext(budget=4096, ring=2, min_budget=512)) == 1024
+    assert mpu_budget(queue, PlanContext(budget=4096, ring=2, min_budget=512, stages=1)) == 4096

@@ -49,6 +49,7 @@ class PlanContext:
     #   (the executor's prior before any measurement); None where the runtime has none
     wave_seconds: tuple[float, ...] = ()  # stage 0's most recent measured wave times, s,
     #   oldest first (a bounded window)
+    stages: int = 0  # P, the pipeline's stages (0: not given)
 
 
 Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]
@@ -89,9 +90,13 @@ def estimated_waves(queue: Sequence[Pending], budget: int) -> float:
 def mpu_budget(queue: Sequence[Pending], ctx: PlanContext) -> int:
     """The largest b in {M, M/2, M/4, ..., b_min} whose n(b) feeds the ring (≥ R).
 
-    If even b_min cannot feed the ring, b_min: the most waves the work can make.
+    If even b_min cannot feed the ring, b_min: the most waves the work can make. One
+    stage (``ctx.stages == 1``) has no pipeline to fill: always M, since smaller waves
+    would only pay more per token (each chunk re-reads its prefix, each wave its weights).
     """
     budget = ctx.budget
+    if ctx.stages == 1:
+        return budget
     while budget > ctx.min_budget:
         if estimated_waves(queue, budget) >= ctx.ring:
             return budget
