@@ -25,6 +25,7 @@ from wavepp.state.hashing import (
     num_blocks_for,
 )
 from wavepp.state.ids import ROOT, BlockHash, NodeId, RequestId, SlotId
+from wavepp.state.inflight import InFlight, empty_inflight
 from wavepp.state.probe import (
     MASK_WIDTH,
     attention_hit,
@@ -33,6 +34,7 @@ from wavepp.state.probe import (
     probe_linear,
     reuse_mask,
     snapshot_floor,
+    snapshot_floor_linear,
 )
 from wavepp.state.reducers import (
     Materialized,
@@ -59,6 +61,7 @@ __all__ = [
     "BlockHash",
     "Claim",
     "Eviction",
+    "InFlight",
     "InvariantError",
     "Materialized",
     "Node",
@@ -80,6 +83,7 @@ __all__ = [
     "can_ever_fit",
     "cancel",
     "empty_cache",
+    "empty_inflight",
     "escrow",
     "extend_block_hashes",
     "lease",
@@ -96,6 +100,7 @@ __all__ = [
     "resume_slot",
     "reuse_mask",
     "snapshot_floor",
+    "snapshot_floor_linear",
     "tail_evictable",
     "usage",
 ]

@@ -25,6 +25,7 @@ class _Txn:
         self.nodes = cache.nodes.mutate()
         self.index = cache.index.mutate()
         self.snapshots = cache.snapshots.mutate()
+        self.marks = cache.snapshot_marks.mutate()
         self.claims = cache.claims.mutate()
         self.free_runs: list[SlotRun] = list(cache.free_runs)
         self.num_free = cache.num_free
@@ -50,6 +51,7 @@ class _Txn:
             nodes=self.nodes.finish(),
             index=self.index.finish(),
             snapshots=self.snapshots.finish(),
+            snapshot_marks=self.marks.finish(),
             claims=self.claims.finish(),
             free_runs=tuple(self.free_runs),
             num_free=self.num_free,
@@ -193,6 +195,17 @@ class _Txn:
             del self.snapshots[block]
         else:
             self.snapshots[block] = snap
+        if (old is None) != (snap is None):  # added or removed: the node's marks change
+            node_id = self.index[block]  # type: ignore[index]
+            marks = list(self.marks.get(node_id, ()))
+            if snap is None:
+                marks.remove(old.k)  # type: ignore[union-attr]
+            else:
+                bisect.insort(marks, snap.k)
+            if marks:
+                self.marks[node_id] = tuple(marks)
+            else:
+                del self.marks[node_id]
         old_entry = (old.recency, block) if old is not None and not old.pins else None
         new_entry = (snap.recency, block) if snap is not None and not snap.pins else None
         if old_entry == new_entry:
@@ -261,8 +274,8 @@ class _Txn:
             slots.extend(reversed(node.slots[keep:]))
             hashes.extend(reversed(gone))  # deepest first: the order of leaf-first eviction
             for block in gone:
+                self.drop_snapshot(block)  # while the index still places it
                 del self.index[block]
-                self.drop_snapshot(block)
             self.num_cached -= k
             count -= k
             if keep:

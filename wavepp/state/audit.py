@@ -188,6 +188,11 @@ def _audit_snapshots(cache: StageCache, nodes: dict, claims: list) -> None:
     doubled = [s for s, k in slots.items() if k > 1]
     if doubled or set(slots) != set(range(cache.snapshot_capacity)):
         fail(f"snapshot slots are not a partition of the snapshot pool (doubled: {doubled[:5]})")
+    marks: dict = {}
+    for block, snap in cache.snapshots.items():
+        marks.setdefault(cache.index[block], []).append(snap.k)
+    if {n: tuple(sorted(ks)) for n, ks in marks.items()} != dict(cache.snapshot_marks):
+        fail("snapshot_marks do not match the snapshots on each node")
     lru = sorted((s.recency, b) for b, s in cache.snapshots.items() if not s.pins)
     if list(cache.snapshot_lru) != lru:
         fail("the snapshot LRU order does not match the unpinned snapshots")

@@ -45,6 +45,8 @@ Recurrent-state snapshots (stages with ``L`` layers) live in their own pool of
 hash of block k-1 to the snapshot after k blocks and its slot. A claim pins the snapshot
 at its lease point (the request resumes from it); the others are evicted least recently
 used when a new one needs a slot, and with their block when the block is evicted.
+``snapshot_marks`` lists each node's snapshot positions in order, so the snapshot floor
+of a path is a bisection per node on it, not a scan of its blocks.
 """
 
 from __future__ import annotations
@@ -179,6 +181,11 @@ class StageCache:
     num_snapshot_pending: int = 0  # reserved by claims, not yet published
     snapshot_lru: tuple[tuple[int, BlockHash], ...] = ()  # (recency, hash) of unpinned
     #                                     snapshots, sorted: head is evicted next
+    snapshot_marks: immutables.Map[NodeId, tuple[int, ...]] = attrs.field(
+        factory=immutables.Map
+    )  # node ->
+    #                                     the k of every snapshot on its blocks, ascending
+    #                                     (the snapshot floor's search; no empty entries)
 
     @property
     def num_evictable(self) -> int:

@@ -8,6 +8,7 @@ chain is cached, so are blocks 0..i-1.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from wavepp.state.cache import StageCache
@@ -36,9 +37,37 @@ def attention_hit(cache: StageCache, hashes: Sequence[BlockHash], limit: int | N
 
 
 def snapshot_floor(cache: StageCache, hashes: Sequence[BlockHash], point: int) -> int:
-    """Largest k ≤ point with a recurrent snapshot after k blocks (0 always has one)."""
+    """Largest k ≤ point with a recurrent snapshot after k blocks (0 always has one).
+
+    A bisection of the snapshot positions of each tree node on the path, from the node
+    holding block point-1 up towards the root until one has a snapshot low enough:
+    O(nodes walked × log snapshots), where the scan of :func:`snapshot_floor_linear`
+    costs one look-up per block. Nodes on a path are its branch points, so the walk is
+    short; exact, because every snapshot sits on a cached block (the property suite
+    checks both agree).
+    """
+    point = attention_hit(cache, hashes, point)  # no snapshot beyond the cached blocks
+    if point == 0:
+        return 0
+    nodes, marks = cache.nodes, cache.snapshot_marks
+    node = nodes[cache.index[hashes[point - 1]]]
+    limit = point  # snapshots at k ≤ limit lie on the path
+    while True:
+        ks = marks.get(node.node_id)
+        if ks:
+            i = bisect.bisect_right(ks, limit)
+            if i:
+                return ks[i - 1]
+        if node.parent is None:
+            return 0
+        limit = node.depth  # the parent's blocks before this node's first one
+        node = nodes[node.parent]
+
+
+def snapshot_floor_linear(cache: StageCache, hashes: Sequence[BlockHash], point: int) -> int:
+    """The same answer as :func:`snapshot_floor` by scanning back block by block."""
     snapshots = cache.snapshots
-    for k in range(point, 0, -1):
+    for k in range(min(point, len(hashes)), 0, -1):
         if hashes[k - 1] in snapshots:
             return k
     return 0
@@ -60,7 +89,7 @@ def probe_linear(cache: StageCache, hashes: Sequence[BlockHash], limit: int | No
     while point < n and hashes[point] in index:
         point += 1
     if cache.has_recurrent:
-        point = snapshot_floor(cache, hashes, point)
+        point = snapshot_floor_linear(cache, hashes, point)
     return point
 
 
