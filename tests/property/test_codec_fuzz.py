@@ -39,6 +39,7 @@ VALID = [
     Stop(4, "done"),
     WaveMsg(5, 4096, [ChunkMsg("r-1", 0, 300, 300, False)],
             [OracleAdmit(AdmitEntry("r-2", 64, pack_hashes((7,)), 0), 1)], cancels=["x"]),
+    WaveMsg(6, 64, [ChunkMsg("r-3", 64, 128, 300, False, [5, 7])]),  # junctions for waiters
     WaveDone(5, [Finished("r-1", 256, 17, 3.5)], cancelled=["x"]),
     StageReport(0, 1.0, 2.0, 3.0, 4, [1.5], 0, 0, 0, 0, 10, 6, 16, True),
 ]  # fmt: skip

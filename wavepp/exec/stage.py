@@ -117,7 +117,8 @@ class Stage:
             span = ChunkSpan(rid, hashes, held, chunk.end // bs,
                              ends_request=chunk.end == chunk.num_tokens,
                              interval=self.snapshot_interval,
-                             starts_at_held=chunk.start == held * bs)  # fmt: skip
+                             starts_at_held=chunk.start == held * bs,
+                             shared=tuple(chunk.shared))  # fmt: skip
             points = p.snapshot_placement(self.book.cache, span)
         self.book.cache, snaps = p.reserve_snapshots(self.book.cache, rid, hashes, points)
         resume = None

@@ -72,6 +72,8 @@ class ChunkSpan:
     interval: int  # the run's --snapshot-interval, in blocks
     starts_at_held: bool = False  # the chunk starts exactly after the held blocks, so the
     #                               state after ``held`` blocks can be saved too (k = held)
+    shared: tuple[int, ...] = ()  # block counts where requests waiting for this one branch
+    #                               off its path (rank 0 sends them with the chunk)
 
     @property
     def lowest(self) -> int:
@@ -102,16 +104,18 @@ def every_interval_and_end(cache: StageCache, span: ChunkSpan) -> tuple[int, ...
 
 def at_junctions(cache: StageCache, span: ChunkSpan) -> tuple[int, ...]:
     """The default placement: every ``interval``-th block, the request's end, and the
-    **junction** — where the request leaves the path this stage already caches (its
-    attention hit beyond the blocks it holds). A hybrid stage resumes only at a
-    snapshot, so the next request branching at the same point (a shared system prompt,
-    a document followed by other questions) reuses the prefix from here instead of
-    from the last interval point below it, or from nothing."""
+    **junctions** — where the request leaves the path this stage already caches (its
+    attention hit beyond the blocks it holds), and where requests waiting for this one
+    will leave its path (``span.shared``, from rank 0's in-flight sharing). A hybrid
+    stage resumes only at a snapshot, so the next request branching at the same point
+    (a shared system prompt, a document followed by other questions) reuses the prefix
+    from here instead of from the last interval point below it, or from nothing."""
     points = set(every_interval_and_end(cache, span))
     if cache.has_recurrent:
         hit = state.attention_hit(cache, span.hashes, span.end_blocks)
         if span.held < hit <= span.end_blocks:
             points.add(hit)
+        points.update(k for k in span.shared if span.lowest <= k <= span.end_blocks)
     return tuple(sorted(points))
 
 
@@ -171,6 +175,10 @@ class Policy:
     release: ReleaseFn = state.release
     cancel: ReleaseFn = state.cancel
     planner: Planner | None = None  # None: the rung's planner (static, mpu or cost)
+    in_flight_wait: float = 1.0  # rank 0 holds a queued request back while an admitted
+    #   request computes its prefix, until those blocks are published on every stage, for
+    #   at most this many times what recomputing them would take by the fitted cost model
+    #   (DESIGN §4b). 1: never wait longer than recomputing; 0: never wait
 
     def empty_cache(
         self, capacity: int, *, has_recurrent: bool = False, snapshot_capacity: int | None = None
@@ -206,4 +214,5 @@ def _dotted(value: Any) -> str:
 
 DEFAULT = Policy()
 """Today's runtime: gallop + bisect probe, FCFS escrow, LRU leaf-first eviction,
-snapshots every interval and at request ends, the rung's planner."""
+snapshots every interval, at request ends and at junctions, in-flight prefix sharing,
+the rung's planner."""

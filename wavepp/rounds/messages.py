@@ -79,6 +79,9 @@ class ChunkMsg(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_li
     end: Count
     num_tokens: Count
     free: bool  # warm-up work: executed for its cache effects, not charged or measured
+    shared: Annotated[list[Count], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    #  block counts in this chunk where queued requests waiting for it branch off its
+    #  path: recurrent stages save a snapshot there (DESIGN §4b)
 
 
 class OracleAdmit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -8,6 +8,16 @@
 
 A refused head blocks admission until a request that held room ends (the intake's
 ``capacity_epoch`` moves): rounds are not re-run when nothing could have changed.
+
+In-flight prefix sharing (DESIGN §4b): a queued request whose leading blocks an
+admitted request (or one offered earlier in the same round) is computing, beyond what
+rank 0 has cached, is held back — not offered — until the producer's chunk covering
+them has left the last stage (then every stage has published them and the round finds
+them cached), the producer ends, or waiting would cost more than recomputing by the
+fitted cost model. The dependency lives in a pure value (``wavepp.state.inflight``).
+A held-back request does not block the queue: requests behind it are offered meanwhile
+(it waits for compute already under way, not for room).
+
 The WAVE task also beats on the rounds plane while idle, so the other ranks' rounds
 followers see a live rank 0, and ends every rank's WAVE with ``Stop``.
 """
@@ -21,6 +31,7 @@ import anyio
 
 from wavepp.exec.planes import TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage
+from wavepp.policy import FCFS
 from wavepp.rounds.admission import Offer, RoundCounters, RoundMode, probe_points, run_round
 from wavepp.rounds.messages import (
     AdmitEntry,
@@ -33,7 +44,7 @@ from wavepp.rounds.messages import (
 )
 from wavepp.rungs import Admission, Rung
 from wavepp.runtime.intake import Intake
-from wavepp.state import RequestId, attention_hit, num_blocks_for, probe
+from wavepp.state import RequestId, attention_hit, empty_inflight, inflight, num_blocks_for
 
 MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited for",
                 "stages disagreed", "cancelled")  # fmt: skip
@@ -63,12 +74,28 @@ class Admitter:
         self.oracle_admits: list[OracleAdmit] = []  # FREE: to ride with the next wave
         self.round_id = 0
         self.round_seconds: list[float] = []  # wall seconds of each round
-        self.round_cpu_s: list[float] = []  # rank 0's process CPU seconds during each round
+        self.round_cpu_s: list[float] = []  # rank 0's CPU seconds in each round's own steps
         self.round_spans: list[tuple[float, float, int]] = []  # (start, end, requests) wall
         self.counters = RoundCounters()  # disagreements, roll-backs, fallbacks: summed
         self.stopping = False
-        # Blocks of admitted, unfinished prompts: a prefix among them is being computed.
-        self.live_blocks: dict[int, int] = {}  # block hash -> live requests holding it
+        # Producers (admitted or offered, unfinished) and the queued requests waiting for
+        # their blocks: a prefix among the producers' blocks is being computed.
+        self.inflight = empty_inflight()
+        # The furthest block each queued request was held back for: it waits again only
+        # for blocks past it, so its waits cover disjoint blocks and their sum stays
+        # within what recomputing its whole prefix would take.
+        self.waited: dict[RequestId, int] = {}
+        self.num_waits = 0  # requests held back for a producer, over the run
+        # (tokens, prefix tokens, (tokens, prefix) of the work planned before it) ->
+        # seconds the request would take to compute them itself if admitted now, and the
+        # admitted work not yet planned; stage 0's LOOP installs both. 0: never wait.
+        self.recompute_s: Callable[[int, int, Sequence[tuple[int, int]]], float] = (
+            lambda tokens, prefix, ahead: 0.0
+        )
+        self.work_ahead: Callable[[], list[tuple[int, int]]] = list
+        # waiter -> (when it started waiting, the recompute it was weighed against): at
+        # its deadline the estimate is redone with what has been measured since
+        self._wait_basis: dict[RequestId, tuple[float, int, int, list[tuple[int, int]]]] = {}
         self._seen_here: dict[RequestId, tuple[int, int]] = {}  # rank 0's (hit, point)
 
     # -- shared by every mode ---------------------------------------------------------
@@ -77,20 +104,101 @@ class Admitter:
         return self.refused_at_epoch == self.intake.capacity_epoch
 
     def ready(self) -> bool:
-        return bool(self.intake.waiting) and not self.blocked()
+        """Some queued request may be offered now (not only requests held back)."""
+        if not self.intake.waiting or self.blocked():
+            return False
+        waits = self.inflight.waits
+        if len(self.intake.waiting) > len(waits):
+            return True
+        now = time.monotonic()
+        self._revise(now)
+        return any(inflight.can_go(self.inflight, rid, now) for rid in waits)
+
+    def next_deadline(self) -> float | None:
+        """When the earliest held-back request may go whatever its producer does."""
+        self._revise(time.monotonic())
+        times = (inflight.deadline(self.inflight, rid) for rid in self.inflight.waits)
+        return min((t for t in times if t is not None), default=None)
+
+    def _revise(self, now: float) -> None:
+        """Redo the estimate of a wait whose deadline passed, with what the pipeline has
+        measured since it began (the first waits of a run rely on the cost model's
+        prior alone): if recomputing, begun when the wait began, would still not be
+        done, the deadline moves there. Deadlines only move later, never past that."""
+        for rid in list(self.inflight.waits):
+            at = inflight.deadline(self.inflight, rid)
+            if at is None or at > now or rid not in self._wait_basis:
+                continue
+            began, tokens, prefix, ahead = self._wait_basis[rid]
+            again = began + self.mode.policy.in_flight_wait * self.recompute_s(
+                tokens, prefix, ahead
+            )
+            if again > at:
+                self.inflight = inflight.extend(self.inflight, rid, again)
+
+    def _holds_back(self, rid: RequestId, now: float, ahead: list[tuple[int, int]]) -> bool:
+        """Hold ``rid`` back for a producer computing blocks it shares, if that is quicker
+        than recomputing them behind the work ``ahead`` of it in this round
+        (records the wait). Rank 0's own cache is no guide: stage 0 runs ahead of the
+        others, so only the producer's ``done`` says what every stage has."""
+        factor = self.mode.policy.in_flight_wait
+        if factor <= 0:
+            return False
+        offer = self.intake.records[rid].offer
+        producer, shared = inflight.shared_prefix(self.inflight, offer.hashes, offer.probe_limit)
+        if producer is None:
+            return False
+        # blocks published everywhere, or already waited for (never again)
+        local = max(self.inflight.producers[producer].done, self.waited.get(rid, 0))
+        if shared <= local:
+            return False
+        bs = self.mode.block_size
+        ahead = [*self.work_ahead(), *ahead]
+        budget_s = factor * self.recompute_s((shared - local) * bs, local * bs, ahead)
+        if budget_s <= 0:
+            return False
+        self.inflight = inflight.start_wait(self.inflight, rid, producer, shared, now + budget_s)
+        self._wait_basis[rid] = (now, (shared - local) * bs, local * bs, ahead)
+        self.waited[rid] = shared
+        self.num_waits += 1
+        return True
 
     def _offers(self, limit: int) -> tuple[list[Offer], int]:
         # The epoch is read when the round starts: a request ending during the round
         # unblocks the next one (else a refusal could wait forever).
-        batch = self.intake.waiting.head(limit)
+        batch: list[RequestId] = []
+        ahead: list[tuple[int, int]] = []  # (tokens, prefix) the batch so far will compute
+        cache, now = self.stage.book.cache, time.monotonic()
+        bs = self.mode.block_size
+        self._revise(now)
+        # Under FCFS nothing after a refusal is admitted, so the batch ends with the first
+        # offer that cannot fit rank 0's backable room even at its attention hit (it is
+        # refused and blocks until room is freed): the rest would be probed, leased and
+        # released for nothing (``rounds.admission.worth_offering``).
+        room = cache.num_backable if self.mode.policy.escrow_order is FCFS else None
+        for rid in self.intake.waiting.head():
+            if len(batch) >= limit or (room is not None and room < 0):
+                break
+            if rid in self.inflight.waits:
+                if not inflight.can_go(self.inflight, rid, now):
+                    continue
+                self.inflight = inflight.stop_wait(self.inflight, rid)
+                self._wait_basis.pop(rid, None)
+            o = self.intake.records[rid].offer
+            local = self.mode.policy.probe(cache, o.hashes, o.probe_limit)
+            if self._holds_back(rid, now, ahead):
+                continue
+            batch.append(rid)
+            start = local * bs
+            ahead.append((o.num_tokens - start, start))
+            # offered: siblings later in this round wait for its blocks instead
+            self.inflight = inflight.add_producer(self.inflight, rid, o.hashes, admitted=False)
+            hit = attention_hit(cache, o.hashes, o.probe_limit)
+            if room is not None:
+                room -= num_blocks_for(o.num_tokens, bs) - hit
+            if self.intake.records[rid].spec.expected_reuse > 0:
+                self._seen_here[rid] = (hit, local)  # rank 0's own view, to explain a miss
         self.in_round.update(batch)
-        cache = self.stage.book.cache
-        for rid in batch:  # rank 0's own view, to explain a miss afterwards
-            record = self.intake.records[rid]
-            if record.spec.expected_reuse > 0:
-                o = record.offer
-                self._seen_here[rid] = (attention_hit(cache, o.hashes, o.probe_limit),
-                                        probe(cache, o.hashes, o.probe_limit))  # fmt: skip
         return [self.intake.records[rid].offer for rid in batch], self.intake.capacity_epoch
 
     def _explain(self, rid: RequestId, point: int) -> str | None:
@@ -102,25 +210,33 @@ class Admitter:
             return None
         hit, local = seen
         hashes = record.offer.hashes
+        others = self.inflight.holders.get(hashes[point], ()) if point < len(hashes) else ()
+        if any(r != rid and self.inflight.producers[r].done <= point for r in others):
+            return "in flight and not waited for"  # another live request computes it
         if local > point:
             return "stages disagreed"  # rank 0 could serve more than the agreed point
         if hit > local:
             return "no snapshot near the hit"
-        if point < len(hashes) and self.live_blocks.get(hashes[point], 0):
-            return "in flight and not waited for"
         return "evicted"
 
     def ended(self, rid: RequestId) -> None:
-        """A request left the stages: its blocks are no longer being computed."""
-        offer = self.intake.records[rid].offer
-        if self.intake.records[rid].admitted_at is None:
-            return
-        for block in offer.hashes:
-            left = self.live_blocks.get(block, 0) - 1
-            if left > 0:
-                self.live_blocks[block] = left
-            else:
-                self.live_blocks.pop(block, None)
+        """A request ended (done, cancelled, failed, rejected): its blocks are no longer
+        being computed, and requests waiting for them may go."""
+        self.inflight = inflight.end(self.inflight, rid)
+        self.waited.pop(rid, None)
+        self._wait_basis.pop(rid, None)
+
+    def progress(self, rid: RequestId, end_token: int) -> None:
+        """A chunk of ``rid`` ending at ``end_token`` left the last stage: its blocks are
+        published on every stage."""
+        self.inflight = inflight.progress(self.inflight, rid, end_token // self.mode.block_size)
+
+    def sending(self, rid: RequestId, start_token: int, end_token: int) -> list[int]:
+        """A chunk of ``rid`` enters the pipeline: the block counts in it where requests
+        waiting for ``rid`` branch off (recurrent stages save snapshots there)."""
+        bs = self.mode.block_size
+        self.inflight = inflight.sent(self.inflight, rid, end_token // bs)
+        return list(inflight.junctions(self.inflight, rid, start_token // bs, end_token // bs))
 
     def _apply(
         self, offers: Sequence[Offer], admitted: Sequence[bool], points: Sequence[int], epoch: int
@@ -137,12 +253,13 @@ class Admitter:
         for offer, ok, point in zip(offers, admitted, points, strict=True):
             if not ok:
                 self._seen_here.pop(offer.request_id, None)
+                self.inflight = inflight.end(self.inflight, offer.request_id)  # frees waiters
                 continue
             record = self.intake.records[offer.request_id]
             record.admitted_at, record.status = now, "admitted"
             record.miss_reason = self._explain(offer.request_id, point)
-            for block in offer.hashes:
-                self.live_blocks[block] = self.live_blocks.get(block, 0) + 1
+            self.inflight = inflight.add_producer(self.inflight, offer.request_id, offer.hashes,
+                                                  done=point)  # fmt: skip
             self.on_admitted(offer.request_id, point)
         for rid in self.intake.waiting.head():  # cancelled while offered, and refused
             if self.intake.records[rid].cancelled:
@@ -152,15 +269,17 @@ class Admitter:
 
     async def _round(self, limit: int) -> None:
         offers, epoch = self._offers(limit)
+        if not offers:  # every ready request was held back for a producer
+            return
         self.round_id += 1
-        started, cpu = time.time(), time.process_time()
+        started = time.time()
         async with self.plane.lock:
             await self.plane.broadcast(
                 encode(AdmitRound(self.round_id, [_entry(o) for o in offers]))
             )
             result = await run_round(self.plane, self.stage.book, offers, self.mode)
         self.round_seconds.append(result.seconds)
-        self.round_cpu_s.append(time.process_time() - cpu)
+        self.round_cpu_s.append(result.cpu_s)
         self.round_spans.append((started, time.time(), len(offers)))
         self.counters += result.counters
         for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
@@ -171,8 +290,10 @@ class Admitter:
 
     def _admit_free(self) -> None:
         """The oracle: the same decisions as a round, on rank 0's cache, for free."""
-        t0, cpu = time.perf_counter(), time.process_time()
+        t0, cpu = time.perf_counter(), time.thread_time()
         offers, epoch = self._offers(len(self.intake.waiting))
+        if not offers:  # every ready request was held back for a producer
+            return
         book, p = self.stage.book, self.mode.policy
         flags, points = [], []
         for offer in offers:
@@ -189,10 +310,11 @@ class Admitter:
             self.stage.register(Admitted(offer, point))
             self.oracle_admits.append(OracleAdmit(_entry(offer), point))
         self.round_seconds.append(time.perf_counter() - t0)
-        self.round_cpu_s.append(time.process_time() - cpu)
+        self.round_cpu_s.append(time.thread_time() - cpu)
         for offer in offers[len(flags) :]:  # not tried after the refusal: back to waiting
             self.in_round.discard(offer.request_id)
             self._seen_here.pop(offer.request_id, None)
+            self.inflight = inflight.end(self.inflight, offer.request_id)
         self._apply(offers[: len(flags)], flags, points, epoch)
 
     async def admit_on_path(self) -> None:
@@ -219,7 +341,11 @@ class Admitter:
                 last = time.monotonic()
                 await anyio.sleep(0)  # let the LOOP plan before the next round
                 continue
-            await self.intake.changed.wait(timeout=self.heartbeat_s)
+            timeout = self.heartbeat_s
+            deadline = self.next_deadline()  # a held-back request may go then
+            if deadline is not None:
+                timeout = min(timeout, max(deadline - time.monotonic(), 0.0) + 1e-3)
+            await self.intake.changed.wait(timeout=timeout)
             if time.monotonic() - last >= self.heartbeat_s:
                 self.round_id += 1
                 async with self.plane.lock:

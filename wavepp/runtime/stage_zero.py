@@ -4,7 +4,9 @@ completions that come back from the last stage."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import anyio
@@ -44,6 +46,13 @@ class StageZero:
         self.in_flight = 0  # waves sent and not yet back from the last stage
         self.pending_cancels: list[RequestId] = []  # admitted, to drop with the next wave
         self.measuring: dict[int, Wave] = {}  # measured waves in flight, for the cost fit
+        self.sent: dict[int, tuple[Wave, float]] = {}  # waves in flight, sent when: their
+        #                      chunks' blocks publish everywhere once they leave the last stage
+        self.passage_s: deque[float] = deque(maxlen=16)  # recent send -> back, seconds
+        self.pace: deque[tuple[int, float]] = deque(maxlen=32)  # recent measured waves:
+        #                                     (tokens, seconds of the slowest stage)
+        admitter.recompute_s = self._recompute_s
+        admitter.work_ahead = self._work_ahead
 
     def complete(self, results: Sequence[Finished], cancelled: Sequence[str] = ()) -> None:
         for rid in cancelled:
@@ -66,7 +75,9 @@ class StageZero:
             record = self.intake.records[c.request_id]
             if record.first_chunk_at is None:
                 record.first_chunk_at, record.status = now, "running"
-            chunks.append(ChunkMsg(c.request_id, c.start, c.end, c.num_tokens, record.spec.warmup))
+            shared = self.admitter.sending(c.request_id, c.start, c.end)
+            chunks.append(ChunkMsg(c.request_id, c.start, c.end, c.num_tokens,
+                                   record.spec.warmup, shared))  # fmt: skip
         message = WaveMsg(wave.wave_id, wave.budget, chunks, self.admitter.take_oracle_admits(),
                           cancels=self.pending_cancels)  # fmt: skip
         self.pending_cancels = []
@@ -95,6 +106,7 @@ class StageZero:
                         continue
                     message = self._message(wave)
                     self.in_flight += 1
+                    self.sent[wave.wave_id] = (wave, time.monotonic())
                     output, ended = await self.stage.execute(message, None)
                     if message.chunks and not message.chunks[0].free:
                         self.measuring[wave.wave_id] = wave
@@ -102,6 +114,7 @@ class StageZero:
                     if self.outbound is None:
                         self.in_flight -= 1
                         self._observe(wave.wave_id, times)
+                        self._published(wave.wave_id)
                         self.complete(finished(output, ended), message.cancels)
                     else:
                         message = msgspec.structs.replace(message, stage_s=times)
@@ -119,7 +132,53 @@ class StageZero:
                 return
             self.in_flight -= 1
             self._observe(message.wave_id, message.stage_s)
+            self._published(message.wave_id)
             self.complete(message.finished, message.cancelled)
+
+    def _published(self, wave_id: int) -> None:
+        """A wave left the last stage: every stage ran it (waves run in the same order
+        everywhere) and published its chunks' blocks; requests waiting for them may go."""
+        sent = self.sent.pop(wave_id, None)
+        if sent is not None:
+            wave, at = sent
+            if wave.chunks:
+                self.passage_s.append(time.monotonic() - at)
+            for chunk in wave.chunks:
+                self.admitter.progress(chunk.request_id, chunk.end)
+
+    def _work_ahead(self) -> list[tuple[int, int]]:
+        """(tokens, prefix) of the admitted work not yet planned, in planning order."""
+        return [(p.remaining, p.next_token) for p in self.planner.queue]
+
+    def _recompute_s(self, tokens: int, prefix: int, ahead: Sequence[tuple[int, int]]) -> float:
+        """Seconds until a request admitted now would have computed ``tokens`` after
+        ``prefix`` itself: the planner is first come first served, so the work
+        ``ahead`` of it ((tokens, prefix) pairs: admitted and not yet planned, then the
+        offers before it in its round) goes first, then its own tokens; its last chunk
+        then takes a wave's passage through the pipeline. Work is timed at the
+        pipeline's measured pace (tokens per second of the slowest stage over recent
+        waves), else by the fitted cost model; the passage is the median measured
+        send-to-back time of recent waves, else the predicted chunk time on every stage.
+        A request waits for a producer at most this long."""
+        total = self._time_of([*ahead, (tokens, prefix)])
+        if self.passage_s:
+            return total + statistics.median(self.passage_s)
+        model = self.planner.cost_fit.model()
+        last = model.wave([(min(tokens, self.planner.ctx.budget), prefix)])
+        return total + (getattr(self.admitter.plane, "world_size", 1) - 1) * last
+
+    def _time_of(self, work: Sequence[tuple[int, int]]) -> float:
+        """Seconds the slowest stage takes for (tokens, prefix) work run back to back."""
+        num_tokens = sum(t for t, _ in work)
+        if num_tokens == 0:
+            return 0.0
+        measured = sum(t for t, _ in self.pace), sum(s for _, s in self.pace)
+        if measured[0] and measured[1]:
+            return num_tokens * measured[1] / measured[0]
+        model = self.planner.cost_fit.model()
+        waves = math.ceil(num_tokens / self.planner.ctx.budget)
+        compute = sum(model.chunk(t, p) for t, p in work)
+        return waves * model.d + max(compute, waves * model.floor)
 
     def _observe(self, wave_id: int, stage_s: Sequence[float]) -> None:
         """The slowest stage's whole time on a measured wave teaches the cost fit (it
@@ -127,3 +186,4 @@ class StageZero:
         wave = self.measuring.pop(wave_id, None)
         if wave is not None and stage_s:
             self.planner.observe(wave, max(stage_s))
+            self.pace.append((wave.num_tokens, max(stage_s)))
