@@ -9,6 +9,15 @@ evict, then measures on that one value:
 - ``hash_ns_per_token``: chained block hashing of a 200K-token prompt;
 - ``admit_ms_200k``: lease + escrow + materialize of one 200K-token request.
 
+``--hybrid`` measures a recurrent stage instead (issue 14): 64 prompts of 200K and of
+1M tokens branch off one shared document at arbitrary blocks; each has a snapshot at
+its junction (where it leaves the document) and, in the *dense* case, one every
+``--snapshot-interval`` blocks, 90% of it cached. In the *sparse* case only the
+junctions remain (interval snapshots evicted), so the snapshot floor lies far below the
+attention hit. Per case: the whole hybrid probe (gallop + bisect, then the floor
+search), the floor search alone, and the floor's linear scan back from the hit, all on
+the same cache value in the same run.
+
 Every reducer is pure, so each repetition starts from the same cache value.
 """
 
@@ -21,6 +30,7 @@ import numpy as np
 
 from wavepp.bench._stats import emit, percentile
 from wavepp.state import (
+    attention_hit,
     audit,
     block_hashes,
     empty_cache,
@@ -31,6 +41,9 @@ from wavepp.state import (
     probe_linear,
     publish,
     release,
+    reserve_snapshots,
+    snapshot_floor,
+    snapshot_floor_linear,
 )
 
 
@@ -117,6 +130,79 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _build_hybrid(args: argparse.Namespace, prompt_tokens: int, dense: bool):
+    """64 prompts branching off one document, 90% cached, junction snapshots (and, if
+    ``dense``, one every interval) on a recurrent stage."""
+    rng = np.random.default_rng(args.seed)
+    n = prompt_tokens // args.block_size
+    cached = int(n * args.hit)
+    doc = rng.integers(0, 32_000, size=prompt_tokens, dtype=np.int32)
+    chains, junctions = [], []
+    for _ in range(args.requests):
+        junction = int(rng.integers(n // 4, n // 2))  # any block, rarely an interval point
+        own = rng.integers(0, 32_000, size=prompt_tokens - junction * args.block_size)
+        chains.append(block_hashes(np.concatenate([doc[: junction * args.block_size], own]),
+                                   args.block_size))  # fmt: skip
+        junctions.append(junction)
+    capacity = n + args.requests * cached
+    cache = empty_cache(capacity, has_recurrent=True)
+    step = args.snapshot_interval
+    for i, (chain, junction) in enumerate(zip(chains, junctions, strict=True)):
+        rid = f"seed{i}"
+        held = attention_hit(cache, chain, cached)
+        point = snapshot_floor(cache, chain, held)
+        cache, point = lease(cache, rid, chain, point)
+        cache, ok = escrow(cache, rid, cached - point)
+        assert ok
+        cache, _ = materialize(cache, rid)
+        points = {junction} | ({k for k in range(step, cached + 1, step)} if dense else set())
+        cache, _ = reserve_snapshots(cache, rid, chain, [k for k in points if point < k <= cached])
+        cache = publish(cache, rid, chain, cached)
+        cache = release(cache, rid)
+    audit(cache)
+    return chains, cache, cached
+
+
+def run_hybrid(args: argparse.Namespace) -> dict:
+    ns = time.perf_counter_ns
+    out: dict = {"benchmark": "probe-hybrid", "config": {
+        "block_size": args.block_size, "requests": args.requests, "hit": args.hit,
+        "snapshot_interval": args.snapshot_interval, "repeats": args.repeats,
+        "seed": args.seed}}  # fmt: skip
+    for tokens in args.hybrid_tokens:
+        for dense in (True, False):
+            chains, cache, cached = _build_hybrid(args, tokens, dense)
+            probe_us, floor_us, linear_us = [], [], []
+            for _ in range(args.repeats):
+                for chain in chains:
+                    t0 = ns()
+                    point = probe(cache, chain)
+                    probe_us.append((ns() - t0) / 1e3)
+                    t0 = ns()
+                    floor = snapshot_floor(cache, chain, cached)
+                    floor_us.append((ns() - t0) / 1e3)
+                    assert point == floor
+            for chain in chains:
+                t0 = ns()
+                floor = snapshot_floor_linear(cache, chain, cached)
+                linear_us.append((ns() - t0) / 1e3)
+                assert floor == snapshot_floor(cache, chain, cached)
+            gap = [cached - snapshot_floor(cache, c, cached) for c in chains]
+            name = f"{tokens // 1000}k_{'dense' if dense else 'sparse'}"
+            out[name] = {
+                "prompt_tokens": tokens,
+                "snapshots": len(cache.snapshots),
+                "blocks_hit_to_floor_p50": int(np.median(gap)),
+                "probe_p50_us": round(percentile(probe_us, 50), 3),
+                "probe_p99_us": round(percentile(probe_us, 99), 3),
+                "floor_search_p50_us": round(percentile(floor_us, 50), 3),
+                "floor_search_p99_us": round(percentile(floor_us, 99), 3),
+                "floor_linear_p50_us": round(percentile(linear_us, 50), 3),
+                "floor_linear_p99_us": round(percentile(linear_us, 99), 3),
+            }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m wavepp.bench.probe",
@@ -130,9 +216,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="probes of each prompt")
     parser.add_argument("--admits", type=int, default=20, help="timed admissions")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="measure a recurrent stage's probe and snapshot floor instead",
+    )
+    parser.add_argument(
+        "--hybrid-tokens",
+        type=int,
+        nargs="+",
+        default=[200_000, 1_000_000],
+        help="--hybrid: prompt lengths to build",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=int,
+        default=16,
+        help="--hybrid: blocks between snapshots in the dense case",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures here")
     args = parser.parse_args(argv)
-    emit(run(args), args.json)
+    emit(run_hybrid(args) if args.hybrid else run(args), args.json)
 
 
 if __name__ == "__main__":

@@ -46,11 +46,17 @@ def snapshot_floor(cache: StageCache, hashes: Sequence[BlockHash], point: int) -
     short; exact, because every snapshot sits on a cached block (the property suite
     checks both agree).
     """
-    point = attention_hit(cache, hashes, point)  # no snapshot beyond the cached blocks
-    if point == 0:
+    point = min(point, len(hashes))
+    if point <= 0:
         return 0
+    node_id = cache.index.get(hashes[point - 1])
+    if node_id is None:  # no snapshot beyond the cached blocks
+        point = attention_hit(cache, hashes, point)
+        if point == 0:
+            return 0
+        node_id = cache.index[hashes[point - 1]]
     nodes, marks = cache.nodes, cache.snapshot_marks
-    node = nodes[cache.index[hashes[point - 1]]]
+    node = nodes[node_id]
     limit = point  # snapshots at k ≤ limit lie on the path
     while True:
         ks = marks.get(node.node_id)
