@@ -13,8 +13,9 @@ In-flight prefix sharing (DESIGN §4b): a queued request whose leading blocks an
 admitted request (or one offered earlier in the same round) is computing, beyond what
 rank 0 has cached, is held back — not offered — until the producer's chunk covering
 them has left the last stage (then every stage has published them and the round finds
-them cached), the producer ends, or waiting would cost more than recomputing by the
-fitted cost model. The dependency lives in a pure value (``wavepp.state.inflight``).
+them cached), the producer ends, or waiting would take longer than recomputing them
+(measured pace, else the fitted cost model; once the covering chunk is in the pipeline
+waiting is never slower). The dependency lives in a pure value (``wavepp.state.inflight``).
 A held-back request does not block the queue: requests behind it are offered meanwhile
 (it waits for compute already under way, not for room).
 
