@@ -11,21 +11,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wavepp.state import (
-    RequestId,
-    audit,
-    cancel,
-    empty_cache,
-    escrow,
-    lease,
-    materialize,
-    probe,
-    publish,
-    release,
-    reserve_snapshots,
-    snapshot_floor,
-    snapshot_floor_linear,
-)
+from wavepp import state
+from wavepp.state import RequestId
 
 
 @st.composite
@@ -53,27 +40,28 @@ def lives(draw):
 @settings(max_examples=300, deadline=None)
 @given(lives(), st.integers(8, 40), st.integers(0, 12))
 def test_floor_search_equals_linear_scan(requests, capacity, snapshot_capacity) -> None:
-    cache = empty_cache(capacity, has_recurrent=True, snapshot_capacity=snapshot_capacity)
+    cache = state.empty_cache(capacity, has_recurrent=True, snapshot_capacity=snapshot_capacity)
     for i, (path, cuts, asks) in enumerate(requests):
         if len(path) > capacity:
             continue
         rid = RequestId(f"r{i}")
-        cache, point = lease(cache, rid, path, probe(cache, path))
-        cache, ok = escrow(cache, rid, len(path) - point)
+        cache, point = state.lease(cache, rid, path, state.probe(cache, path))
+        cache, ok = state.escrow(cache, rid, len(path) - point)
         if not ok:
-            cache = cancel(cache, rid)
+            cache = state.cancel(cache, rid)
             continue
         held = point
         for end, ask in zip(cuts, asks, strict=True):
             if end <= held:
                 continue
-            cache, _ = materialize(cache, rid, end - held)
+            cache, _ = state.materialize(cache, rid, end - held)
             points = [k for k in ask if held < k <= end]
-            cache, _ = reserve_snapshots(cache, rid, path, points)
-            cache = publish(cache, rid, path, end)
+            cache, _ = state.reserve_snapshots(cache, rid, path, points)
+            cache = state.publish(cache, rid, path, end)
             held = end
-        cache = release(cache, rid)
-        audit(cache)  # snapshot_marks included
+        cache = state.release(cache, rid)
+        state.audit(cache)  # snapshot_marks included
         for other, _, _ in requests:
             for k in range(len(other) + 1):
-                assert snapshot_floor(cache, other, k) == snapshot_floor_linear(cache, other, k)
+                searched = state.snapshot_floor(cache, other, k)
+                assert searched == state.snapshot_floor_linear(cache, other, k)

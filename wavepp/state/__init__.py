@@ -29,6 +29,7 @@ from wavepp.state.inflight import InFlight, empty_inflight
 from wavepp.state.probe import (
     MASK_WIDTH,
     attention_hit,
+    longest_prefix,
     point_from_mask,
     probe,
     probe_linear,
@@ -87,6 +88,7 @@ __all__ = [
     "escrow",
     "extend_block_hashes",
     "lease",
+    "longest_prefix",
     "lru_key",
     "materialize",
     "num_blocks_for",

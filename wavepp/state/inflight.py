@@ -33,6 +33,7 @@ import immutables
 
 from wavepp.state.errors import InvariantError
 from wavepp.state.ids import BlockHash, RequestId
+from wavepp.state.probe import longest_prefix
 
 __all__ = [
     "InFlight",
@@ -155,19 +156,9 @@ def shared_prefix(
     """The longest k ≤ limit with blocks 0..k-1 held by a live producer, and the holder
     of block k-1 that has published most of it; ``(None, 0)`` when none holds block 0."""
     holders = fl.holders
-    n = len(hashes) if limit is None else min(limit, len(hashes))
-    if n == 0 or hashes[0] not in holders:
+    lo = longest_prefix(holders, hashes, limit)
+    if lo == 0:
         return None, 0
-    lo, size = 1, 2
-    while size <= n and hashes[size - 1] in holders:
-        lo, size = size, size * 2
-    hi = min(size, n + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if hashes[mid - 1] in holders:
-            lo = mid
-        else:
-            hi = mid
     best = max(holders[hashes[lo - 1]], key=lambda r: fl.producers[r].done)
     return best, lo
 

@@ -9,31 +9,41 @@ chain is cached, so are blocks 0..i-1.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from wavepp.state.cache import StageCache
 from wavepp.state.ids import BlockHash
 
 
-def attention_hit(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
-    """Largest k ≤ limit with blocks 0..k-1 cached, in O(log k) index look-ups."""
-    index = cache.index
+def longest_prefix(
+    members: Container[BlockHash], hashes: Sequence[BlockHash], limit: int | None = None
+) -> int:
+    """Largest k ≤ limit with blocks 0..k-1 all in ``members``, in O(log k) look-ups.
+
+    Exact when ``members`` is prefix-closed along every chain (if block i is in, so are
+    blocks 0..i-1): a cache under leaf-first eviction, the blocks of live requests.
+    """
     n = len(hashes) if limit is None else min(limit, len(hashes))
-    if n == 0 or hashes[0] not in index:
+    if n == 0 or hashes[0] not in members:
         return 0
     # Gallop: prefixes of 1, 2, 4, ... blocks until one is missing.
-    lo, size = 1, 2  # lo: a prefix length known cached
-    while size <= n and hashes[size - 1] in index:
+    lo, size = 1, 2  # lo: a prefix length known present
+    while size <= n and hashes[size - 1] in members:
         lo, size = size, size * 2
     hi = min(size, n + 1)  # a prefix length known missing (or n + 1)
-    # Bisect: invariant lo cached, hi missing.
+    # Bisect: invariant lo present, hi missing.
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if hashes[mid - 1] in index:
+        if hashes[mid - 1] in members:
             lo = mid
         else:
             hi = mid
     return lo
+
+
+def attention_hit(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
+    """Largest k ≤ limit with blocks 0..k-1 cached, in O(log k) index look-ups."""
+    return longest_prefix(cache.index, hashes, limit)
 
 
 def snapshot_floor(cache: StageCache, hashes: Sequence[BlockHash], point: int) -> int:
