@@ -16,7 +16,7 @@ plans full waves, as static does — then turns b into a
 wave first come first served until the predicted time reaches it (never more than M
 tokens). Chunks deep into long prompts get fewer tokens, short-prefix chunks more, so
 waves take equal time. Where a token's cost depends on neither its prefix nor its wave
-(c = d = 0) it plans exactly what MPU plans.
+(c = d = floor = 0) it plans exactly what MPU plans.
 
 The coefficients are fitted online from measured stage times (:func:`observe`), by
 ridge regression toward a prior taken from the executor's cost model; waves at the
