@@ -236,8 +236,8 @@ async def rank_main(
     if pools:
         given = [pool.blocks for pool in pools]
         if rank == 0:
-            log(f"KV pools from device memory (SIMULATED {c.sim_device}): "
-                + "; ".join(f"stage {s} {pool.describe()}" for s, pool in enumerate(pools)))  # fmt: skip
+            each = "; ".join(f"stage {s} {pool.describe()}" for s, pool in enumerate(pools))
+            log(f"KV pools from device memory (SIMULATED {c.sim_device}): {each}")
     proposed = given[rank] if given else (auto_capacity(c, specs) if rank == 0 else 0)
     widest, runnable = await plane.all_min([-proposed, runnable])
     if not runnable:
