@@ -36,7 +36,7 @@ from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.exec.watchdog import Watchdog
 from wavepp.metrics import summarize, table
 from wavepp.plan import CostFit, CostModel, PlanContext
-from wavepp.policy import Policy, PolicyError, for_rung, load_policy, with_overrides
+from wavepp.policy import Policy, PolicyError, for_run
 from wavepp.rounds.admission import RoundMode, StageBook
 from wavepp.rounds.messages import MAX_MESSAGE_BYTES, StageReport, decode_untrusted, encode
 from wavepp.rungs import RUNGS, Admission
@@ -130,9 +130,9 @@ def pick_policy(c: RunConfig, rung) -> Policy:
     """The policy in use: ``--policy`` (or the default), single fields overridden by
     ``--planner`` / ``--probe`` / ``--eviction``, the rest filled in by the rung."""
     try:
-        policy = with_overrides(load_policy(c.policy or "default"), planner=c.planner,
-                                probe=c.probe, eviction=c.eviction)  # fmt: skip
-        return for_rung(policy, linear_probe=rung.linear_probe, planner=rung.planner)
+        return for_run(c.policy or "default", linear_probe=rung.linear_probe,
+                       rung_planner=rung.planner, planner=c.planner, probe=c.probe,
+                       eviction=c.eviction)  # fmt: skip
     except PolicyError as error:
         raise SystemExit(f"wavepp: {error}") from None
 

@@ -16,6 +16,7 @@ from wavepp.policy import (
     EscrowOrder,
     PolicyError,
     every_interval_and_end,
+    for_run,
     for_rung,
     load_policy,
     with_overrides,
@@ -72,6 +73,14 @@ def test_the_rung_fills_what_the_policy_leaves_open():
     r5 = for_rung(own, linear_probe=False, planner="cost")
     assert r5.planner is mpu  # the policy's own planner wins over the rung's
     assert for_rung(DEFAULT, linear_probe=False, planner="cost").planner is cost
+
+
+def test_command_line_fields_win_over_the_rungs():
+    r1 = for_run("default", linear_probe=True, rung_planner="static", probe="gallop")
+    assert r1.probe is state.probe  # --rung R1 --probe gallop gallops
+    assert for_run("default", linear_probe=True, rung_planner="static").probe is state.probe_linear
+    r5 = for_run("default", linear_probe=False, rung_planner="cost", planner="mpu")
+    assert r5.planner is mpu
 
 
 def test_the_cost_planner_needs_the_runtime_fit():

@@ -113,3 +113,12 @@ def for_rung(policy: Policy, *, linear_probe: bool, planner: str) -> Policy:
     if policy.planner is None:
         changes["planner"] = resolve_planner(planner)
     return attrs.evolve(policy, **changes) if changes else policy
+
+
+def for_run(spec: str, *, linear_probe: bool, rung_planner: str, planner: str | None = None,
+            probe: str | None = None, eviction: str | None = None) -> Policy:  # fmt: skip
+    """The policy a run uses: ``spec`` loaded, what it leaves open filled in by the rung,
+    then the command line's single fields on top — they win over the rung's choice too
+    (``--rung R1 --probe gallop`` gallops)."""
+    policy = for_rung(load_policy(spec), linear_probe=linear_probe, planner=rung_planner)
+    return with_overrides(policy, planner=planner, probe=probe, eviction=eviction)
