@@ -180,6 +180,23 @@ def device_pools(c: RunConfig, world: int) -> list[StagePool] | None:
         return None
 
 
+def _too_long(specs, min_capacity: int, block_size: int) -> list[dict]:
+    """Requests no stage pool could ever hold, as rejected lines (the intake's words)."""
+    out = []
+    for spec in specs:
+        blocks = num_blocks_for(spec.num_tokens, block_size)
+        if blocks > min_capacity:
+            out.append({"line": None, "id": spec.request_id,
+                        "error": f"request {spec.request_id}: prompt of {spec.num_tokens:,} "
+                                 f"tokens needs {blocks:,} blocks; the smallest stage pool "
+                                 f"holds {min_capacity:,}"})  # fmt: skip
+    return out
+
+
+def _where(rejected: dict) -> str:
+    return f"line {rejected['line']}" if rejected.get("line") else f"request {rejected['id']}"
+
+
 def seeded_need(c: RunConfig, specs) -> int:
     """Blocks a seeded or mixed workload needs so its seeded prefixes stay cached: the
     prefixes, plus ``concurrency`` times the most new blocks of one measured request (0
@@ -230,7 +247,6 @@ async def rank_main(
         specs, rejected, cancels = build_workload(c, vocab or VOCAB)
     # Every rank needs the pool size; rank 0 derives it from the workload. A requests
     # file with no runnable line ends the run on every rank (runnable = 0).
-    runnable = 0 if rank == 0 and client is None and not specs else 1
     given = stage_capacities(c, world)
     pools = None if given else device_pools(c, world)
     if pools:
@@ -238,15 +254,21 @@ async def rank_main(
         if rank == 0:
             each = "; ".join(f"stage {s} {pool.describe()}" for s, pool in enumerate(pools))
             log(f"KV pools from device memory (SIMULATED {c.sim_device}): {each}")
+    if rank == 0 and client is None and given and c.workload in ("file", "trace"):
+        too_long = _too_long(specs, min(given), c.block_size)
+        if specs and len(too_long) == len(specs):  # not one line fits: nothing to run
+            specs, rejected = [], rejected + too_long
+    runnable = 0 if rank == 0 and client is None and not specs else 1
     proposed = given[rank] if given else (auto_capacity(c, specs) if rank == 0 else 0)
     widest, runnable = await plane.all_min([-proposed, runnable])
     if not runnable:
         if rank == 0:
-            lines = "; ".join(f"line {r['line']}: {r['error'].split(': ', 1)[-1]}"
+            lines = "; ".join(f"{_where(r)}: {r['error'].split(': ', 1)[-1]}"
                               for r in rejected[:5])  # fmt: skip
             more = f" (and {len(rejected) - 5} more)" if len(rejected) > 5 else ""
-            log(f"{c.requests_file}: no runnable request ({len(rejected)} lines rejected"
-                f"{': ' + lines + more if rejected else ', the file is empty'})")  # fmt: skip
+            said = ": " + lines + more if rejected else ", the file is empty"
+            log(f"{c.requests_file or c.trace}: no runnable request ({len(rejected)} lines "
+                f"rejected{said})")  # fmt: skip
         return None, 2
     capacity = given[rank] if given else -widest
     min_capacity = min(given) if given else capacity
@@ -314,6 +336,9 @@ async def rank_main(
                     inner.start_soon(follow_rounds, plane, stage, mode)
                     inner.start_soon(follow_waves, stage, inbound, outbound, done)
             tg.cancel_scope.cancel()  # the run is over: stop watching signals
+    if interrupted:  # a second Ctrl-C or SIGTERM must not lose the record being written
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
 
     # Leak check on every stage, gathered on rank 0 (locally only when interrupted:
     # the planes may hold abandoned transfers).
