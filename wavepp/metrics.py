@@ -70,6 +70,8 @@ def summarize(
                                if r.done_at is not None and r.error and not r.cancelled),
         "unfinished_requests": len(unfinished),
         "cancelled_requests": sum(1 for r in measured if r.cancelled),
+        # warm-up requests that did not complete (rejected, cancelled, failed, unfinished)
+        "warmup_not_done": sum(1 for r in records if r.spec.warmup and r.status != "done"),
         "input_tokens": tokens,
         "leak_check": [
             {

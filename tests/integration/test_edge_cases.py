@@ -33,22 +33,33 @@ def test_every_request_rejected_ends_at_once_and_says_why(tmp_path):
                for line in lines), lines  # fmt: skip
     record = json.loads(out.read_text())
     assert record["measured_requests"] == 4 and record["failed_requests"] == 4
+    assert record["warmup_not_done"] == 1  # the one warm-up request, rejected
     assert all(r["status"] == "rejected" for r in record["requests"])
     assert all(leak["balanced"] for leak in record["leak_check"])
 
 
-@pytest.mark.parametrize("content", ["", '{"id": "a", "tokens": []}\nnot json\n'])
-def test_a_requests_file_with_nothing_runnable_exits_2_naming_the_file(tmp_path, content):
+TOO_LONG = "".join(json.dumps({"id": rid, "tokens": list(range(100))}) + "\n" for rid in "ab")
+
+
+@pytest.mark.parametrize("content,extra,names", [
+    ("", [], []),
+    ('{"id": "a", "tokens": []}\nnot json\n', [], ["line 1:", "line 2:"]),
+    # Every line parses, but none fits the pool given on the command line.
+    (TOO_LONG, ["--capacity-blocks", "2", "--block-size", "16"],
+     ["request a: prompt of 100 tokens needs 7 blocks; the smallest stage pool holds 2",
+      "request b:"]),
+])  # fmt: skip
+def test_a_requests_file_with_nothing_runnable_exits_2_naming_the_file(tmp_path, content,
+                                                                        extra, names):  # fmt: skip
     path = tmp_path / "requests.jsonl"
     path.write_text(content)
     proc = run([*TORCHRUN, "--nproc-per-node=2", "-m", "wavepp.main", "--no-progress",
-                "--requests-file", str(path)])  # fmt: skip
+                "--requests-file", str(path), *extra])  # fmt: skip
     lines = wavepp_lines(proc.stderr)
     said = [line for line in lines if "no runnable request" in line]
     assert len(said) == 1 and str(path) in said[0], lines
     assert ("the file is empty" in said[0]) == (content == "")
-    if content:
-        assert "line 1:" in said[0] and "line 2:" in said[0]
+    assert all(name in said[0] for name in names), said[0]
     assert "ValueError" not in proc.stderr and "positive pool capacity" not in proc.stderr
     # The ranks exit 2; torchrun reports that in its own failure summary.
     assert proc.stderr.count("exitcode  : 2") == 2 and proc.returncode != 0
