@@ -111,7 +111,8 @@ HELP: dict[str, str] = {
     "matrix rate); default: the model profile's (nvfp4 for the paper's models)",
     "device": "torch executor: 'cuda' (this rank's GPU by LOCAL_RANK), 'cpu', or 'auto' "
     "(cuda when present)",
-    "dtype": "torch executor: dtype of weights, KV pool and recurrent states",
+    "dtype": "torch executor: dtype of weights, checkpoint loading, activations and the KV "
+             "pool (recurrent states and their snapshots stay float32)",
     "threads": "CPU threads per rank (0: the cores divided by the ranks on this node)",
     "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",

@@ -106,7 +106,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
         cfg = BUILTIN[c.model]
         weights = random_weights(cfg, c.seed)
     elif Path(c.model).is_dir():
-        cfg, weights = load_checkpoint(c.model)
+        cfg, weights = load_checkpoint(c.model, pick_dtype(c.dtype))
     else:
         raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
                          f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip

@@ -8,7 +8,8 @@
     1e-3; bf16: max |Δlogit| ≤ 5% of the logit range and the same argmax.
 (b) **Stage throughput**: one stage of a mid-size Llama (bf16) on one prompt, cold and
     90% cached, against ``transformers``' forward; with FlashInfer (when installed) and
-    with the SDPA fallback.
+    with the plain-torch fallback (``attention._math_attend``: public SDPA returns no
+    log-sum-exp, which merging the prefix runs needs).
 (c) **A 2-rank pipeline**: ``torchrun --nproc-per-node 2`` on the GPU(s) — NCCL between
     two GPUs, or Gloo over CUDA tensors when only one exists — checked against the same
     run on CPU (first tokens equal).
@@ -166,7 +167,7 @@ def throughput(tokens_n: int, chunk: int, repeats: int, seed: int) -> list[dict]
 
     rows = []
     kernels = [("flashinfer", None)] if attention._flashinfer() is not None else []
-    kernels.append(("sdpa-fallback", [None]))
+    kernels.append(("torch-fallback", [None]))
     for cached in (0, int(tokens_n * 0.9) // bs * bs):
         hf_s = min(theirs(cached) for _ in range(repeats))
         for name, override in kernels:

@@ -62,8 +62,10 @@ def config_from_hf(data: dict) -> ModelConfig | FamilyConfig:
 
 
 def load_checkpoint(
-    path: str | Path,
+    path: str | Path, dtype: torch.dtype = torch.float32
 ) -> tuple[ModelConfig | FamilyConfig, dict[str, torch.Tensor]]:
+    """The config and the weights, each tensor read straight into ``dtype`` (the run's
+    ``--dtype``: a bf16 run never holds a float32 copy of the checkpoint)."""
     root = Path(path)
     if (root / OWN_CONFIG).exists():
         cfg = ModelConfig(**json.loads((root / OWN_CONFIG).read_text()))
@@ -76,7 +78,7 @@ def load_checkpoint(
         raise FileNotFoundError(f"no *.safetensors in {root}")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+        weights.update({k: v.to(dtype) for k, v in load_file(str(file)).items()})
     cfg.validate()
     return cfg, weights
 
