@@ -71,10 +71,9 @@ def chunk_delta(q, k, v, g, beta, state, cuts: tuple[int, ...] = (), chunk: int 
         slots = padded.view(num_pieces, chunk, heads, -1)
         index = None
     else:
-        index = torch.full((num_pieces, chunk), num_tokens, dtype=torch.long)
-        for n, (a, b) in enumerate(pieces):
-            index[n, : b - a] = torch.arange(a, b)
-        index = index.to(k.device)
+        bounds = torch.tensor(pieces, dtype=torch.long, device=k.device)  # [N, 2]
+        index = bounds[:, :1] + torch.arange(chunk, device=k.device)  # token of each slot
+        index = index.masked_fill_(index >= bounds[:, 1:], num_tokens)  # padding slots
         slots = F.pad(packed, (0, 0, 0, 0, 0, 1))[index]  # [N, C, H, .]
     slots = slots.transpose(1, 2).contiguous()  # [N, H, C, .]
     qs, ks, vs, bs, gs = slots.split([dk, dk, dv, 1, dk if per_channel else 1], dim=-1)
