@@ -26,7 +26,7 @@ PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrin
 class Finding:
     """One broken invariant: what broke and the shrunk steps that break it."""
 
-    invariant: str  # a key of INVARIANTS, or "error" for a failure of no invariant
+    invariant: str  # a key of INVARIANTS
     detail: str
     steps: tuple[str, ...]  # Hypothesis's minimal failing example, one line a step
     where: str  # "admission machine" or "planner <name>"
@@ -94,7 +94,8 @@ def _findings(error: BaseException, where: str, notes: list[str]) -> list[Findin
             out.append(Finding(leaf.invariant, detail, steps, where))
         else:
             detail = f"{type(leaf).__name__}: {leaf}"
-            out.append(Finding("error", detail, steps, where))
+            # An error outside any checked step (the policy broke the machine itself).
+            out.append(Finding("no_unexpected_error", detail, steps, where))
     return out
 
 

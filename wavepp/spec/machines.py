@@ -142,6 +142,9 @@ class _Request:
         self.materialized: set[int] = set()  # stages
         self.published = 0  # blocks past the point
 
+    def __repr__(self) -> str:  # how Hypothesis prints a drawn request in shrunk steps
+        return f"_Request({self.rid!r}, {self.tokens!r})"
+
     def offer(self) -> Offer:
         return Offer(self.rid, self.num_tokens, self.hashes, (self.num_tokens - 1) // BLOCK)
 
