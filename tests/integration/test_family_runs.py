@@ -1,7 +1,8 @@
-"""A Kimi Linear checkpoint saved by transformers, run by ``torchrun -m wavepp.main`` on
-two ranks with a requests file: first tokens equal transformers' argmax, a follow-up
-turn reuses the first prompt's cached blocks (its snapshot at the request end), and an
-uneven --layers-per-stage that does not fit the model fails with the numbers."""
+"""A checkpoint of each family (Kimi Linear, Qwen3-Next, MiniMax-M2) saved by
+transformers, run by ``torchrun -m wavepp.main`` on two ranks with a requests file and
+layers split unevenly: first tokens equal transformers' argmax, a follow-up turn reuses
+the first prompt's cached blocks (for the hybrids, from its snapshot at the request end),
+and a --layers-per-stage that does not fit the model fails with the numbers."""
 
 import json
 import subprocess
@@ -15,8 +16,10 @@ from tests.parity.families import hf_last_logits, make_checkpoint
 pytestmark = pytest.mark.slow
 
 
-def test_kimi_linear_checkpoint_runs_on_two_ranks(run_wavepp, tmp_path):
-    model, path = make_checkpoint("kimi_linear", tmp_path / "kimi")
+@pytest.mark.parametrize("family,split", [("kimi_linear", "2,3"), ("qwen3_next", "3,2"),
+                                          ("minimax_m2", "1,3")])  # fmt: skip
+def test_family_checkpoint_runs_on_two_ranks(run_wavepp, tmp_path, family, split):
+    model, path = make_checkpoint(family, tmp_path / family)
     rng = np.random.default_rng(4)
     doc = rng.integers(0, 300, 200).tolist()
     prompts = {"doc": doc, "turn": doc + rng.integers(0, 300, 60).tolist(),
@@ -27,7 +30,7 @@ def test_kimi_linear_checkpoint_runs_on_two_ranks(run_wavepp, tmp_path):
     # Concurrency 1: "turn" runs after "doc" and resumes from its request-end snapshot.
     record, _ = run_wavepp(2, "--model", str(path), "--requests-file", str(requests),
                            "--concurrency", "1", "--block-size", "16", "--budget", "64",
-                           "--snapshot-interval", "4", "--layers-per-stage", "2,3")  # fmt: skip
+                           "--snapshot-interval", "4", "--layers-per-stage", split)  # fmt: skip
     results = {r["id"]: r for r in record["requests"]}
     for rid, tokens in prompts.items():
         expected = hf_last_logits(model, np.asarray(tokens))

@@ -26,6 +26,7 @@ from wavepp.serve.prom import families, parse_exposition, sample
 pytestmark = pytest.mark.slow
 
 MODEL = ["--model", "tiny-hybrid", "--seed", "0", "--block-size", "16", "--capacity-blocks", "512"]
+MAX_BODY = 64 * 1024
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
 
 
@@ -54,6 +55,8 @@ def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
         "--concurrency",
         "8",
         "--no-progress",
+        "--max-body-bytes",
+        str(MAX_BODY),
         "--json",
         str(tmp_path / "server.json"),
     ]
@@ -70,6 +73,29 @@ def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
     raise AssertionError(
         f"server not ready (exit {proc.poll()}):\n{(tmp_path / 'server.err').read_text()[-4000:]}"
     )
+
+
+def check_bad_input(client: httpx.Client) -> None:
+    """Each kind of bad input gets its 4xx with a message, on the real runtime; the server
+    keeps serving, and the leak check at the end (after SIGTERM) shows nothing was held."""
+    fits_nowhere = list(range(512 * 16 + 1))  # one token more than the 512-block pools hold
+    bad = [
+        ("POST", "/v1/prefill", b"{not json", 400, "JSON"),
+        ("POST", "/v1/prefill", b'{"tokens": [' + b"1, " * (MAX_BODY // 3) + b"1]}", 413,
+         "--max-body-bytes"),
+        ("POST", "/v1/prefill", json.dumps({"tokens": []}).encode(), 400, "empty"),
+        ("POST", "/v1/prefill", json.dumps({"tokens": [1, 10**9]}).encode(), 400, "vocabulary"),
+        ("POST", "/v1/prefill", json.dumps({"tokens": fits_nowhere}).encode(), 400,
+         "the smallest stage pool holds 512"),
+        ("DELETE", "/v1/requests/no-such-request", b"", 404, "no-such-request"),
+    ]  # fmt: skip
+    for method, route, body, status, words in bad:
+        answer = client.request(method, route, content=body,
+                                headers={"content-type": "application/json"})  # fmt: skip
+        assert answer.status_code == status, (route, body[:60], answer.text)
+        assert words in answer.json()["error"]["message"], answer.text
+    good = client.post("/v1/prefill", json={"tokens": [3, 1, 4, 1, 5, 9, 2, 6]})
+    assert good.status_code == 200 and good.json()["first_token"] is not None, good.text
 
 
 def test_server_under_load_matches_offline_and_drains(tmp_path):
@@ -133,6 +159,7 @@ def test_server_under_load_matches_offline_and_drains(tmp_path):
                     break
                 time.sleep(0.5)
             assert busy == [0, 0, 0], busy
+            check_bad_input(client)
         record = json.loads((tmp_path / "load.json").read_text())
         requests = [r for r in record["requests"] if not r["warmup"]]
         assert len(requests) == 200

@@ -118,3 +118,16 @@ async def test_openai_endpoint_gives_the_same_answers():
     for r in record["requests"]:
         tokens = engine.requests["c-" + r["id"]].tokens
         assert r["first_token"] == expected_first_token(tokens, VOCAB)
+
+
+@pytest.mark.parametrize("workload", ["cold", "seeded", "mixed", "short-suffix", "conversation"])
+def test_every_workload_of_the_main_job_builds(workload):
+    from wavepp.bench.load import build_specs
+
+    args = parser().parse_args(["--url", "http://x", "--workload", workload, "--requests", "12",
+                                "--concurrency", "1",
+                                "--prompt-tokens", "64"])  # fmt: skip
+    specs = build_specs(args, VOCAB, 16)
+    assert specs and all(s.tokens.max() < VOCAB for s in specs)
+    if workload != "cold":
+        assert any(s.expected_reuse > 0 for s in specs)

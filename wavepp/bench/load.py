@@ -33,6 +33,7 @@ from wavepp.serve.prom import parse_exposition, sample
 from wavepp.workload import (
     RequestSpec,
     cold,
+    conversation,
     mixed,
     read_requests_file,
     seeded,
@@ -40,7 +41,7 @@ from wavepp.workload import (
     trace,
 )
 
-WORKLOADS = ("cold", "seeded", "mixed", "short-suffix")
+WORKLOADS = ("cold", "seeded", "mixed", "short-suffix", "conversation")
 
 
 @attrs.define
@@ -86,6 +87,8 @@ def build_specs(args: argparse.Namespace, vocab: int, block_size: int) -> list[R
         return seeded(n, length, args.seed, block_size, vocab=vocab)
     if args.workload == "mixed":
         return mixed(n, length, 2 * length, args.seed, block_size, vocab=vocab)
+    if args.workload == "conversation":
+        return conversation(n, length, args.seed, block_size, vocab)
     return short_suffix(n, length, args.seed, block_size, args.suffix_tokens, vocab)
 
 
