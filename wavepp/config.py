@@ -84,8 +84,9 @@ HELP: dict[str, str] = {
     "rung": "runtime configuration of the ablation ladder: " + ", ".join(RUNGS)
     + " (docs/design.md §8)",
     "planner": "override the policy's planner: 'static', 'mpu', 'cost', or 'pkg.mod:fn'",
-    "probe": "override the policy's hint probe: 'gallop', 'linear' or pkg.mod:fn (the "
-    "signature of wavepp.state.probe)",
+    "probe": "override the policy's hint probe: 'gallop' (the default logarithmic probe, a "
+    "walk down the tree with bisections), 'linear' or pkg.mod:fn (the signature of "
+    "wavepp.state.probe)",
     "policy": "a wavepp Policy (every admission, caching and planning decision) as "
     "pkg.mod:NAME; default: the built-in one (docs/policies.md)",
     "eviction": "override the policy's victim order: 'lru' or pkg.mod:NAME naming a "

@@ -29,7 +29,7 @@ class Rung:
     admission: Admission
     reservation: Reservation
     planner: str  # a name in wavepp.plan.PLANNERS or "cost"
-    linear_probe: bool = False  # walk block by block instead of gallop + bisect
+    linear_probe: bool = False  # walk block by block instead of the logarithmic probe
 
     @property
     def eager(self) -> bool:

@@ -3,7 +3,8 @@
 Caches are built by the reducers themselves: requests whose prefixes branch off each
 other at arbitrary blocks lease, escrow, materialize (evicting), reserve snapshots at
 random points in a small snapshot pool (evicting snapshots), publish chunk by chunk and
-release. Then every path and every point is asked for its floor both ways.
+release. Then every path and every point is asked for its floor both ways, and for its
+attention hit and probe both ways (node walk against gallop and linear walk).
 """
 
 from __future__ import annotations
@@ -65,3 +66,7 @@ def test_floor_search_equals_linear_scan(requests, capacity, snapshot_capacity) 
             for k in range(len(other) + 1):
                 searched = state.snapshot_floor(cache, other, k)
                 assert searched == state.snapshot_floor_linear(cache, other, k)
+                # The node walk of the attention hit against the gallop over the index.
+                hit = state.attention_hit(cache, other, k)
+                assert hit == state.longest_prefix(cache.index, other, k)
+                assert state.probe(cache, other, k) == state.probe_linear(cache, other, k)

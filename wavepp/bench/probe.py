@@ -4,7 +4,7 @@ Builds one stage cache holding 90% of each of 64 concurrent 200K-token prompts (
 64: 3,125 blocks a prompt, 2,812 cached), with the pool full so that admission has to
 evict, then measures on that one value:
 
-- ``probe_p50_us`` / ``probe_p99_us``: the hint probe (gallop + bisect);
+- ``probe_p50_us`` / ``probe_p99_us``: the hint probe (tree walk with bisections);
 - ``linear_p50_us``: the block-by-block walk on the same cache in the same run;
 - ``hash_ns_per_token``: chained block hashing of a 200K-token prompt;
 - ``admit_ms_200k``: lease + escrow + materialize of one 200K-token request.
@@ -14,7 +14,7 @@ evict, then measures on that one value:
 its junction (where it leaves the document) and, in the *dense* case, one every
 ``--snapshot-interval`` blocks, 90% of it cached. In the *sparse* case only the
 junctions remain (interval snapshots evicted), so the snapshot floor lies far below the
-attention hit. Per case: the whole hybrid probe (gallop + bisect, then the floor
+attention hit. Per case: the whole hybrid probe (tree walk, then the floor
 search), the floor search alone, and the floor's linear scan back from the hit, all on
 the same cache value in the same run.
 

@@ -213,6 +213,6 @@ def _dotted(value: Any) -> str:
 
 
 DEFAULT = Policy()
-"""Today's runtime: gallop + bisect probe, FCFS escrow, LRU leaf-first eviction,
-snapshots every interval, at request ends and at junctions, in-flight prefix sharing,
-the rung's planner."""
+"""Today's runtime: the logarithmic probe (tree walk + bisections), FCFS escrow, LRU
+leaf-first eviction, snapshots every interval, at request ends and at junctions,
+in-flight prefix sharing, the rung's planner."""

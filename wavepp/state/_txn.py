@@ -288,6 +288,7 @@ class _Txn:
                 attrs.evolve(
                     parent,
                     children=parent.children.delete(node_id),
+                    attaches=_without(parent.attaches, node.attach),
                     recency=max(parent.recency, node.recency),
                 )
             )
@@ -335,11 +336,24 @@ class _Txn:
                     recency=self.clock,
                 )
             )
-            self.put(attrs.evolve(node, children=node.children.set(target, tip_len)))
+            self.put(attrs.evolve(node, children=node.children.set(target, tip_len),
+                                  attaches=_with(node.attaches, tip_len)))  # fmt: skip
         for block in hashes:
             self.index[block] = target
         self.num_cached += len(hashes)
         return target
+
+
+def _with(points: tuple[int, ...], point: int) -> tuple[int, ...]:
+    """A sorted multiset with one more ``point``."""
+    i = bisect.bisect_right(points, point)
+    return (*points[:i], point, *points[i:])
+
+
+def _without(points: tuple[int, ...], point: int) -> tuple[int, ...]:
+    """A sorted multiset with one ``point`` fewer (it holds one)."""
+    i = bisect.bisect_left(points, point)
+    return points[:i] + points[i + 1 :]
 
 
 def _take_runs(runs: list[SlotRun], count: int) -> list[SlotId]:

@@ -89,6 +89,8 @@ def audit(cache: StageCache) -> None:
         for child in node.children:
             if child not in nodes:
                 fail(f"node {node.node_id} lists a missing child {child}")
+        if node.attaches != tuple(sorted(node.children.values())):
+            fail(f"node {node.node_id}'s attach points {node.attaches} are not its children's")
         for block in node.hashes:
             if block in index_seen:
                 fail(f"block {block:#x} is cached twice")

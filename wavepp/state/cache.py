@@ -76,6 +76,7 @@ class Node:
     pins: tuple[int, ...]  # sorted multiset of "keep first n blocks": holds + protected children
     recency: int  # clock of the last use of this node's tail; larger is more recent
     uses: int = 0  # times a request leased, published into or released this node's tail
+    attaches: tuple[int, ...] = ()  # sorted multiset of the children's attach points
 
     @property
     def num_blocks(self) -> int:
@@ -84,7 +85,7 @@ class Node:
     def floor(self) -> int:
         """Blocks that must stay: pinned ones and those under any child (leaf-first)."""
         pinned = self.pins[-1] if self.pins else 0
-        under_child = max(self.children.values()) if self.children else 0
+        under_child = self.attaches[-1] if self.attaches else 0
         return max(pinned, under_child)
 
     def num_evictable_now(self) -> int:

@@ -42,8 +42,72 @@ def longest_prefix(
 
 
 def attention_hit(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
-    """Largest k ≤ limit with blocks 0..k-1 cached, in O(log k) index look-ups."""
-    return longest_prefix(cache.index, hashes, limit)
+    """Largest k ≤ limit with blocks 0..k-1 cached.
+
+    Walks the tree node by node (:func:`_walk`): two map look-ups per node on the path
+    plus bisections over tuples, where a gallop over the index would cost 2·log2(k)
+    look-ups in a map of every cached block.
+    """
+    return _walk(cache, hashes, limit)[0]
+
+
+def _walk(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None):
+    """(the attention hit k, the node holding block k-1, or None when k = 0).
+
+    Inside a node the chain is compared with the node's own hashes. Hashes are chained,
+    so block i of the chain equals block i of a node iff the whole prefix through i does:
+    "equal at i" holds up to the point L where the chain leaves the node and never after
+    (a monotone predicate). The cache can hold the chain past L only in a child attached
+    exactly at L, so the walk first bisects the node's sorted attach points (a few
+    children, not the node's length) for the last one the chain reaches, looks that child
+    up, and bisects block by block only in the node where the chain ends.
+    """
+    n = len(hashes) if limit is None else min(limit, len(hashes))
+    if n <= 0:
+        return 0, None
+    index, nodes = cache.index, cache.nodes
+    node_id = index.get(hashes[0])
+    if node_id is None:
+        return 0, None
+    pos, node = 0, nodes[node_id]  # hashes[pos] is a block of node
+    while True:
+        own, off = node.hashes, node.depth
+        end = min(off + len(own), n)  # the chain positions this node can match
+        if hashes[end - 1] == own[end - 1 - off]:
+            pos = end  # the whole rest of the node matches
+        else:  # equal at pos, different at top: the chain leaves in between
+            top = end - 1
+            atts = node.attaches
+            i = bisect.bisect_right(atts, pos - off)
+            j = bisect.bisect_left(atts, top - off + 1)
+            branch = False
+            while i < j:  # the last attach point a whose block before it still matches
+                m = (i + j) // 2
+                k = off + atts[m] - 1
+                if hashes[k] == own[k - off]:
+                    pos, branch, i = k, True, m + 1
+                else:
+                    top, j = k, m
+            if branch and hashes[pos + 1] != own[pos + 1 - off]:  # left exactly there
+                node_id = index.get(hashes[pos + 1])
+                if node_id is not None:  # into the child attached at pos + 1
+                    pos, node = pos + 1, nodes[node_id]
+                    continue
+                return pos + 1, node
+            lo, hi = pos, top  # the chain ends in this node: bisect for where
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if hashes[mid] == own[mid - off]:
+                    lo = mid
+                else:
+                    hi = mid
+            return lo + 1, node
+        if pos == n:
+            return n, node
+        node_id = index.get(hashes[pos])  # a child attached at the node's end, or nothing
+        if node_id is None:
+            return pos, node
+        node = nodes[node_id]
 
 
 def snapshot_floor(cache: StageCache, hashes: Sequence[BlockHash], point: int) -> int:
@@ -61,12 +125,17 @@ def snapshot_floor(cache: StageCache, hashes: Sequence[BlockHash], point: int) -
         return 0
     node_id = cache.index.get(hashes[point - 1])
     if node_id is None:  # no snapshot beyond the cached blocks
-        point = attention_hit(cache, hashes, point)
-        if point == 0:
+        point, node = _walk(cache, hashes, point)
+        if node is None:
             return 0
-        node_id = cache.index[hashes[point - 1]]
+    else:
+        node = cache.nodes[node_id]
+    return _floor_from(cache, node, point)
+
+
+def _floor_from(cache: StageCache, node, point: int) -> int:
+    """The snapshot floor at or below ``point``, from the node holding block point-1."""
     nodes, marks = cache.nodes, cache.snapshot_marks
-    node = nodes[node_id]
     limit = point  # snapshots at k ≤ limit lie on the path
     while True:
         ks = marks.get(node.node_id)
@@ -91,9 +160,9 @@ def snapshot_floor_linear(cache: StageCache, hashes: Sequence[BlockHash], point:
 
 def probe(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
     """The stage's local reuse point in blocks (attention hit, clamped to a snapshot)."""
-    point = attention_hit(cache, hashes, limit)
-    if cache.has_recurrent:
-        point = snapshot_floor(cache, hashes, point)
+    point, node = _walk(cache, hashes, limit)
+    if cache.has_recurrent and node is not None:
+        point = _floor_from(cache, node, point)
     return point
 
 
