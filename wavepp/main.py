@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -428,6 +429,12 @@ def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
     """Log why this rank fails (and which peer looks gone), tell the peers, exit 1."""
     global _failing
     _failing = True
+    if threading.current_thread() is threading.main_thread():
+        # When the run's signal receiver closed, asyncio put the default handlers back:
+        # the launcher's SIGTERM (it stops every rank once one fails, often within 0.1 s)
+        # would kill this rank silently before it has named the peer that failed.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
     leaves = [error]
     while leaves and isinstance(leaves[0], BaseExceptionGroup):
         leaves = list(leaves[0].exceptions)
