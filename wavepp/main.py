@@ -115,7 +115,14 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights,
                           pick_device(c.device), pick_dtype(c.dtype))  # fmt: skip
     recurrent = any(cfg.kind(layer) == "L" for layer in layers)
-    return TorchExecutor(modules, capacity, c.block_size, snapshot_capacity), recurrent
+    if c.compile:
+        log(f"compiling stage {rank}'s layers (--compile)")
+    executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile)
+    if c.compile:
+        eager = len(layers) - len(executor.fused)
+        log(f"stage {rank}: {len(executor.fused)} of {len(layers)} layers compiled"
+            + (f"; {eager} not Llama-shaped, run eagerly" if eager else ""))  # fmt: skip
+    return executor, recurrent
 
 
 def data_limits(c: RunConfig, executor) -> DataLimits:

@@ -110,3 +110,25 @@ def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():
     assert by_cost > by_count
     # 15 MLA layers cannot split evenly over 4 contiguous stages: the count split is best
     assert balanced_split("kimi-k3-class", "gb300", 4, 131_072, 16_384) == [16, 15, 15, 15]
+
+
+def test_vllm_compare_pairs_repeats():
+    """The verdict is the median over repeats of best WavePP / vLLM within each repeat,
+    not a ratio of medians taken from different moments."""
+    import os
+
+    from wavepp.bench.vllm_compare import _tree_cpu_seconds, summarize
+
+    def run(rep, vllm, p1, p2):
+        return {"row": "r", "repeat": rep, "vllm": {"tok_s": vllm}, "wavepp_p1": {"tok_s": p1},
+                "wavepp_p2": {"tok_s": p2}, "first_tokens_agree": True}  # fmt: skip
+
+    (s,) = summarize([run(0, 100, 90, 80), run(1, 200, 100, 210), run(2, 50, 40, 30)])
+    assert s["best_wavepp_over_vllm"] == 0.9  # per repeat: 0.9, 1.05, 0.8
+    assert s["ratio_range"] == [0.8, 1.05]
+    assert (s["vllm"], s["wavepp_p1"], s["wavepp_p2"]) == (100, 90, 80)
+    assert s["first_tokens_agree"] and s["repeats"] == 3
+    without_vllm = {k: v for k, v in run(0, 1, 2, 3).items() if k != "vllm"}
+    (alone,) = summarize([without_vllm])
+    assert "best_wavepp_over_vllm" not in alone and alone["wavepp_p2"] == 3
+    assert _tree_cpu_seconds(os.getpid()) > 0

@@ -9,10 +9,13 @@
 2. **Attention rows**: the block-table attention against the old copying path (gather
    the whole prefix per chunk and layer, dense ``[n, m]`` mask) on the same executor,
    at the ``--attention-lengths`` (90% cached), same run.
-3. ``--pp``: the whole runtime on a cold workload with one stage and with two:
+3. **``--compile`` rows**: the same stage eager and with ``--compile``
+   (``wavepp.exec.fused``), interleaved, at the ``--compile-lengths``, cold and 90%
+   cached, with the largest logit difference.
+4. ``--pp``: the whole runtime on a cold workload with one stage and with two:
    throughput(P=2) / (2 x throughput(P=1)).
 
-Timings interleave WavePP and transformers, so that machine noise hits both alike; each
+Timings interleave the systems they compare, so that machine noise hits both alike; each
 figure is the median of ``--repeats`` runs. Needs ``transformers`` (the ``dev`` extra).
 """
 
@@ -82,7 +85,8 @@ class Sweep:
         import transformers
 
         self.clock = clock
-        self._prefix: tuple | None = None  # the prefix the pool holds
+        self._prefix: dict[int, tuple] = {}  # executor -> the prefix its pool holds
+        self._compiled: TorchExecutor | None = None
 
         cfg = MODELS[model]
         if set(cfg.pattern) != {"A"}:
@@ -112,17 +116,25 @@ class Sweep:
                           (), False, tokens=tokens[a : min(n, a + chunk)])
                 for a in range(start, n, chunk)]  # fmt: skip
 
+    def compiled(self) -> TorchExecutor:
+        """The same stage with ``--compile`` (compiled on first use), its own pool."""
+        if self._compiled is None:
+            self._compiled = TorchExecutor(self.stage, self.blocks, self.block, compile=True)
+        return self._compiled
+
     @torch.inference_mode()
-    def ours_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
+    def ours_seconds(self, tokens: np.ndarray, cached: int, chunk: int,
+                     executor: TorchExecutor | None = None) -> float:  # fmt: skip
+        ex = executor or self.ours
         key = (len(tokens), cached, hash(tokens[:cached].tobytes()))
-        if cached and self._prefix != key:  # the prefix, untimed (kept for the next call:
-            for c in self._chunks(tokens[:cached], 0, 8192):  # a suffix never writes it)
-                self.ours.forward([c], None)
-            self._prefix = key
+        if cached and self._prefix.get(id(ex)) != key:  # the prefix, untimed (kept for
+            for c in self._chunks(tokens[:cached], 0, 8192):  # the next call: a suffix
+                ex.forward([c], None)  # never writes it)
+            self._prefix[id(ex)] = key
         work = self._chunks(tokens, cached, chunk)
         t0 = self.clock()
         for c in work:
-            self.ours.forward([c], None)
+            ex.forward([c], None)
         return self.clock() - t0
 
     @torch.inference_mode()
@@ -143,8 +155,10 @@ class Sweep:
 def sweep(args: argparse.Namespace) -> dict:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     attn_lengths = [int(x) for x in args.attention_lengths.split(",") if x]
+    compile_lengths = [int(x) for x in args.compile_lengths.split(",") if x]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    bench = Sweep(args.model, args.seed, args.block, max(lengths + attn_lengths), clock)
+    longest = max(lengths + attn_lengths + compile_lengths)
+    bench = Sweep(args.model, args.seed, args.block, longest, clock)
     rows = []
     for n in lengths:
         for share in (0.0, 0.9):
@@ -192,9 +206,35 @@ def sweep(args: argparse.Namespace) -> dict:
         print(f"  attention at {n} (90% cached): block table {row['block_table_tok_s']:,.0f} "
               f"tok/s, copying path {row['copying_tok_s']:,.0f} tok/s, x{row['speedup']:.2f}",
               file=sys.stderr, flush=True)  # fmt: skip
+    compiled = []
+    for n in compile_lengths:
+        for share in (0.0, 0.9):
+            tokens = bench.tokens(n)
+            cached = int(n * share) // args.block * args.block
+            eager_s, compiled_s = [], []
+            if not compiled:  # compiles here, then warms both up once
+                bench.ours_seconds(tokens, cached, args.chunk, bench.compiled())
+                bench.ours_seconds(tokens, cached, args.chunk)
+            for _ in range(args.repeats):  # interleaved: the machine's speed drifts
+                eager_s.append(bench.ours_seconds(tokens, cached, args.chunk))
+                compiled_s.append(bench.ours_seconds(tokens, cached, args.chunk,
+                                                     bench.compiled()))  # fmt: skip
+            diff = (bench.ours.last_logits["bench"]
+                    - bench.compiled().last_logits["bench"]).abs().max().item()  # fmt: skip
+            row = {
+                "tokens": n, "cached": cached,
+                "eager_tok_s": (n - cached) / statistics.median(eager_s),
+                "compiled_tok_s": (n - cached) / statistics.median(compiled_s),
+                "speedup": statistics.median(eager_s) / statistics.median(compiled_s),
+                "max_abs_logit_diff": diff,
+            }  # fmt: skip
+            compiled.append(row)
+            print(f"  --compile at {n} ({'cold' if not cached else '90% cached'}): compiled "
+                  f"{row['compiled_tok_s']:,.0f} tok/s, eager {row['eager_tok_s']:,.0f} tok/s, "
+                  f"x{row['speedup']:.2f} (logits differ by {diff:.1e})",
+                  file=sys.stderr, flush=True)  # fmt: skip
     return {"model": args.model, "chunk": args.chunk, "block": args.block, "clock": args.clock,
-            "sweep": rows,
-            "attention": attention}  # fmt: skip
+            "sweep": rows, "attention": attention, "compile": compiled}  # fmt: skip
 
 
 def plot(record: dict, path: str) -> None:
@@ -257,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
         "--attention-lengths",
         default="2048,32768",
         help="lengths of the block-table vs copying rows ('' for none)",
+    )
+    p.add_argument(
+        "--compile-lengths",
+        default="",
+        help="lengths of the --compile vs eager rows, cold and 90%% cached ('' for none; "
+        "compiling takes 10-40 s)",
     )
     p.add_argument("--chunk", type=int, default=2048, help="tokens per wave (cold and suffix)")
     p.add_argument("--block", type=int, default=16, help="KV block size")

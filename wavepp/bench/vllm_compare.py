@@ -8,7 +8,14 @@ prompts run closed-loop; input tokens per second (cached included) and each prom
 first token. The checkpoint is a random-weight Llama written by ``transformers``
 (hidden 256, 4 layers, 4 heads / 2 KV heads, MLP 1024, vocabulary 32,000, fp32).
 
-    python -m wavepp.bench.vllm_compare --vllm-python /tmp/vllm-venv/bin/python --json out.json
+One vLLM engine serves the whole run (its start-up takes minutes) and is asked for one
+row at a time, so that in each repeat a row's three systems (vLLM, WavePP P = 1 and
+P = 2) run back to back, in alternating order: this machine's speed drifts by more
+than the gap being measured. The table gives each system's median and, as the
+verdict, the median over repeats of best WavePP / vLLM within a repeat.
+
+    python -m wavepp.bench.vllm_compare --vllm-python /tmp/vllm-venv/bin/python \
+        --repeats 3 --compile --json out.json
 """
 
 from __future__ import annotations
@@ -79,7 +86,8 @@ def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path)
            f"--nproc-per-node={stages}", "-m", "wavepp.main", "--model", str(ckpt),
            "--requests-file", str(requests), "--concurrency", str(len(measured)),
            "--budget", str(args.budget), "--block-size", str(args.block_size),
-           "--threads", str(threads), "--no-progress", "--json", str(out)]  # fmt: skip
+           "--threads", str(threads), "--no-progress", "--json", str(out),
+           *(["--compile"] if args.compile else [])]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
     record = json.loads(out.read_text())
     firsts = {r["id"]: r["first_token"] for r in record["requests"]}
@@ -92,6 +100,8 @@ import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
+MARK = "@@wavepp "
+
 
 def main():
     job = json.load(open(sys.argv[1]))
@@ -99,8 +109,9 @@ def main():
               enable_chunked_prefill=True, max_num_batched_tokens=4096,
               skip_tokenizer_init=True, max_model_len=job["max_len"], seed=0)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    results = {}
-    for row in job["rows"]:
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:  # one row name per line, until EOF
+        row = job["rows"][line.strip()]
         llm.reset_prefix_cache()  # each row starts from an empty cache, as WavePP's runs do
         if row["seeds"]:
             llm.generate([TokensPrompt(prompt_token_ids=p) for p in row["seeds"]], params)
@@ -109,9 +120,7 @@ def main():
         seconds = time.perf_counter() - t0
         tokens = sum(len(p) for p in row["prompts"])
         firsts = [o.outputs[0].token_ids[0] for o in outs]
-        results[row["name"]] = {"tok_s": tokens / seconds, "first_tokens": firsts}
-        print("row", row["name"], tokens / seconds, file=sys.stderr, flush=True)
-    json.dump(results, open(sys.argv[2], "w"))
+        print(MARK + json.dumps({"tok_s": tokens / seconds, "first_tokens": firsts}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine in a spawned process
@@ -119,24 +128,118 @@ if __name__ == "__main__":  # vLLM starts its engine in a spawned process
 """
 
 
-def run_vllm(ckpt: Path, rows: list[str], args, tmp: Path) -> dict[str, dict]:
-    """All rows in one vLLM engine (its start-up takes minutes), the cache reset per row."""
-    jobs = []
-    for row in rows:
-        seeds, measured = prompts(row)
-        jobs.append({"name": row, "seeds": seeds, "prompts": measured})
-    job, out = tmp / "vllm-job.json", tmp / "vllm-out.json"
-    max_len = max(ROWS[row][1] for row in rows) + 64
-    job.write_text(json.dumps({"model": str(ckpt), "rows": jobs, "max_len": max_len}))
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
-           "VLLM_CPU_KVCACHE_SPACE": "8"}  # fmt: skip
-    driver = tmp / "vllm_driver.py"
-    driver.write_text(_VLLM_DRIVER)
-    proc = subprocess.run([args.vllm_python, str(driver), str(job), str(out)], env=env,
-                          capture_output=True, text=True, timeout=7200)  # fmt: skip
-    if proc.returncode:
-        raise RuntimeError(f"vLLM failed: {proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+class VllmEngine:
+    """vLLM CPU in its own virtual environment, one engine for the whole benchmark (its
+    start-up takes minutes), asked for one row at a time so that its rows interleave
+    with WavePP's runs. Its prefix cache is reset before each row."""
+
+    def __init__(self, ckpt: Path, rows: list[str], args, tmp: Path) -> None:
+        jobs = {}
+        for row in rows:
+            seeds, measured = prompts(row)
+            jobs[row] = {"seeds": seeds, "prompts": measured}
+        job = tmp / "vllm-job.json"
+        max_len = max(ROWS[row][1] for row in rows) + 64
+        job.write_text(json.dumps({"model": str(ckpt), "rows": jobs, "max_len": max_len}))
+        driver = tmp / "vllm_driver.py"
+        driver.write_text(_VLLM_DRIVER)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
+               "VLLM_CPU_KVCACHE_SPACE": "8"}  # fmt: skip
+        self.log = (tmp / "vllm.log").open("w")
+        self.proc = subprocess.Popen(
+            [args.vllm_python, str(driver), str(job)], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+        )  # fmt: skip
+        self._reply()  # ready
+
+    def _reply(self) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(_MARK):
+                return json.loads(line[len(_MARK) :])
+        self.log.flush()
+        tail = Path(self.log.name).read_text()[-3000:]
+        raise RuntimeError(f"vLLM exited with {self.proc.wait()}: {tail}")
+
+    def run(self, row: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(row + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the driver and every process under it."""
+        return _tree_cpu_seconds(self.proc.pid)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+_MARK = "@@wavepp "
+
+
+def _tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and its descendants (Linux ``/proc``)."""
+    parents, ticks = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        pid = int(stat.parent.name)
+        parents[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+SYSTEMS = ("vllm", "wavepp_p1", "wavepp_p2")
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per row: the median of each system over the repeats, and the median over repeats
+    of best WavePP / vLLM, each repeat's systems having run back to back."""
+    out = []
+    for row in dict.fromkeys(r["row"] for r in results):
+        runs = [r for r in results if r["row"] == row]
+        entry = {"row": row, "repeats": len(runs)}
+        for system in SYSTEMS:
+            figures = [r[system]["tok_s"] for r in runs if system in r]
+            if figures:
+                entry[system] = float(np.median(figures))
+        ratios = [max(r["wavepp_p1"]["tok_s"], r["wavepp_p2"]["tok_s"]) / r["vllm"]["tok_s"]
+                  for r in runs if "vllm" in r]  # fmt: skip
+        if ratios:
+            entry["best_wavepp_over_vllm"] = float(np.median(ratios))
+            entry["ratio_range"] = [min(ratios), max(ratios)]
+        entry["first_tokens_agree"] = all(r["first_tokens_agree"] for r in runs)
+        out.append(entry)
+    return out
+
+
+def print_table(summary: list[dict]) -> None:
+    print("row          repeats    vLLM tok/s  WavePP P=1  WavePP P=2  best/vLLM (paired median, "
+          "range)  first tokens", file=sys.stderr)  # fmt: skip
+    for s in summary:
+        ratio = "—"
+        if "best_wavepp_over_vllm" in s:
+            low, high = s["ratio_range"]
+            ratio = f"{s['best_wavepp_over_vllm']:.2f} ({low:.2f}-{high:.2f})"
+        vllm = f"{s['vllm']:>10,.0f}" if "vllm" in s else f"{'—':>10}"
+        print(f"{s['row']:<12} {s['repeats']:>7} {vllm}  {s['wavepp_p1']:>10,.0f}  "
+              f"{s['wavepp_p2']:>10,.0f}  {ratio:<33} "
+              f"{'yes' if s['first_tokens_agree'] else 'NO'}", file=sys.stderr)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,34 +248,59 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", help="python of a virtual env with vllm-cpu (omit: skip)")
     p.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated: " + ", ".join(ROWS))
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds over the rows; in each, a row's three runs go back to back, "
+                   "in alternating order (default 3)")  # fmt: skip
     p.add_argument("--budget", type=int, default=2048, help="WavePP wave budget")
     p.add_argument("--block-size", type=int, default=16, help="WavePP block size")
     p.add_argument("--cores", type=int, default=2, help="cores for WavePP: P=1 with this many "
                    "threads, P=2 with half each")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="run WavePP with --compile (torch.compile of Llama layers)")  # fmt: skip
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    rows = args.rows.split(",")
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown:
+        p.error(f"unknown rows {', '.join(unknown)}; known: {', '.join(ROWS)}")
     results = []
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         ckpt = tmp / "llama"
         write_checkpoint(ckpt, 0)
-        rows = args.rows.split(",")
-        for rep in range(args.repeats):  # the systems one at a time, alternating
-            vllm = run_vllm(ckpt, rows, args, tmp) if args.vllm_python else {}
-            for row in rows:
-                entry = {"row": row, "repeat": rep}
-                if row in vllm:
-                    entry["vllm"] = vllm[row]
-                entry["wavepp_p1"] = run_wavepp(ckpt, row, 1, args.cores, args, tmp)
-                entry["wavepp_p2"] = run_wavepp(ckpt, row, 2, max(1, args.cores // 2), args, tmp)
-                firsts = {k: v.pop("first_tokens") for k, v in entry.items()
-                          if isinstance(v, dict)}  # fmt: skip
-                entry["first_tokens_agree"] = len({tuple(v) for v in firsts.values()}) == 1
-                results.append(entry)
-                print(json.dumps(entry), file=sys.stderr, flush=True)
+        vllm = VllmEngine(ckpt, rows, args, tmp) if args.vllm_python else None
+
+        def run_system(system: str, row: str) -> dict:
+            if system == "vllm":
+                return vllm.run(row)
+            stages = 1 if system == "wavepp_p1" else 2
+            return run_wavepp(ckpt, row, stages, max(1, args.cores // stages), args, tmp)
+
+        try:
+            for rep in range(args.repeats):
+                for row in rows:
+                    entry: dict = {"row": row, "repeat": rep}
+                    # Back to back, in alternating order: the machine's speed drifts
+                    # (a core's matmul rate moved 50-110 GFLOP/s within seconds here).
+                    for system in SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]:
+                        if system == "vllm" and vllm is None:
+                            continue
+                        before = vllm.cpu_seconds() if vllm and system != "vllm" else None
+                        entry[system] = run_system(system, row)
+                        if before is not None:  # vLLM's engine must sit idle meanwhile
+                            entry[system]["vllm_idle_cpu_s"] = vllm.cpu_seconds() - before
+                    firsts = {k: v.pop("first_tokens") for k, v in entry.items()
+                              if isinstance(v, dict)}  # fmt: skip
+                    entry["first_tokens_agree"] = len({tuple(v) for v in firsts.values()}) == 1
+                    results.append(entry)
+                    print(json.dumps(entry), file=sys.stderr, flush=True)
+        finally:
+            if vllm:
+                vllm.close()
+    summary = summarize(results)
+    print_table(summary)
     emit({"benchmark": "vllm_compare", "budget": args.budget, "block_size": args.block_size,
-          "rows": results}, args.json)  # fmt: skip
+          "compile": args.compile, "rows": results, "summary": summary}, args.json)  # fmt: skip
 
 
 if __name__ == "__main__":

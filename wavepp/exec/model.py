@@ -210,18 +210,26 @@ class Attention(nn.Module):
         return {"k": (self.cfg.num_kv_heads, self.cfg.head_dim),
                 "v": (self.cfg.num_kv_heads, self.cfg.head_dim)}  # fmt: skip
 
-    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
-        # h: [T, d_model], the wave's new tokens; their prefixes are in the pools.
+    def wave_rope(self, batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The wave's rotary tables, built once per wave and shared by the stage's layers."""
         cfg = self.cfg
-        key = ("rope", cfg.head_dim, cfg.rope_theta, h.dtype)
-        if key not in batch.kernel_state:  # once per wave, shared by the stage's layers
+        key = ("rope", cfg.head_dim, cfg.rope_theta, dtype)
+        if key not in batch.kernel_state:
             batch.kernel_state[key] = rope_tables(batch.positions, cfg.head_dim,
-                                                  cfg.rope_theta, h.dtype)  # fmt: skip
-        q, k, v = self.qkv(h, batch.positions, batch.kernel_state[key])  # q: [T, H, hd]
+                                                  cfg.rope_theta, dtype)  # fmt: skip
+        return batch.kernel_state[key]
+
+    def paged_attend(self, q, k, v, batch, pools, attention) -> torch.Tensor:
+        """Store the wave's k/v in the pools, attend: [T, H * hd], before ``o_proj``."""
         write_paged(pools["k"], batch, k)
         write_paged(pools["v"], batch, v)
-        out = attention(q, pools["k"], pools["v"], batch, cfg.head_dim**-0.5)  # [T, H, hd]
-        return self.o_proj(out.reshape(out.shape[0], -1))
+        out = attention(q, pools["k"], pools["v"], batch, self.cfg.head_dim**-0.5)
+        return out.reshape(out.shape[0], -1)
+
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
+        # h: [T, d_model], the wave's new tokens; their prefixes are in the pools.
+        q, k, v = self.qkv(h, batch.positions, self.wave_rope(batch, h.dtype))  # q: [T, H, hd]
+        return self.o_proj(self.paged_attend(q, k, v, batch, pools, attention))
 
 
 class GatedLinearAttention(nn.Module):

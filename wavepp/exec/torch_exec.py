@@ -39,6 +39,7 @@ from torch import nn
 
 from wavepp.exec.attention import PagedBatch, paged_attention
 from wavepp.exec.base import ChunkWork, StageOutput
+from wavepp.exec.fused import FusedLayer, fusable
 from wavepp.state import BlockHash, RequestId
 
 KEEP_LOGITS = 256  # last-stage logits kept for inspection, most recent requests
@@ -49,10 +50,12 @@ class TorchExecutor:
     simulated = False
 
     def __init__(self, modules: nn.Module, capacity: int, block_size: int,
-                 snapshot_capacity: int | None = None) -> None:  # fmt: skip
+                 snapshot_capacity: int | None = None, compile: bool = False) -> None:  # fmt: skip
         """``modules``: a stage (``build_stage``) already on its device in its dtype; the
         pools and states follow it. ``snapshot_capacity``: slots of the snapshot pool
-        (default ``capacity``: at most one snapshot per cached block)."""
+        (default ``capacity``: at most one snapshot per cached block). ``compile``: run
+        Llama-shaped layers' token-wise work through ``torch.compile``
+        (``wavepp.exec.fused``), compiled here, before the first wave."""
         self.m = modules
         self.cfg = modules.cfg
         self.block_size = block_size
@@ -81,6 +84,11 @@ class TorchExecutor:
         self._key_slots: dict[BlockHash, int] = {}  # block-hash key path: hash -> slot
         self._free_slots = list(range(self.snapshot_capacity - 1, -1, -1))
         self.last_logits: OrderedDict[RequestId, torch.Tensor] = OrderedDict()
+        self.fused: dict[int, FusedLayer] = {}  # layer -> its compiled form (--compile)
+        if compile:
+            self.fused = {i: FusedLayer(modules.layer(i)) for i in modules.layer_ids
+                          if fusable(modules.layer(i))}  # fmt: skip
+            self._warm_compiled()
 
     # -- the protocol ---------------------------------------------------------------
 
@@ -133,6 +141,23 @@ class TorchExecutor:
 
     # -- the math -------------------------------------------------------------------
 
+    @torch.inference_mode()
+    def _warm_compiled(self) -> None:
+        """Compile now (a throwaway wave over the pool's first block), not in a measured
+        wave; the rows it writes belong to no block the state has handed out yet."""
+        if not self.fused:
+            return
+        n = min(self.block_size, 16)
+        if n < 2:  # one-token waves never take the compiled path
+            return
+        batch = PagedBatch([0], [n], [[0]], self.block_size, self.device)
+        x = torch.zeros(n, self.cfg.d_model, device=self.device, dtype=self.dtype)
+        for i, fused in self.fused.items():
+            fused(x, batch, self.pools[i], self.attention)
+        for pool in self.pools.values():
+            for tensor in pool.values():
+                tensor[:n].zero_()
+
     def _zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -147,6 +172,9 @@ class TorchExecutor:
             raise ValueError(f"wave of {batch.num_tokens} tokens got activations for {x.shape[0]}")
         x = x.to(self.device, self.dtype)  # x: [tokens, d_model]
         for i in self.m.layer_ids:
+            if i in self.fused:
+                x = self.fused[i](x, batch, self.pools[i], self.attention)
+                continue
             layer = self.m.layer(i)
             h = layer.input_layernorm(x)
             mixer = layer.mixer
