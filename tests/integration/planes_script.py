@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from wavepp.exec.planes import build_planes
-from wavepp.rounds.admission import Offer, Policy, StageBook, run_round
+from wavepp.rounds.admission import Offer, RoundMode, StageBook, run_round
 from wavepp.state import block_hashes, cancel, empty_cache
 
 
@@ -76,7 +76,7 @@ async def main(out_path: str) -> None:
 
     async def admission() -> None:
         while True:
-            await run_round(plane, book, offers, Policy(block_size=64))
+            await run_round(plane, book, offers, RoundMode(block_size=64))
             for o in offers:
                 book.cache = cancel(book.cache, o.request_id)
             busy["rounds"] += 1

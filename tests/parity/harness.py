@@ -15,7 +15,7 @@ from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.plan import Pending, PlanContext, static
 from wavepp.rounds.admission import (
     Offer,
-    Policy,
+    RoundMode,
     StageBook,
     commit,
     fcfs_cut,
@@ -50,12 +50,12 @@ class Pipeline:
     def admit(self, rid: str, tokens: np.ndarray) -> int:
         self.tokens[rid] = tokens
         offer = Offer(rid, len(tokens), block_hashes(tokens, self.bs), (len(tokens) - 1) // self.bs)
-        policy = Policy(block_size=self.bs)
+        mode = RoundMode(block_size=self.bs)
         books = [st.book for st in self.stages]
-        point = min(probe_points(b.cache, [offer], policy)[0] for b in books)
+        point = min(probe_points(b.cache, [offer], mode)[0] for b in books)
         held = []
         for b in books:
-            b.cache, h = lease_all(b.cache, [offer], [point])
+            b.cache, h = lease_all(b.cache, [offer], [point], mode)
             held.append(h[0])
         base = min(held)
         mask = -1
@@ -64,11 +64,11 @@ class Pipeline:
         agreed = point_from_mask(base, mask) or 0
         flags = []
         for b in books:
-            b.cache, ok = settle(b.cache, [offer], [agreed], self.bs)
+            b.cache, ok = settle(b.cache, [offer], [agreed], mode)
             flags.append(ok[0])
         admitted = fcfs_cut([min(flags)])
         for st in self.stages:
-            st.book.cache, _ = commit(st.book.cache, [offer], admitted, policy)
+            st.book.cache, _ = commit(st.book.cache, [offer], admitted, mode)
             st.register(Admitted(offer, agreed))
         assert admitted[0], "test pools are large enough"
         return agreed
