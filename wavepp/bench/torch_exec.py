@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,7 @@ class Sweep:
         self.clock = clock
         self._prefix: dict[int, tuple] = {}  # executor -> the prefix its pool holds
         self._compiled: TorchExecutor | None = None
+        self.copy_logits: torch.Tensor | None = None  # the copying path's, last run
 
         cfg = MODELS[model]
         if set(cfg.pattern) != {"A"}:
@@ -137,6 +139,16 @@ class Sweep:
             ex.forward([c], None)
         return self.clock() - t0
 
+    def copying_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
+        """:meth:`ours_seconds` with the old copying attention (its logits kept aside)."""
+        self.ours.attention = copying_attention
+        try:
+            seconds = self.ours_seconds(tokens, cached, chunk)
+            self.copy_logits = self.ours.last_logits["bench"].clone()
+        finally:
+            self.ours.attention = paged_attention
+        return seconds
+
     @torch.inference_mode()
     def hf_seconds(self, tokens: np.ndarray, cached: int) -> float:
         ids = torch.as_tensor(tokens[None], dtype=torch.long)
@@ -150,6 +162,24 @@ class Sweep:
         seconds = self.clock() - t0
         self.hf_logits = out.logits[0, -1]
         return seconds
+
+
+def _interleaved(repeats: int, new, old) -> tuple[float, float]:
+    """Median seconds of two timings taken alternately (the machine's speed drifts)."""
+    new_s, old_s = [], []
+    for _ in range(repeats):
+        old_s.append(old())
+        new_s.append(new())
+    return statistics.median(new_s), statistics.median(old_s)
+
+
+def _speedup_row(n: int, cached: int, names: tuple[str, str], seconds: tuple[float, float],
+                 diff: float) -> dict:  # fmt: skip
+    """One row of an A/B: computed tokens per second of each, old time / new time."""
+    (new, old), (new_t, old_t) = names, seconds
+    return {"tokens": n, "cached": cached, f"{new}_tok_s": (n - cached) / new_t,
+            f"{old}_tok_s": (n - cached) / old_t, "speedup": old_t / new_t,
+            "max_abs_logit_diff": diff}  # fmt: skip
 
 
 def sweep(args: argparse.Namespace) -> dict:
@@ -187,21 +217,13 @@ def sweep(args: argparse.Namespace) -> dict:
     for n in attn_lengths:
         tokens = bench.tokens(n)
         cached = int(n * 0.9) // args.block * args.block
-        paged_s, copy_s = [], []
-        for _ in range(args.repeats):
-            bench.ours.attention = copying_attention
-            copy_s.append(bench.ours_seconds(tokens, cached, args.chunk))
-            copy_logits = bench.ours.last_logits["bench"].clone()
-            bench.ours.attention = paged_attention
-            paged_s.append(bench.ours_seconds(tokens, cached, args.chunk))
-        diff = (bench.ours.last_logits["bench"] - copy_logits).abs().max().item()
-        row = {
-            "tokens": n, "cached": cached,
-            "block_table_tok_s": (n - cached) / statistics.median(paged_s),
-            "copying_tok_s": (n - cached) / statistics.median(copy_s),
-            "speedup": statistics.median(copy_s) / statistics.median(paged_s),
-            "max_abs_logit_diff": diff,
-        }  # fmt: skip
+        times = _interleaved(
+            args.repeats,
+            partial(bench.ours_seconds, tokens, cached, args.chunk),
+            partial(bench.copying_seconds, tokens, cached, args.chunk),
+        )
+        diff = (bench.ours.last_logits["bench"] - bench.copy_logits).abs().max().item()
+        row = _speedup_row(n, cached, ("block_table", "copying"), times, diff)
         attention.append(row)
         print(f"  attention at {n} (90% cached): block table {row['block_table_tok_s']:,.0f} "
               f"tok/s, copying path {row['copying_tok_s']:,.0f} tok/s, x{row['speedup']:.2f}",
@@ -211,23 +233,17 @@ def sweep(args: argparse.Namespace) -> dict:
         for share in (0.0, 0.9):
             tokens = bench.tokens(n)
             cached = int(n * share) // args.block * args.block
-            eager_s, compiled_s = [], []
             if not compiled:  # compiles here, then warms both up once
                 bench.ours_seconds(tokens, cached, args.chunk, bench.compiled())
                 bench.ours_seconds(tokens, cached, args.chunk)
-            for _ in range(args.repeats):  # interleaved: the machine's speed drifts
-                eager_s.append(bench.ours_seconds(tokens, cached, args.chunk))
-                compiled_s.append(bench.ours_seconds(tokens, cached, args.chunk,
-                                                     bench.compiled()))  # fmt: skip
+            times = _interleaved(
+                args.repeats,
+                partial(bench.ours_seconds, tokens, cached, args.chunk, bench.compiled()),
+                partial(bench.ours_seconds, tokens, cached, args.chunk),
+            )
             diff = (bench.ours.last_logits["bench"]
                     - bench.compiled().last_logits["bench"]).abs().max().item()  # fmt: skip
-            row = {
-                "tokens": n, "cached": cached,
-                "eager_tok_s": (n - cached) / statistics.median(eager_s),
-                "compiled_tok_s": (n - cached) / statistics.median(compiled_s),
-                "speedup": statistics.median(eager_s) / statistics.median(compiled_s),
-                "max_abs_logit_diff": diff,
-            }  # fmt: skip
+            row = _speedup_row(n, cached, ("compiled", "eager"), times, diff)
             compiled.append(row)
             print(f"  --compile at {n} ({'cold' if not cached else '90% cached'}): compiled "
                   f"{row['compiled_tok_s']:,.0f} tok/s, eager {row['eager_tok_s']:,.0f} tok/s, "
