@@ -1,4 +1,6 @@
 import json
+import os
+import shutil
 
 import pytest
 
@@ -115,8 +117,6 @@ def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():
 def test_vllm_compare_pairs_repeats():
     """The verdict is the median over repeats of best WavePP / vLLM within each repeat,
     not a ratio of medians taken from different moments."""
-    import os
-
     from wavepp.bench.vllm_compare import _tree_cpu_seconds, summarize
 
     def run(rep, vllm, p1, p2):
@@ -134,6 +134,8 @@ def test_vllm_compare_pairs_repeats():
     assert _tree_cpu_seconds(os.getpid()) > 0
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="the --compile rows need a C++ compiler on CPU")  # fmt: skip
 @pytest.mark.timeout(600)
 def test_torch_exec_bench_rows(tmp_path):
     """Every kind of row of ``python -m wavepp.bench.torch_exec`` on a tiny model: the
