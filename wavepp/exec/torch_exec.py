@@ -147,7 +147,9 @@ class TorchExecutor:
         wave; the rows it writes belong to no block the state has handed out yet."""
         if not self.fused:
             return
-        n = min(self.block_size, 16)
+        # An odd token count, so that no model dimension shares its symbol when the
+        # dynamic shapes are traced (which would recompile at the first real wave).
+        n = min(self.block_size, 16) - 1
         if n < 2:  # one-token waves never take the compiled path
             return
         batch = PagedBatch([0], [n], [[0]], self.block_size, self.device)
