@@ -39,6 +39,7 @@ from wavepp.exec.families import (
     family_random_weights,
     family_reference_logits,
 )
+from wavepp.exec.families.common import StageBase
 
 
 @attrs.frozen
@@ -341,37 +342,12 @@ class DecoderLayer(nn.Module):
         return self.mlp
 
 
-class StageModules(nn.Module):
-    """The modules one stage holds: its layers, plus embeddings (first) / head (last).
-
-    Parameter names match the full model's (``model.layers.{i}...``), so a checkpoint's
-    tensors load by name on every stage.
-    """
+class StageModules(StageBase):
+    """The modules one stage of a built-in model holds (see ``StageBase``)."""
 
     def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
-        super().__init__()
-        cfg.validate()
-        self.cfg = cfg
-        self.layer_ids = list(layers)
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, cfg.kind(i)) for i in layers})
-        if first or (last and cfg.tie_embeddings):
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        if last:
-            self.model.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            if not cfg.tie_embeddings:
-                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.first, self.last = first, last
-
-    def layer(self, i: int) -> DecoderLayer:
-        return self.model.layers[str(i)]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [n, d_model] -> logits [n, vocab]
-        h = self.model.norm(h)
-        if self.cfg.tie_embeddings:
-            return h @ self.model.embed_tokens.weight.T
-        return self.lm_head(h)
+        super().__init__(cfg, layers, first, last, lambda i: DecoderLayer(cfg, cfg.kind(i)),
+                         lambda: RMSNorm(cfg.d_model, cfg.norm_eps))  # fmt: skip
 
 
 def random_weights(cfg: ModelConfig | FamilyConfig, seed: int) -> dict[str, torch.Tensor]:

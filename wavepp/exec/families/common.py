@@ -1,6 +1,9 @@
-"""Small pieces the families share: RMS norms, partial RoPE, SwiGLU, short convolution."""
+"""Small pieces the families share: RMS norms, partial RoPE, SwiGLU, short convolution,
+and the container of one stage's modules (also the built-in models')."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,3 +87,40 @@ def short_conv(x: torch.Tensor, prior: torch.Tensor, weight: torch.Tensor):
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class StageBase(nn.Module):
+    """The modules one stage holds: its layers, plus the embeddings (first stage; also the
+    last with tied embeddings) and the final norm and head (last stage).
+
+    Parameter names match the full checkpoint's (``model.layers.{i}...``), so its tensors
+    load by name on every stage. ``make_layer(i)`` builds layer ``i``; ``final_norm()``
+    the last stage's norm.
+    """
+
+    def __init__(self, cfg, layers: range, first: bool, last: bool,
+                 make_layer: Callable[[int], nn.Module],
+                 final_norm: Callable[[], nn.Module]) -> None:  # fmt: skip
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.layer_ids = list(layers)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(i): make_layer(i) for i in layers})
+        if first or (last and cfg.tie_embeddings):
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if last:
+            self.model.norm = final_norm()
+            if not cfg.tie_embeddings:
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.first, self.last = first, last
+
+    def layer(self, i: int) -> nn.Module:
+        return self.model.layers[str(i)]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [n, d_model] -> logits [n, vocab]
+        h = self.model.norm(h)
+        if self.cfg.tie_embeddings:
+            return h @ self.model.embed_tokens.weight.T
+        return self.lm_head(h)

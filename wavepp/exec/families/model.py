@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from wavepp.exec.families.attn import GQAttention, LatentAttention
-from wavepp.exec.families.common import RMSNorm, SwiGLU
+from wavepp.exec.families.common import RMSNorm, StageBase, SwiGLU
 from wavepp.exec.families.config import FamilyConfig
 from wavepp.exec.families.linear import GatedDeltaNet, KimiDeltaAttention
 from wavepp.exec.families.moe import SparseMoE
@@ -99,33 +99,13 @@ class FamilyLayer(nn.Module):
         return getattr(self, self.mlp_name)
 
 
-class FamilyStage(nn.Module):
+class FamilyStage(StageBase):
     """The modules one stage holds; parameter names match the full checkpoint's."""
 
     def __init__(self, cfg: FamilyConfig, layers: range, first: bool, last: bool) -> None:
-        super().__init__()
-        cfg.validate()
-        self.cfg = cfg
-        self.layer_ids = list(layers)
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleDict({str(i): FamilyLayer(cfg, i) for i in layers})
-        if first or (last and cfg.tie_embeddings):
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        if last:
-            self.model.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.family == "qwen3_next")
-            if not cfg.tie_embeddings:
-                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.first, self.last = first, last
-
-    def layer(self, i: int) -> FamilyLayer:
-        return self.model.layers[str(i)]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [n, d_model] -> logits [n, vocab]
-        h = self.model.norm(h)
-        if self.cfg.tie_embeddings:
-            return h @ self.model.embed_tokens.weight.T
-        return self.lm_head(h)
+        super().__init__(cfg, layers, first, last, lambda i: FamilyLayer(cfg, i),
+                         lambda: RMSNorm(cfg.d_model, cfg.norm_eps,
+                                         cfg.family == "qwen3_next"))  # fmt: skip
 
 
 def build_family_stage(
