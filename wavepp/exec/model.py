@@ -39,6 +39,7 @@ from wavepp.exec.families import (
     family_random_weights,
     family_reference_logits,
 )
+from wavepp.exec.families.attn import masked_attention
 from wavepp.exec.families.common import StageBase
 
 
@@ -181,22 +182,8 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, q_positions: torch.Tensor) -> torch.Tensor:
         """q: [n, H, hd] at q_positions; k/v: [m, KV, hd] at positions 0..m-1."""
-        n, m = q.shape[0], k.shape[0]
-        if n == m:  # no cached prefix: plain causal attention
-            mask, causal = None, True
-        else:
-            mask = torch.arange(m, device=q.device)[None, :] <= q_positions[:, None]  # [n, m]
-            causal = False
-        # 4-D inputs take the fused CPU kernel (3-D ones fall back to the math path).
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=True,
-        )  # [1, H, n, hd]; fmt: skip
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
+        out = masked_attention(q, k, v, q_positions, self.cfg.head_dim**-0.5)
+        return self.o_proj(out.reshape(q.shape[0], -1))
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(h.shape[0], device=h.device)

@@ -18,8 +18,10 @@ from wavepp.exec.attention import write_paged
 from wavepp.exec.families.common import RMSNorm, rope_partial
 
 
-def _sdpa(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [n, H, d] at q_positions; k: [m, KV, d], v: [m, KV, dv] at 0..m-1 -> [n, H, dv]."""
+def masked_attention(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The reference attention of the ``full`` forwards: q: [n, H, d] at q_positions;
+    k: [m, KV, d], v: [m, KV, dv] at 0..m-1 -> [n, H, dv] (causal; a dense mask when
+    the queries follow a prefix). 4-D inputs take PyTorch's fused CPU kernel."""
     n, m = q.shape[0], k.shape[0]
     if n == m:
         mask, causal = None, True
@@ -96,7 +98,7 @@ class GQAttention(nn.Module):
     def attend(self, query, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # entries: [m, 2, KV, hd] for tokens 0..m-1
         q, gate = query
-        out = _sdpa(q, entries[:, 0], entries[:, 1], positions, self.head_dim**-0.5)
+        out = masked_attention(q, entries[:, 0], entries[:, 1], positions, self.head_dim**-0.5)
         out = out.reshape(q.shape[0], -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -172,7 +174,7 @@ class LatentAttention(nn.Module):
         kv = self.kv_b_proj(latent).view(m, heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_shared[:, None, :].expand(m, heads, self.rope_dim)], dim=-1)
-        out = _sdpa(q, k, v, positions, self.scale)  # [n, H, v_dim]
+        out = masked_attention(q, k, v, positions, self.scale)  # [n, H, v_dim]
         return self.o_proj(out.reshape(q.shape[0], -1))
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
