@@ -123,7 +123,11 @@ def test_vllm_compare_pairs_repeats():
         return {"row": "r", "repeat": rep, "vllm": {"tok_s": vllm}, "wavepp_p1": {"tok_s": p1},
                 "wavepp_p2": {"tok_s": p2}, "first_tokens_agree": True}  # fmt: skip
 
-    (s,) = summarize([run(0, 100, 90, 80), run(1, 200, 100, 210), run(2, 50, 40, 30)])
+    runs = [run(0, 100, 90, 80), run(1, 200, 100, 210), run(2, 50, 40, 30)]
+    for r, stage in zip(runs, (120, 160, 40), strict=True):
+        r["wavepp_stage"] = {"tok_s": stage}  # the bare stage: 1.2, 0.8, 0.8 of vLLM
+    (s,) = summarize(runs)
+    assert s["stage_over_vllm"] == 0.8 and s["wavepp_stage"] == 120
     assert s["best_wavepp_over_vllm"] == 0.9  # per repeat: 0.9, 1.05, 0.8
     assert s["ratio_range"] == [0.8, 1.05]
     assert (s["vllm"], s["wavepp_p1"], s["wavepp_p2"]) == (100, 90, 80)

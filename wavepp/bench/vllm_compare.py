@@ -95,6 +95,62 @@ def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path)
             "first_tokens": [firsts[f"p{i}"] for i in range(len(measured))]}  # fmt: skip
 
 
+def run_stage(ckpt: Path, row: str, args) -> dict:
+    """The row's waves on one bare stage holding every layer, no runtime around it: the
+    shared prefixes written first (untimed), then the prompts' new tokens in waves of
+    ``--budget`` filled first come first served, one timed pass with ``--cores`` threads.
+    Input tokens per second (cached included), as for the other systems."""
+    import time
+
+    import torch
+
+    from wavepp.exec.base import ChunkWork
+    from wavepp.exec.checkpoint import load_checkpoint
+    from wavepp.exec.model import build_stage
+    from wavepp.exec.torch_exec import TorchExecutor
+
+    torch.set_num_threads(args.cores)
+    seeds, measured = prompts(row)
+    bs, budget = args.block_size, args.budget
+    cfg, weights = load_checkpoint(ckpt)
+    stage = build_stage(cfg, range(cfg.num_layers), True, True, weights)
+    capacity = sum(-(-len(t) // bs) for t in seeds + measured)
+    ex = TorchExecutor(stage, capacity, bs, compile=args.compile)
+    free = iter(range(capacity))
+
+    def chunk(rid: str, tokens: list[int], start: int, end: int, table: list[int]):
+        return ChunkWork(rid, start, end, len(tokens), tuple(table[: -(-end // bs)]), (),
+                         False, tokens=np.asarray(tokens[start:end]))  # fmt: skip
+
+    tables = []
+    for i, tokens in enumerate(seeds):
+        tables.append([next(free) for _ in range(-(-len(tokens) // bs))])
+        for a in range(0, len(tokens), budget):
+            ex.forward([chunk(f"seed-{i}", tokens, a, min(len(tokens), a + budget),
+                              tables[-1])], None)  # fmt: skip
+    waves, wave, room = [], [], budget
+    for i, tokens in enumerate(measured):
+        cached = len(seeds[i % len(seeds)]) // bs * bs if seeds else 0
+        table = tables[i % len(seeds)][: cached // bs] if seeds else []
+        table += [next(free) for _ in range(-(-len(tokens) // bs) - len(table))]
+        at = cached
+        while at < len(tokens):
+            end = min(len(tokens), at + room)
+            wave.append(chunk(f"p{i}", tokens, at, end, table))
+            room -= end - at
+            at = end
+            if not room:
+                waves.append(wave)
+                wave, room = [], budget
+    waves += [wave] if wave else []
+    t0 = time.perf_counter()
+    for wave in waves:
+        ex.forward(wave, None)
+    seconds = time.perf_counter() - t0
+    firsts = [int(ex.last_logits[f"p{i}"].argmax()) for i in range(len(measured))]
+    return {"tok_s": sum(len(t) for t in measured) / seconds, "first_tokens": firsts}
+
+
 _VLLM_DRIVER = """
 import json, sys, time
 from vllm import LLM, SamplingParams
@@ -204,7 +260,7 @@ def _tree_cpu_seconds(root: int) -> float:
     return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
 
 
-SYSTEMS = ("vllm", "wavepp_p1", "wavepp_p2")
+SYSTEMS = ("vllm", "wavepp_p1", "wavepp_p2", "wavepp_stage")
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -223,6 +279,10 @@ def summarize(results: list[dict]) -> list[dict]:
         if ratios:
             entry["best_wavepp_over_vllm"] = float(np.median(ratios))
             entry["ratio_range"] = [min(ratios), max(ratios)]
+        stage = [r["wavepp_stage"]["tok_s"] / r["vllm"]["tok_s"] for r in runs
+                 if "vllm" in r and "wavepp_stage" in r]  # fmt: skip
+        if stage:  # the bare stage, for where the gap lies (not the verdict)
+            entry["stage_over_vllm"] = float(np.median(stage))
         entry["first_tokens_agree"] = all(r["first_tokens_agree"] for r in runs)
         out.append(entry)
     return out
@@ -237,9 +297,13 @@ def print_table(summary: list[dict]) -> None:
             low, high = s["ratio_range"]
             ratio = f"{s['best_wavepp_over_vllm']:.2f} ({low:.2f}-{high:.2f})"
         vllm = f"{s['vllm']:>10,.0f}" if "vllm" in s else f"{'—':>10}"
+        stage = ""
+        if "wavepp_stage" in s:
+            stage = f"  bare stage {s['wavepp_stage']:,.0f}"
+            stage += f" ({s['stage_over_vllm']:.2f} of vLLM)" if "stage_over_vllm" in s else ""
         print(f"{s['row']:<12} {s['repeats']:>7} {vllm}  {s['wavepp_p1']:>10,.0f}  "
               f"{s['wavepp_p2']:>10,.0f}  {ratio:<33} "
-              f"{'yes' if s['first_tokens_agree'] else 'NO'}", file=sys.stderr)  # fmt: skip
+              f"{'yes' if s['first_tokens_agree'] else 'NO'}{stage}", file=sys.stderr)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block-size", type=int, default=16, help="WavePP block size")
     p.add_argument("--cores", type=int, default=2, help="cores for WavePP: P=1 with this many "
                    "threads, P=2 with half each")  # fmt: skip
+    p.add_argument("--stage", action="store_true",
+                   help="also time the row's waves on one bare stage, no runtime")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="run WavePP with --compile (torch.compile of Llama layers)")  # fmt: skip
     p.add_argument("--json", metavar="PATH")
@@ -273,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
         def run_system(system: str, row: str) -> dict:
             if system == "vllm":
                 return vllm.run(row)
+            if system == "wavepp_stage":
+                return run_stage(ckpt, row, args)
             stages = 1 if system == "wavepp_p1" else 2
             return run_wavepp(ckpt, row, stages, max(1, args.cores // stages), args, tmp)
 
@@ -283,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
                     # Back to back, in alternating order: the machine's speed drifts
                     # (a core's matmul rate moved 50-110 GFLOP/s within seconds here).
                     for system in SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]:
-                        if system == "vllm" and vllm is None:
+                        if (system == "vllm" and vllm is None) or (
+                            system == "wavepp_stage" and not args.stage
+                        ):
                             continue
                         before = vllm.cpu_seconds() if vllm and system != "vllm" else None
                         entry[system] = run_system(system, row)
