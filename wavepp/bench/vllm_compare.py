@@ -108,6 +108,7 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
     from wavepp.exec.checkpoint import load_checkpoint
     from wavepp.exec.model import build_stage
     from wavepp.exec.torch_exec import TorchExecutor
+    from wavepp.plan import Pending, fill
 
     torch.set_num_threads(args.cores)
     seeds, measured = prompts(row)
@@ -118,7 +119,7 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
     ex = TorchExecutor(stage, capacity, bs, compile=args.compile)
     free = iter(range(capacity))
 
-    def chunk(rid: str, tokens: list[int], start: int, end: int, table: list[int]):
+    def chunk(rid: str, tokens: list[int], table: list[int], start: int, end: int):
         return ChunkWork(rid, start, end, len(tokens), tuple(table[: -(-end // bs)]), (),
                          False, tokens=np.asarray(tokens[start:end]))  # fmt: skip
 
@@ -126,23 +127,22 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
     for i, tokens in enumerate(seeds):
         tables.append([next(free) for _ in range(-(-len(tokens) // bs))])
         for a in range(0, len(tokens), budget):
-            ex.forward([chunk(f"seed-{i}", tokens, a, min(len(tokens), a + budget),
-                              tables[-1])], None)  # fmt: skip
-    waves, wave, room = [], [], budget
+            ex.forward([chunk(f"seed-{i}", tokens, tables[-1], a,
+                              min(len(tokens), a + budget))], None)  # fmt: skip
+    queue, requests = [], {}
     for i, tokens in enumerate(measured):
         cached = len(seeds[i % len(seeds)]) // bs * bs if seeds else 0
         table = tables[i % len(seeds)][: cached // bs] if seeds else []
         table += [next(free) for _ in range(-(-len(tokens) // bs) - len(table))]
-        at = cached
-        while at < len(tokens):
-            end = min(len(tokens), at + room)
-            wave.append(chunk(f"p{i}", tokens, at, end, table))
-            room -= end - at
-            at = end
-            if not room:
-                waves.append(wave)
-                wave, room = [], budget
-    waves += [wave] if wave else []
+        requests[f"p{i}"] = (tokens, table)
+        queue.append(Pending(f"p{i}", cached, len(tokens)))
+    waves = []  # the static planner's waves: first come first served, full budget
+    while (wave := fill(queue, len(waves), budget)) is not None:
+        ends = {c.request_id: c.end for c in wave.chunks}
+        queue = [Pending(p.request_id, ends.get(p.request_id, p.next_token), p.num_tokens)
+                 for p in queue if ends.get(p.request_id, p.next_token) < p.num_tokens]  # fmt: skip
+        waves.append([chunk(c.request_id, *requests[c.request_id], c.start, c.end)
+                      for c in wave.chunks])  # fmt: skip
     t0 = time.perf_counter()
     for wave in waves:
         ex.forward(wave, None)
@@ -182,6 +182,9 @@ def main():
 if __name__ == "__main__":  # vLLM starts its engine in a spawned process
     main()
 """
+
+
+_MARK = "@@wavepp "  # the driver's MARK: its answer lines, apart from vLLM's own output
 
 
 class VllmEngine:
@@ -235,9 +238,6 @@ class VllmEngine:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
-
-
-_MARK = "@@wavepp "
 
 
 def _tree_cpu_seconds(root: int) -> float:
