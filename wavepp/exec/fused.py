@@ -25,18 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.model import MLP, Attention, RMSNorm, apply_rope
-
-
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from wavepp.exec.model import MLP, Attention, RMSNorm, apply_rope, rms_norm
 
 
 def gqa_pre(x, norm_w, eps: float, q_w, k_w, v_w, cos, sin, heads: int, kv_heads: int,
             head_dim: int):  # fmt: skip
     """x: [T, d_model] -> q [T, H, hd] and k, v [T, KV, hd], rotary applied to q and k."""
-    h = _rms(x, norm_w, eps)
+    h = rms_norm(x, norm_w, eps)
     n = x.shape[0]
     q = apply_rope(F.linear(h, q_w).view(n, heads, head_dim), (cos, sin))
     k = apply_rope(F.linear(h, k_w).view(n, kv_heads, head_dim), (cos, sin))
@@ -46,7 +41,7 @@ def gqa_pre(x, norm_w, eps: float, q_w, k_w, v_w, cos, sin, heads: int, kv_heads
 def swiglu_post(x, attn, o_w, norm_w, eps: float, gate_w, up_w, down_w):
     """x: [T, d_model], attn: [T, H * hd] -> the layer's output [T, d_model]."""
     x = x + F.linear(attn, o_w)
-    h = _rms(x, norm_w, eps)
+    h = rms_norm(x, norm_w, eps)
     return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
 
 
