@@ -118,6 +118,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     if c.compile:
         log(f"compiling stage {rank}'s layers (--compile)")
     executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile)
+    if executor.attention_kernel:
+        log(f"stage {rank}: attention by {executor.attention_kernel}")
     if c.compile:
         eager = len(layers) - len(executor.fused)
         log(f"stage {rank}: {len(executor.fused)} of {len(layers)} layers compiled"

@@ -22,7 +22,11 @@ The contract, for any attention-like layer (GQA, MQA, MLA in absorbed form):
   ``D``: for MLA's absorbed form pass ``v_pool = k_pool[..., :Dv]`` (the value is a
   leading slice of the latent entry) and MQA with ``KV = 1``.
 
-How it runs. On CPU (and on CUDA without FlashInfer) each sequence attends to its own
+How it runs. On CPU in fp32, with AVX-512 and a C compiler, WavePP's own kernel
+(``wavepp.exec.cpu_kernel``) serves the whole wave in one call: each new token attends
+to positions ``0..its own`` through its block table in one online-softmax pass, grouped
+heads sharing each pass over their keys. Otherwise (other dtypes, no AVX-512, CUDA
+without FlashInfer, ``WAVEPP_CPU_KERNEL=0``) each sequence attends to its own
 new keys causally and to its cached prefix without a mask; the parts are merged by
 log-sum-exp. The prefix is read in place: the block table is cut into runs of
 consecutive slots and each run is a strided view of the pool; only runs shorter than
@@ -39,6 +43,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+
+from wavepp.exec import cpu_kernel
 
 _SMALL_RUN = 256  # prefix runs shorter than this (rows) are gathered, not viewed in place
 _GATHER_ROWS = 4096  # most rows gathered into one piece
@@ -90,7 +96,7 @@ class PagedBatch:
         self.prefix_lens = torch.as_tensor(starts, dtype=torch.long).to(device)
         self.block_tables = table.to(device)
         self.prefix_pieces = [self._pieces(s, t) for s, t in zip(starts, tables, strict=True)]
-        self.kernel_state: dict[str, Any] = {}  # per-wave kernel plans (FlashInfer)
+        self.kernel_state: dict[str, Any] = {}  # per-wave kernel plans (FlashInfer, CPU)
 
     @classmethod
     def build(
@@ -159,6 +165,12 @@ def paged_attention(
         raise ValueError(f"{q.shape[1]} query heads do not group over {k_pool.shape[1]} KV heads")
     if q.is_cuda and _flashinfer() is not None:
         return _flashinfer_attention(q, k_pool, v_pool, batch, scale)
+    if cpu_kernel.fits(q, k_pool, v_pool):
+        meta = batch.kernel_state.get("cpu")
+        if meta is None:
+            meta = cpu_kernel.wave_metadata(batch.starts, batch.ends, batch.spans, batch.tables)
+            batch.kernel_state["cpu"] = meta
+        return cpu_kernel.paged_attention(q, k_pool, v_pool, *meta, batch.block_size, scale)
     return _split_attention(q, k_pool, v_pool, batch, scale)
 
 

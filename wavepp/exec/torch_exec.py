@@ -37,6 +37,7 @@ import anyio.to_thread
 import torch
 from torch import nn
 
+from wavepp.exec import cpu_kernel
 from wavepp.exec.attention import PagedBatch, paged_attention
 from wavepp.exec.base import ChunkWork, StageOutput
 from wavepp.exec.fused import FusedLayer, fusable
@@ -64,6 +65,9 @@ class TorchExecutor:
         # The attention kernel over the paged pool (swappable: the benchmark compares it
         # with the old copying path).
         self.attention = paged_attention
+        # Built now (a C compile of about a second, once per machine), not in a wave.
+        self.attention_kernel = (cpu_kernel.describe(self.device, self.dtype)
+                                 if any(m.paged for m in self._mixers()) else None)  # fmt: skip
         self.snapshot_capacity = capacity if snapshot_capacity is None else snapshot_capacity
         self.pools: dict[int, dict[str, torch.Tensor]] = {}  # layer -> entry -> [rows, ...]
         self.snapshot_pools: dict[int, dict[str, torch.Tensor]] = {}  # layer -> part -> [S, ..]
@@ -89,6 +93,9 @@ class TorchExecutor:
             self.fused = {i: FusedLayer(modules.layer(i)) for i in modules.layer_ids
                           if fusable(modules.layer(i))}  # fmt: skip
             self._warm_compiled()
+
+    def _mixers(self):
+        return [self.m.layer(i).mixer for i in self.m.layer_ids]
 
     # -- the protocol ---------------------------------------------------------------
 

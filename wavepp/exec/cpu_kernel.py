@@ -1,0 +1,152 @@
+"""WavePP's own CPU attention kernel (``cpu_attention.c``), built on first use.
+
+One call per layer runs paged causal attention for every chunk of a wave, fp32, with
+AVX-512: each new token attends to positions ``0..its own`` read through its block
+table, in one online-softmax pass (no log-sum-exp merge of parts, no work above the
+diagonal beyond one tile). :func:`wavepp.exec.attention.paged_attention` calls it for
+fp32 CPU waves it fits and runs the portable PyTorch path otherwise.
+
+The source is compiled once per machine with the system C compiler (``cc -O3
+-march=native -fopenmp``) into ``$WAVEPP_CACHE`` (default ``~/.cache/wavepp``), named
+by a hash of the source, the compiler and the flags; ranks that start together each
+write their own file and rename it into place. It runs on the OpenMP threads torch
+itself uses (torch loads its ``libgomp`` first, and the library shares it), with
+``torch.get_num_threads()`` of them.
+
+Where it cannot be had (no compiler, no AVX-512, a build error) the reason is logged
+once and the PyTorch path serves. ``WAVEPP_CPU_KERNEL=0`` turns it off (benchmarks
+compare the two that way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_LOADED: list[ctypes.CDLL | None] = []
+_REASON: list[str] = []
+
+
+def enabled() -> bool:
+    return os.environ.get("WAVEPP_CPU_KERNEL", "1") not in ("0", "false", "off", "")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("WAVEPP_CACHE") or Path.home() / ".cache" / "wavepp"
+    return Path(root) / "kernels"
+
+
+def _build() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_attention-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp],
+                                  capture_output=True, text=True)  # fmt: skip
+            if done.returncode:
+                lines = (done.stderr or done.stdout).strip().splitlines()
+                raise RuntimeError(f"{compiler} failed: {lines[0] if lines else done.returncode}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.wavepp_paged_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (and :func:`unavailable` says why)."""
+    if not _LOADED:
+        try:
+            _LOADED.append(_build())
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _LOADED.append(None)
+            _REASON.append(str(error))
+            log.warning("CPU attention kernel unavailable (%s); using PyTorch's kernels", error)
+    return _LOADED[0]
+
+
+def unavailable() -> str | None:
+    """Why the kernel could not be built, or None when it is available (or untried)."""
+    return _REASON[0] if _REASON else None
+
+
+def describe(device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel serves paged attention for pools on ``device`` in ``dtype`` (built
+    here if it is to be)."""
+    if device.type != "cpu":
+        return "FlashInfer, or PyTorch where it is not installed"
+    if dtype != torch.float32:
+        return f"PyTorch's (WavePP's CPU kernel is fp32, the pools are {dtype})"
+    if not enabled():
+        return "PyTorch's (WAVEPP_CPU_KERNEL=0)"
+    if library() is None:
+        return f"PyTorch's (WavePP's CPU kernel unavailable: {unavailable()})"
+    return "WavePP's CPU kernel (AVX-512, fp32)"
+
+
+def fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """Whether the kernel serves these tensors (else the caller takes the PyTorch path)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+        and k_pool.stride(-1) == 1
+        and v_pool.stride(-1) == 1
+        and v_pool.shape[-1] % 16 == 0
+        and k_pool.shape[-1] <= 1024
+        and v_pool.shape[-1] <= 1024
+        and enabled()
+        and library() is not None
+    )
+
+
+def wave_metadata(starts, ends, spans, tables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence ``[q_offset, num_new, start, table_at]`` and the flat block tables."""
+    seqs, flat = [], []
+    for (a, b), start, table in zip(spans, starts, tables, strict=True):
+        seqs.append([a, b - a, start, len(flat)])
+        flat.extend(table)
+    return (torch.tensor(seqs, dtype=torch.int64).reshape(-1, 4),
+            torch.tensor(flat or [0], dtype=torch.int64))  # fmt: skip
+
+
+def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: float):
+    """q [T, H, D]; pools [rows, KV, D] / [rows, KV, Dv] -> [T, H, Dv] (see the module)."""
+    q = q.contiguous()
+    heads, kv_heads, d_k, d_v = q.shape[1], k_pool.shape[1], k_pool.shape[-1], v_pool.shape[-1]
+    out = q.new_empty(q.shape[0], heads, d_v)
+    if q.shape[0] == 0:
+        return out
+    status = library().wavepp_paged_attention(
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
+        seqs.data_ptr(), seqs.shape[0], tables.data_ptr(), block_size, heads, kv_heads,
+        d_k, d_v, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("CPU attention kernel could not allocate its scratch memory")
+    return out
