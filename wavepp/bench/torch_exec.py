@@ -12,7 +12,10 @@
 3. **``--compile`` rows**: the same stage eager and with ``--compile``
    (``wavepp.exec.fused``), interleaved, at the ``--compile-lengths``, cold and 90%
    cached, with the largest logit difference.
-4. ``--pp``: the whole runtime on a cold workload with one stage and with two:
+4. **Kernel rows**: WavePP's CPU attention kernel (``wavepp.exec.cpu_kernel``) against
+   the PyTorch path (``WAVEPP_CPU_KERNEL=0``) on the same executor, interleaved, at the
+   ``--kernel-lengths``, cold and 90% cached, with the largest logit difference.
+5. ``--pp``: the whole runtime on a cold workload with one stage and with two:
    throughput(P=2) / (2 x throughput(P=1)).
 
 Timings interleave the systems they compare, so that machine noise hits both alike; each
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from wavepp.bench._stats import emit
+from wavepp.exec import cpu_kernel
 from wavepp.exec.attention import PagedBatch, paged_attention
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.device import default_threads
@@ -139,6 +143,13 @@ class Sweep:
             ex.forward([c], None)
         return self.clock() - t0
 
+    def pytorch_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
+        """:meth:`ours_seconds` on the PyTorch attention path (its logits kept aside)."""
+        with cpu_kernel.off():
+            seconds = self.ours_seconds(tokens, cached, chunk)
+        self.pytorch_logits = self.ours.last_logits["bench"].clone()
+        return seconds
+
     def copying_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
         """:meth:`ours_seconds` with the old copying attention (its logits kept aside)."""
         self.ours.attention = copying_attention
@@ -186,8 +197,9 @@ def sweep(args: argparse.Namespace) -> dict:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     attn_lengths = [int(x) for x in args.attention_lengths.split(",") if x]
     compile_lengths = [int(x) for x in args.compile_lengths.split(",") if x]
+    kernel_lengths = [int(x) for x in args.kernel_lengths.split(",") if x]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    longest = max(lengths + attn_lengths + compile_lengths)
+    longest = max(lengths + attn_lengths + compile_lengths + kernel_lengths)
     bench = Sweep(args.model, args.seed, args.block, longest, clock)
     rows = []
     for n in lengths:
@@ -249,8 +261,28 @@ def sweep(args: argparse.Namespace) -> dict:
                   f"{row['compiled_tok_s']:,.0f} tok/s, eager {row['eager_tok_s']:,.0f} tok/s, "
                   f"x{row['speedup']:.2f} (logits differ by {diff:.1e})",
                   file=sys.stderr, flush=True)  # fmt: skip
+    kernel = []
+    if kernel_lengths:
+        print(f"  attention kernel: {bench.ours.attention_kernel}", file=sys.stderr, flush=True)
+    for n in kernel_lengths:
+        for share in (0.0, 0.9):
+            tokens = bench.tokens(n)
+            cached = int(n * share) // args.block * args.block
+            times = _interleaved(
+                args.repeats,
+                partial(bench.ours_seconds, tokens, cached, args.chunk),
+                partial(bench.pytorch_seconds, tokens, cached, args.chunk),
+            )
+            diff = (bench.ours.last_logits["bench"] - bench.pytorch_logits).abs().max().item()
+            row = _speedup_row(n, cached, ("kernel", "pytorch"), times, diff)
+            kernel.append(row)
+            print(f"  kernel at {n} ({'cold' if not cached else '90% cached'}): WavePP's "
+                  f"{row['kernel_tok_s']:,.0f} tok/s, PyTorch's {row['pytorch_tok_s']:,.0f} "
+                  f"tok/s, x{row['speedup']:.2f} (logits differ by {diff:.1e})",
+                  file=sys.stderr, flush=True)  # fmt: skip
     return {"model": args.model, "chunk": args.chunk, "block": args.block, "clock": args.clock,
-            "sweep": rows, "attention": attention, "compile": compiled}  # fmt: skip
+            "attention_kernel": bench.ours.attention_kernel, "sweep": rows,
+            "attention": attention, "compile": compiled, "kernel": kernel}  # fmt: skip
 
 
 def plot(record: dict, path: str) -> None:
@@ -319,6 +351,12 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="lengths of the --compile vs eager rows, cold and 90%% cached ('' for none; "
         "compiling takes 10-40 s)",
+    )
+    p.add_argument(
+        "--kernel-lengths",
+        default="",
+        help="lengths of the WavePP CPU kernel vs PyTorch attention rows, cold and 90%% "
+        "cached ('' for none)",
     )
     p.add_argument("--chunk", type=int, default=2048, help="tokens per wave (cold and suffix)")
     p.add_argument("--block", type=int, default=16, help="KV block size")

@@ -126,6 +126,33 @@ static void pv(const float *P, const float *V, int kn, int d_v, int rows, const 
     }
 }
 
+/* dst[k * ld + i] = rows[i][k] for i, k in 0..15: a 16 x 16 transpose in registers */
+static inline void transpose16(const float *const *rows, float *dst, long ld) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i]);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int k = 0; k < 4; k++) {
+            t[i + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0x88);
+            t[i + 4 + k] = _mm512_shuffle_f32x4(r[i + k], r[i + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 8; k++) {
+        r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xdd);
+    }
+    for (int k = 0; k < 16; k++) _mm512_storeu_ps(dst + k * ld, r[k]);
+}
+static const float zeros[1024]; /* stands in for the keys past a tile's last (d_k <= 1024) */
+
 typedef struct {
     const float *q, *k_pool, *v_pool;
     float *out;
@@ -170,20 +197,25 @@ static void run_item(const Wave *w, const Seq *s, int64_t kh, int64_t i0, Scratc
         /* pack K^T (panels of 32 keys) and V [kn][d_v], 16 keys at a time */
         for (int j0 = 0; j0 < kpad; j0 += 16) {
             const float *kr[16];
-            int nj = kn - j0 < 16 ? kn - j0 : 16;
-            if (nj < 0) nj = 0;
-            for (int j = 0; j < nj; j++) {
+            for (int j = 0; j < 16; j++) {
+                if (j0 + j >= kn) {
+                    kr[j] = zeros;
+                    continue;
+                }
                 int64_t row = pool_row(w, s, k0 + j0 + j);
                 kr[j] = w->k_pool + row * w->k_row + kh * w->k_head;
                 memcpy(x->V + (int64_t)(j0 + j) * d_v, w->v_pool + row * w->v_row + kh * w->v_head,
                        d_v * sizeof(float));
             }
-            for (int64_t d = 0; d < d_k; d++) {
-                float *dst = x->Kt + (j0 & ~31) * d_k + d * 32 + (j0 & 31);
-                int j = 0;
-                for (; j < nj; j++) dst[j] = kr[j][d];
-                for (; j < 16; j++) dst[j] = 0.0f;
+            float *panel = x->Kt + (j0 & ~31) * d_k + (j0 & 31);
+            int64_t d = 0;
+            for (; d + 16 <= d_k; d += 16) {
+                const float *at[16];
+                for (int j = 0; j < 16; j++) at[j] = kr[j] + d;
+                transpose16(at, panel + d * 32, 32);
             }
+            for (; d < d_k; d++)
+                for (int j = 0; j < 16; j++) panel[d * 32 + j] = kr[j][d];
         }
         qk(x->Q, (int)d_k, x->Kt, kpad, (int)rpad, x->S);
         /* the online softmax, row by row; P overwrites S, zero past each row's keys */

@@ -20,6 +20,7 @@ compare the two that way).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -37,10 +38,23 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _LOADED: list[ctypes.CDLL | None] = []
 _REASON: list[str] = []
+_OFF: list[bool] = []  # set inside :func:`off`
 
 
 def enabled() -> bool:
+    if _OFF:
+        return False
     return os.environ.get("WAVEPP_CPU_KERNEL", "1") not in ("0", "false", "off", "")
+
+
+@contextlib.contextmanager
+def off():
+    """The PyTorch path inside this block (benchmarks compare the two in one process)."""
+    _OFF.append(True)
+    try:
+        yield
+    finally:
+        _OFF.pop()
 
 
 def _cache_dir() -> Path:
