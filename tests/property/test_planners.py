@@ -60,7 +60,7 @@ def test_mpu_picks_the_largest_halving_that_feeds_the_ring(sizes, ctx):
 
 # -- the cost-aware planner (R5) -------------------------------------------------------
 
-from wavepp.plan import CostFit, CostModel, cost_plan, mpu, observe  # noqa: E402
+from wavepp.plan import CostFit, CostModel, cost_plan, mpu, observe, static  # noqa: E402
 
 models = st.builds(
     CostModel,
@@ -100,15 +100,30 @@ def test_cost_planner_plans_what_mpu_plans_when_chunks_cost_alike(sizes, data, c
     assert drain(planner, sizes, starts, ctx, 2)[1] == drain(mpu, sizes, starts, ctx, 2)[1]
 
 
-def test_cost_planner_gives_long_prefix_chunks_fewer_tokens():
+def test_at_the_full_budget_the_cost_planner_fills_as_static_does():
+    # The ring is fed at M: fewest waves win, whatever the chunks' prefixes.
     model = CostModel(a=1e-6, c=1e-10, d=1e-2)
     ctx = PlanContext(budget=8192, ring=2, min_budget=512)
-    deep = [Pending("deep", 100_000, 140_000), Pending("fresh", 0, 40_000)]
-    wave = cost_plan(deep, 0, ctx, model)
-    assert [c.request_id for c in wave.chunks] == ["deep"]
-    assert wave.chunks[0].size == 8192  # the head sets the time budget
-    fresh_first = cost_plan(deep[::-1], 0, ctx, model)
-    assert fresh_first.chunks[0].size == 8192 and fresh_first.num_tokens == 8192
+    queue = [Pending("fresh", 0, 1000), Pending("deep", 100_000, 140_000)]
+    wave = cost_plan(queue, 0, ctx, model)
+    assert wave.budget == 8192
+    assert wave == static(queue, 0, ctx)
+    assert [c.size for c in wave.chunks] == [1000, 7192]
+
+
+def test_below_the_full_budget_long_prefix_chunks_get_fewer_tokens():
+    # Little work left for a ring of 8: the budget halves, and the halved waves take
+    # equal time, so a chunk 100K tokens deep gets what is left of the head's time.
+    model = CostModel(a=1e-6, c=1e-10, d=1e-4)
+    ctx = PlanContext(budget=8192, ring=8, min_budget=512)
+    queue = [Pending("fresh", 0, 500), Pending("deep", 100_000, 103_000)]
+    wave = cost_plan(queue, 0, ctx, model)
+    assert wave.budget < ctx.budget
+    fresh, deep = wave.chunks
+    assert fresh.size == 500
+    assert 0 < deep.size < wave.budget - 500  # static would give it the rest of the budget
+    assert model.wave([(c.size, c.start) for c in wave.chunks]) <= (
+        model.d + model.chunk(wave.budget, 0) * (1 + 1e-9))
 
 
 def test_a_large_per_wave_cost_keeps_waves_large():
