@@ -130,3 +130,18 @@ def test_the_build_is_cached_by_source(monkeypatch, tmp_path):
     assert cpu_kernel.library() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert attn.cpu_kernel is cpu_kernel
+
+
+@needs_kernel
+def test_a_slot_outside_the_pool_is_refused_before_the_kernel_reads_it():
+    k_pool, v_pool, g = random_pools(4 * 16, 1, 16, 16, 0)
+    q = torch.randn(3, 2, 16, generator=g)
+    batch = PagedBatch.build([Chunk(0, 3, (4,))], 16)  # the pool holds slots 0..3
+    with pytest.raises(ValueError, match="outside the pool of 4 slots"):
+        paged_attention(q, k_pool, v_pool, batch, 0.25)
+
+
+def test_the_build_names_the_compiler_error():
+    assert cpu_kernel._first_error("In file included from x.c:1:\nx.c:3:2: error: #error no\n") \
+        == "x.c:3:2: error: #error no"
+    assert cpu_kernel._first_error("") == "no output"

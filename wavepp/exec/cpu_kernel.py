@@ -25,6 +25,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -62,13 +63,31 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _cpu_id() -> bytes:
+    """This machine's CPU model and instruction-set flags (``-march=native`` builds for
+    them, so a cache shared by other machines must not hand their builds to this one)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(wanted)).encode()
+
+
+def _first_error(output: str) -> str:
+    lines = output.strip().splitlines()
+    errors = [ln for ln in lines if "error" in ln]
+    return (errors or lines or ["no output"])[0]
+
+
 def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode() + _cpu_id())
+    key = key.hexdigest()[:16]
     target = _cache_dir() / f"cpu_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +97,7 @@ def _build() -> ctypes.CDLL:
             done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp],
                                   capture_output=True, text=True)  # fmt: skip
             if done.returncode:
-                lines = (done.stderr or done.stdout).strip().splitlines()
-                raise RuntimeError(f"{compiler} failed: {lines[0] if lines else done.returncode}")
+                raise RuntimeError(f"{compiler} failed: {_first_error(done.stderr or done.stdout)}")
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -150,6 +168,9 @@ def wave_metadata(starts, ends, spans, tables) -> tuple[torch.Tensor, torch.Tens
 
 def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: float):
     """q [T, H, D]; pools [rows, KV, D] / [rows, KV, Dv] -> [T, H, Dv] (see the module)."""
+    slots = k_pool.shape[0] // block_size
+    if int(tables.max()) >= slots or int(tables.min()) < 0:
+        raise ValueError(f"a block table names a slot outside the pool of {slots} slots")
     q = q.contiguous()
     heads, kv_heads, d_k, d_v = q.shape[1], k_pool.shape[1], k_pool.shape[-1], v_pool.shape[-1]
     out = q.new_empty(q.shape[0], heads, d_v)
