@@ -47,7 +47,8 @@ def waves(draw):
         first = chunks[0]
         more = draw(st.integers(1, 200))
         blocks = -(-(first.end + more) // block_size)
-        table = first.block_table + tuple(range(capacity, capacity + blocks - len(first.block_table)))
+        added = blocks - len(first.block_table)
+        table = first.block_table + tuple(range(capacity, capacity + added))
         chunks[0] = Chunk(first.start, first.end, table)
         chunks.append(Chunk(first.end, first.end + more, table))
         capacity += blocks - len(first.block_table)
