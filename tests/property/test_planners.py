@@ -123,7 +123,8 @@ def test_below_the_full_budget_long_prefix_chunks_get_fewer_tokens():
     assert fresh.size == 500
     assert 0 < deep.size < wave.budget - 500  # static would give it the rest of the budget
     assert model.wave([(c.size, c.start) for c in wave.chunks]) <= (
-        model.d + model.chunk(wave.budget, 0) * (1 + 1e-9))
+        model.d + model.chunk(wave.budget, 0) * (1 + 1e-9)
+    )
 
 
 def test_a_large_per_wave_cost_keeps_waves_large():

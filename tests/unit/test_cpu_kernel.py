@@ -143,6 +143,8 @@ def test_a_slot_outside_the_pool_is_refused_before_the_kernel_reads_it():
 
 
 def test_the_build_names_the_compiler_error():
-    assert cpu_kernel._first_error("In file included from x.c:1:\nx.c:3:2: error: #error no\n") \
+    assert (
+        cpu_kernel._first_error("In file included from x.c:1:\nx.c:3:2: error: #error no\n")
         == "x.c:3:2: error: #error no"
+    )
     assert cpu_kernel._first_error("") == "no output"
