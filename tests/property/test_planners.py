@@ -174,3 +174,14 @@ def test_fit_recovers_coefficients_from_measured_waves():
     got = fit.model()
     assert got.a == pytest.approx(truth.a, rel=0.05)
     assert got.c == pytest.approx(truth.c, rel=0.05)
+
+
+def test_waves_in_flight_keep_the_pipeline_fed():
+    # A short queue at P = 4: on an empty pipeline the cost planner halves to feed it;
+    # with three waves already in the stages after this one, one full wave feeds it.
+    model = CostModel(a=1e-6, c=0.0, d=1e-4)
+    queue = [Pending(f"r{i}", 0, 8192) for i in range(2)]
+    empty = PlanContext(budget=16384, ring=8, min_budget=512, stages=4)
+    assert cost_plan(queue, 0, empty, model).budget < 16384
+    busy = PlanContext(budget=16384, ring=8, min_budget=512, stages=4, in_flight=3)
+    assert cost_plan(queue, 0, busy, model).budget == 16384

@@ -50,6 +50,7 @@ class PlanContext:
     wave_seconds: tuple[float, ...] = ()  # stage 0's most recent measured wave times, s,
     #   oldest first (a bounded window)
     stages: int = 0  # P, the pipeline's stages (0: not given)
+    in_flight: int = 0  # waves planned earlier and not yet back from the last stage
 
 
 Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]

@@ -38,9 +38,10 @@ class WavePlanner:
         self.next_wave_id += 1
         return self.next_wave_id - 1
 
-    def next(self) -> Wave | None:
+    def next(self, in_flight: int = 0) -> Wave | None:
+        """The next wave, ``in_flight`` waves being in the pipeline already."""
         ctx = attrs.evolve(self.ctx, cost_model=self.cost_fit.model(),
-                           wave_seconds=tuple(self.recent))  # fmt: skip
+                           wave_seconds=tuple(self.recent), in_flight=in_flight)  # fmt: skip
         wave = self.planner(self.queue, self.next_wave_id, ctx)
         if wave is None:
             return None

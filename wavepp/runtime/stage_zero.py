@@ -63,7 +63,7 @@ class StageZero:
         self.intake.changed.notify()
 
     def _next_wave(self) -> Wave | None:
-        wave = self.planner.next() if self.in_flight < self.ring else None
+        wave = self.planner.next(self.in_flight) if self.in_flight < self.ring else None
         if wave is None and self.pending_cancels:
             wave = Wave(self.planner.take_wave_id(), 0, ())  # carries only the cancels
         return wave
