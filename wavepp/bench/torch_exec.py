@@ -193,6 +193,33 @@ def _speedup_row(n: int, cached: int, names: tuple[str, str], seconds: tuple[flo
             "max_abs_logit_diff": diff}  # fmt: skip
 
 
+def _on(seconds, executor, tokens, cached, chunk) -> float:
+    """``seconds`` (:meth:`Sweep.ours_seconds`) on the executor ``executor()`` gives."""
+    return seconds(tokens, cached, chunk, executor())
+
+
+def _ab_rows(bench: Sweep, args: argparse.Namespace, label: str, lengths: list[int],
+             shares: tuple[float, ...], names: tuple[str, str], new, old, old_logits) -> list:
+    """Interleaved A/B rows at each length and cached share: ``new`` and ``old`` time
+    ``(tokens, cached, chunk)``; the logits compared are the executor's last and
+    ``old_logits()``."""  # fmt: skip
+    rows = []
+    for n in lengths:
+        for share in shares:
+            tokens = bench.tokens(n)
+            cached = int(n * share) // args.block * args.block
+            times = _interleaved(args.repeats, partial(new, tokens, cached, args.chunk),
+                                 partial(old, tokens, cached, args.chunk))  # fmt: skip
+            diff = (bench.ours.last_logits["bench"] - old_logits()).abs().max().item()
+            row = _speedup_row(n, cached, names, times, diff)
+            rows.append(row)
+            print(f"  {label} at {n} ({'cold' if not cached else f'{share:.0%} cached'}): "
+                  f"{names[0]} {row[f'{names[0]}_tok_s']:,.0f} tok/s, {names[1]} "
+                  f"{row[f'{names[1]}_tok_s']:,.0f} tok/s, x{row['speedup']:.2f} "
+                  f"(logits differ by {diff:.1e})", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
 def sweep(args: argparse.Namespace) -> dict:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     attn_lengths = [int(x) for x in args.attention_lengths.split(",") if x]
@@ -225,61 +252,22 @@ def sweep(args: argparse.Namespace) -> dict:
                   f"{row['wavepp_tok_s']:>9,.0f} tok/s, transformers "
                   f"{row['transformers_tok_s']:>9,.0f} tok/s, ratio {row['ratio']:.2f} "
                   f"(logits differ by {diff:.1e})", file=sys.stderr, flush=True)  # fmt: skip
-    attention = []
-    for n in attn_lengths:
-        tokens = bench.tokens(n)
-        cached = int(n * 0.9) // args.block * args.block
-        times = _interleaved(
-            args.repeats,
-            partial(bench.ours_seconds, tokens, cached, args.chunk),
-            partial(bench.copying_seconds, tokens, cached, args.chunk),
-        )
-        diff = (bench.ours.last_logits["bench"] - bench.copy_logits).abs().max().item()
-        row = _speedup_row(n, cached, ("block_table", "copying"), times, diff)
-        attention.append(row)
-        print(f"  attention at {n} (90% cached): block table {row['block_table_tok_s']:,.0f} "
-              f"tok/s, copying path {row['copying_tok_s']:,.0f} tok/s, x{row['speedup']:.2f}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    compiled = []
-    for n in compile_lengths:
-        for share in (0.0, 0.9):
-            tokens = bench.tokens(n)
-            cached = int(n * share) // args.block * args.block
-            if not compiled:  # compiles here, then warms both up once
-                bench.ours_seconds(tokens, cached, args.chunk, bench.compiled())
-                bench.ours_seconds(tokens, cached, args.chunk)
-            times = _interleaved(
-                args.repeats,
-                partial(bench.ours_seconds, tokens, cached, args.chunk, bench.compiled()),
-                partial(bench.ours_seconds, tokens, cached, args.chunk),
-            )
-            diff = (bench.ours.last_logits["bench"]
-                    - bench.compiled().last_logits["bench"]).abs().max().item()  # fmt: skip
-            row = _speedup_row(n, cached, ("compiled", "eager"), times, diff)
-            compiled.append(row)
-            print(f"  --compile at {n} ({'cold' if not cached else '90% cached'}): compiled "
-                  f"{row['compiled_tok_s']:,.0f} tok/s, eager {row['eager_tok_s']:,.0f} tok/s, "
-                  f"x{row['speedup']:.2f} (logits differ by {diff:.1e})",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    kernel = []
+    attention = _ab_rows(bench, args, "attention", attn_lengths, (0.9,),
+                         ("block_table", "copying"), bench.ours_seconds, bench.copying_seconds,
+                         lambda: bench.copy_logits)  # fmt: skip
+    if compile_lengths:  # compiles here, then warms both up once
+        tokens = bench.tokens(compile_lengths[0])
+        bench.ours_seconds(tokens, 0, args.chunk, bench.compiled())
+        bench.ours_seconds(tokens, 0, args.chunk)
+    compiled = _ab_rows(
+        bench, args, "--compile", compile_lengths, (0.0, 0.9), ("compiled", "eager"),
+        partial(_on, bench.ours_seconds, bench.compiled), bench.ours_seconds,
+        lambda: bench.compiled().last_logits["bench"],
+    )
     if kernel_lengths:
         print(f"  attention kernel: {bench.ours.attention_kernel}", file=sys.stderr, flush=True)
-    for n in kernel_lengths:
-        for share in (0.0, 0.9):
-            tokens = bench.tokens(n)
-            cached = int(n * share) // args.block * args.block
-            times = _interleaved(
-                args.repeats,
-                partial(bench.ours_seconds, tokens, cached, args.chunk),
-                partial(bench.pytorch_seconds, tokens, cached, args.chunk),
-            )
-            diff = (bench.ours.last_logits["bench"] - bench.pytorch_logits).abs().max().item()
-            row = _speedup_row(n, cached, ("kernel", "pytorch"), times, diff)
-            kernel.append(row)
-            print(f"  kernel at {n} ({'cold' if not cached else '90% cached'}): WavePP's "
-                  f"{row['kernel_tok_s']:,.0f} tok/s, PyTorch's {row['pytorch_tok_s']:,.0f} "
-                  f"tok/s, x{row['speedup']:.2f} (logits differ by {diff:.1e})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+    kernel = _ab_rows(bench, args, "kernel", kernel_lengths, (0.0, 0.9), ("kernel", "pytorch"),
+                      bench.ours_seconds, bench.pytorch_seconds, lambda: bench.pytorch_logits)
     return {"model": args.model, "chunk": args.chunk, "block": args.block, "clock": args.clock,
             "attention_kernel": bench.ours.attention_kernel, "sweep": rows,
             "attention": attention, "compile": compiled, "kernel": kernel}  # fmt: skip
