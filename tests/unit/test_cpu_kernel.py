@@ -3,6 +3,8 @@ runtime makes, and where it cannot serve, the PyTorch path does, saying why."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -148,3 +150,16 @@ def test_the_build_names_the_compiler_error():
         == "x.c:3:2: error: #error no"
     )
     assert cpu_kernel._first_error("") == "no output"
+
+
+def test_pools_are_zeroed_and_ask_for_huge_pages():
+    from wavepp.exec.model import BUILTIN, build_stage, random_weights
+    from wavepp.exec.torch_exec import TorchExecutor, huge_pages
+
+    cfg = BUILTIN["tiny-llama"]
+    stage = build_stage(cfg, range(cfg.num_layers), True, True, random_weights(cfg, 0))
+    ex = TorchExecutor(stage, capacity=512, block_size=16)
+    assert all(int(t.count_nonzero()) == 0 for pool in ex.pools.values() for t in pool.values())
+    if Path("/sys/kernel/mm/transparent_hugepage").is_dir():  # Linux with THP built in
+        assert huge_pages(torch.empty(8 << 20, dtype=torch.uint8)) is True
+    assert huge_pages(torch.empty(16, dtype=torch.uint8)) is False  # no whole 2 MiB page
