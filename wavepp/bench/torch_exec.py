@@ -93,6 +93,7 @@ class Sweep:
         self._prefix: dict[int, tuple] = {}  # executor -> the prefix its pool holds
         self._compiled: TorchExecutor | None = None
         self.copy_logits: torch.Tensor | None = None  # the copying path's, last run
+        self.pytorch_logits: torch.Tensor | None = None  # PyTorch attention's, last run
 
         cfg = MODELS[model]
         if set(cfg.pattern) != {"A"}:

@@ -168,7 +168,7 @@ def paged_attention(
     if cpu_kernel.fits(q, k_pool, v_pool):
         meta = batch.kernel_state.get("cpu")
         if meta is None:
-            meta = cpu_kernel.wave_metadata(batch.starts, batch.ends, batch.spans, batch.tables)
+            meta = cpu_kernel.wave_metadata(batch.starts, batch.spans, batch.tables)
             batch.kernel_state["cpu"] = meta
         return cpu_kernel.paged_attention(q, k_pool, v_pool, *meta, batch.block_size, scale)
     return _split_attention(q, k_pool, v_pool, batch, scale)

@@ -156,7 +156,7 @@ def fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     )
 
 
-def wave_metadata(starts, ends, spans, tables) -> tuple[torch.Tensor, torch.Tensor]:
+def wave_metadata(starts, spans, tables) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence ``[q_offset, num_new, start, table_at]`` and the flat block tables."""
     seqs, flat = [], []
     for (a, b), start, table in zip(spans, starts, tables, strict=True):
