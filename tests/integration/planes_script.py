@@ -1,9 +1,11 @@
 """Run by test_planes under torchrun (2 ranks): the two planes never wait on each other,
-and a compute thread keeps its speed while admission rounds run on the event loop."""
+a compute thread keeps its speed while admission rounds run on the event loop, and a
+rounds broadcast delivers payloads of every size."""
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import sys
 import time
@@ -91,6 +93,14 @@ async def main(out_path: str) -> None:
     result.update(
         compute_alone_s=alone, compute_with_rounds_s=together, rounds_during=busy["rounds"]
     )
+    # D: broadcasts of every size: within the inline room (one collective), past it
+    # (a second for the rest; the room grows), and past the room's ceiling.
+    payloads = [b"", b"x", bytes(range(256)) * 20, b"y" * (300 << 10), b"tail"]
+    got = []
+    for payload in payloads:
+        data = await plane.broadcast(payload if rank == 0 else None)
+        got.append([len(data), hashlib.sha256(data).hexdigest()])
+    result.update(broadcasts=got, inline=plane.inline)
     gathered = await plane.gather(json.dumps(result).encode())
     if rank == 0:
         with open(out_path, "w") as f:

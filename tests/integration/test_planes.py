@@ -1,10 +1,12 @@
 """DESIGN §3 and §10: the planes never stall each other; compute keeps its speed."""
 
+import hashlib
 import json
 
 import pytest
 
 from tests.integration.conftest import torchrun
+from wavepp.exec.planes import INLINE_MAX_BYTES
 
 pytestmark = pytest.mark.slow
 
@@ -22,3 +24,9 @@ def test_planes_are_independent_and_compute_is_not_starved(tmp_path):
     for r in (rank0, rank1):
         assert r["rounds_during"] >= 1
         assert r["compute_with_rounds_s"] < 3 * r["compute_alone_s"] + 0.2, r
+    # Every broadcast arrived whole on both ranks, short or long, and both ranks' inline
+    # rooms grew alike, to the ceiling (a 300 KiB payload passed it).
+    sent = [b"", b"x", bytes(range(256)) * 20, b"y" * (300 << 10), b"tail"]
+    expected = [[len(p), hashlib.sha256(p).hexdigest()] for p in sent]
+    assert rank0["broadcasts"] == rank1["broadcasts"] == expected
+    assert rank0["inline"] == rank1["inline"] == INLINE_MAX_BYTES

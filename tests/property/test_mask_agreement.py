@@ -13,6 +13,7 @@ by one earlier prompt each, then a round offers a prompt sharing it. The spec:
 from __future__ import annotations
 
 import anyio
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +24,9 @@ from wavepp.rounds.admission import (
     lease_all,
     round_over,
     run_round,
+    window_tops,
 )
+from wavepp.rounds.errors import ProtocolError
 from wavepp.state import (
     MASK_WIDTH,
     block_hashes,
@@ -92,7 +95,8 @@ def test_agreed_point_is_served_everywhere_and_the_best_below_the_lowest_lease(s
     served = [k for k in range(min(probes) + 1) if all(_serves(c, offer.hashes, k) for c in caches)]
     best = max(served)
     assert point == best
-    base = min(lease_all(c, [offer], [min(probes)], MODE)[1][0] for c in caches)
+    # each stage leases what it probed itself
+    base = min(lease_all(c, [offer], [p], MODE)[1][0] for c, p in zip(caches, probes, strict=True))
     assert point <= base <= min(probes)
     counters = result.counters
     assert counters.disagreements == (1 if point < max(probes) else 0)
@@ -104,15 +108,16 @@ def test_agreed_point_is_served_everywhere_and_the_best_below_the_lowest_lease(s
 
 
 def test_a_window_without_a_common_point_moves_down_instead_of_dropping_all_reuse():
-    # Stage 0 has snapshots at 90 and 10, stage 1 at 100, 80 and 10: the probes say 90
-    # and 100, the leases 90 and 80, and no point in 80 .. 18 serves both: the old mask
-    # step gave 0; the next window down finds 10.
+    # Stage 0 has snapshots at 90 and 10, stage 1 at 100, 80 and 10: the probes (and
+    # each stage's lease of its own probe) say 90 and 100, and no point in 90 .. 28
+    # serves both: the old mask step gave 0; the next window down finds 10. Nothing
+    # was rolled back: each stage protected what it probed.
     doc = [(i * 7) % 5 for i in range(121 * B)]
     caches = [_stage(200, True, doc, [90, 10], 120), _stage(200, True, doc, [100, 80, 10], 120)]
     offer = _offer("q", [*doc[: 120 * B], 3])
     _, result = round_over(caches, [offer], MODE)
     assert result.admitted == (True,) and result.points == (10,)
-    assert result.counters.to_json() == {"disagreements": 1, "rollbacks": 1, "fallbacks": 1}
+    assert result.counters.to_json() == {"disagreements": 1, "rollbacks": 0, "fallbacks": 1}
 
 
 class _Plane:
@@ -157,17 +162,23 @@ class _Rank:
         return await self.plane.reduce(self.rank, values, band)
 
 
-@settings(max_examples=25, deadline=None)
-@given(spec=stages, length=st.integers(1, 3 * MASK_WIDTH + 10))
-def test_run_round_makes_round_over_decisions(spec, length):
+@settings(max_examples=40, deadline=None)
+@given(spec=stages, length=st.integers(1, 3 * MASK_WIDTH + 10), data=st.data())
+def test_run_round_makes_round_over_decisions(spec, length, data):
     caches, offer = _setup(spec, length)
     _, expected = round_over(caches, [offer], MODE)
+    # The first mask window ends at rank 0's probe as sent with the round; any anchor
+    # in 0..limit (rank 0's cache may move between its broadcast and the round, or the
+    # round may carry none) must reach the same decisions, in more AND rounds at most.
+    own = MODE.policy.probe(caches[0], offer.hashes, offer.probe_limit)
+    anchor = data.draw(st.one_of(st.just(own), st.none(), st.integers(0, offer.probe_limit)))
+    anchors = None if anchor is None else [anchor]
     plane = _Plane(len(caches))
     books = [StageBook(c) for c in caches]
     results = [None] * len(caches)
 
     async def one(r: int) -> None:
-        results[r] = await run_round(plane.rank(r), books[r], [offer], MODE)
+        results[r] = await run_round(plane.rank(r), books[r], [offer], MODE, anchors)
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
@@ -178,3 +189,12 @@ def test_run_round_makes_round_over_decisions(spec, length):
     for res in results:
         assert res.admitted == expected.admitted and res.points == expected.points
         assert res.counters == expected.counters
+
+
+def test_anchors_from_rank_0_are_checked_before_use():
+    offer = _offer("q", list(range(20)))
+    assert window_tops([offer], None) == [offer.probe_limit]
+    assert window_tops([offer], [3]) == [3]
+    for bad in ([offer.probe_limit + 1], [-1], [1, 2]):
+        with pytest.raises(ProtocolError):
+            window_tops([offer], bad)

@@ -3,6 +3,7 @@
 import msgspec
 import pytest
 
+from wavepp.exec.planes import INLINE_MAX_BYTES, INLINE_MIN_BYTES, _inline_after
 from wavepp.rounds.messages import (
     AdmitEntry,
     AdmitRound,
@@ -24,6 +25,7 @@ def test_round_trip_of_every_message():
     hashes = (0, 1, 2**64 - 1)
     messages = [
         AdmitRound(3, [AdmitEntry("req-1", 200, pack_hashes(hashes), 2)]),
+        AdmitRound(5, [AdmitEntry("req-2", 200, pack_hashes(hashes), 2)], anchors=[1]),
         Heartbeat(4),
         WaveMsg(9, 8192, [ChunkMsg("req-1", 128, 200, 200, False)]),
         WaveDone(9, [], stop=True),
@@ -55,3 +57,11 @@ def test_bad_bytes_give_a_codec_error(raw):
 def test_a_wave_is_not_a_round_message():
     with pytest.raises(CodecError):
         decode_untrusted(encode(WaveMsg(1, 1, [])), RoundMessage)
+
+
+def test_the_broadcast_inline_room_grows_alike_on_every_rank_up_to_its_ceiling():
+    room = INLINE_MIN_BYTES
+    assert _inline_after(room, 0) == _inline_after(room, 100) == room  # never shrinks
+    assert _inline_after(room, room + 1) == 2 * room
+    assert _inline_after(2 * room, 10) == 2 * room
+    assert _inline_after(room, 10 * INLINE_MAX_BYTES) == INLINE_MAX_BYTES

@@ -42,8 +42,25 @@ def _bytes_tensor(payload: bytes) -> torch.Tensor:
     )
 
 
+INLINE_MIN_BYTES = 4 << 10  # a broadcast's first collective carries this much payload
+INLINE_MAX_BYTES = 256 << 10  # ... growing to the longest payload seen, up to this
+MAX_BROADCAST_BYTES = 64 << 20  # a longer announced payload is refused, not allocated
+
+
+def _inline_after(inline: int, n: int) -> int:
+    """The next broadcast's inline room after a payload of ``n`` bytes: every rank
+    computes the same from what it has seen, so no size needs to travel first."""
+    want = 1 << max(n - 1, 0).bit_length()
+    return min(INLINE_MAX_BYTES, max(inline, want))
+
+
 class TorchRoundsPlane:
-    """Rounds-plane collectives over a Gloo group, each in a worker thread."""
+    """Rounds-plane collectives over a Gloo group, each in a worker thread.
+
+    A broadcast is one collective of a buffer holding the payload's length and its
+    first ``inline`` bytes; only a longer payload pays a second one for the rest. The
+    room grows with the longest payload seen (rank 0's rounds), on every rank alike.
+    """
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
         self.group = group
@@ -51,6 +68,7 @@ class TorchRoundsPlane:
         self.world_size = world_size
         self.lock = anyio.Lock()
         self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
+        self.inline = INLINE_MIN_BYTES  # payload bytes the next broadcast carries at once
 
     async def _run(self, fn, what: str = "a collective"):
         self.on_wait(f"waiting on the rounds plane ({what}, all ranks)")
@@ -63,13 +81,29 @@ class TorchRoundsPlane:
 
     async def broadcast(self, payload: bytes | None) -> bytes:
         def work() -> bytes:
-            size = torch.tensor([len(payload) if self.rank == 0 else 0], dtype=torch.int64)
-            dist.broadcast(size, src=0, group=self.group)
-            n = int(size.item())
-            buf = _bytes_tensor(payload) if self.rank == 0 else torch.empty(n, dtype=torch.uint8)
-            if n:
-                dist.broadcast(buf, src=0, group=self.group)
-            return buf.numpy().tobytes()
+            inline = self.inline
+            buf = torch.zeros(8 + inline, dtype=torch.uint8)
+            if self.rank == 0:
+                assert payload is not None
+                head = payload[:inline]
+                buf[:8] = _bytes_tensor(len(payload).to_bytes(8, "little"))
+                buf[8 : 8 + len(head)] = _bytes_tensor(head)
+            dist.broadcast(buf, src=0, group=self.group)
+            n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+            if n > MAX_BROADCAST_BYTES:  # before anything is allocated; rank 0 fails alike
+                raise PlaneError(f"rank 0 announced a broadcast of {n:,} bytes; at most "
+                                 f"{MAX_BROADCAST_BYTES:,} are accepted")  # fmt: skip
+            data = buf[8 : 8 + min(n, inline)].numpy().tobytes()
+            if n > inline:
+                rest = (
+                    _bytes_tensor(payload[inline:])  # type: ignore[index]
+                    if self.rank == 0
+                    else torch.empty(n - inline, dtype=torch.uint8)
+                )
+                dist.broadcast(rest, src=0, group=self.group)
+                data += rest.numpy().tobytes()
+            self.inline = _inline_after(inline, n)
+            return data
 
         return await self._run(work, "broadcast from rank 0")
 

@@ -2,22 +2,28 @@
 
 Each step is a pure function of one stage's ``StageCache`` that calls the reducers only
 through the policy in use (:class:`wavepp.policy.Policy`); :func:`run_round` strings
-them together with four small collectives on the rounds plane, the same on every rank::
+them together with two small collectives on the rounds plane, the same on every rank::
 
-    probe        -> MIN   common candidate point p per request
-    lease(p)     -> MIN   h: the lowest point any stage could actually protect
-    mask(h)      -> AND   the largest point ≤ h every stage serves exactly (snapshots);
-                          where a window of MASK_WIDTH points holds none, one more AND
-                          over the next window down (point 0 is always served)
+    probe, lease(own probe), mask      -> MIN   per request: p (MIN of the probes), the
+                                                highest probe, h (MIN of the leases), and
+                                                the AND of each point's served bit in the
+                                                window ending at rank 0's probe (sent with
+                                                the round); the window's highest common
+                                                point is the agreed one
+    (where that window holds none)     -> AND   63-bit masks of the next windows down
+                                                from h, until one holds a common point
+                                                (point 0 is always served)
     reconcile + escrow, in the escrow order -> MIN   admitted iff every stage escrowed;
                                                      the order's cut (FCFS by default)
 
-Points never rise from one step to the next, and every stage ends on the same point
-(see ``wavepp.state.probe.reuse_mask``). The probe MIN carries the negated points too,
-so every rank also learns the highest local hit, for the round's counters
-(:class:`RoundCounters`) at no extra collective. :func:`round_over`
-runs the same steps over several caches in one process (collectives as plain MIN/AND):
-the oracle, the parity harness and the property suite use it.
+Each stage leases what it probed itself, so probe and lease need no collective between
+them; the richer leases roll back to the agreed point before anything is escrowed.
+Points never rise from one step to the next, and every stage ends on the same point:
+the highest that every stage serves exactly at or below h (see
+``wavepp.state.probe.reuse_mask``). The counters (:class:`RoundCounters`) come from the
+same MIN. :func:`round_over` runs the same steps over several caches in one process
+(collectives as plain MIN/AND): the oracle, the parity harness and the property suite
+use it.
 """
 
 from __future__ import annotations
@@ -318,6 +324,66 @@ def lower_windows(windows: Sequence[int], agreed: Sequence[int | None]) -> list[
     return todo
 
 
+def window_tops(offers: Sequence[Offer], anchors: Sequence[int] | None) -> list[int]:
+    """Where each offer's first mask window ends: rank 0's own probe point, sent with the
+    round (checked against the offer: it comes from a peer), else the probe limit."""
+    if anchors is None:
+        return [o.probe_limit for o in offers]
+    if len(anchors) != len(offers):
+        raise ProtocolError(f"round has {len(offers)} offers but {len(anchors)} anchors")
+    for offer, top in zip(offers, anchors, strict=True):
+        if not 0 <= top <= offer.probe_limit:
+            raise ProtocolError(f"anchor {top} of {offer.request_id!r} outside "
+                                f"0..{offer.probe_limit}")  # fmt: skip
+    return [int(a) for a in anchors]
+
+
+def window_bits(
+    cache: StageCache, offers: Sequence[Offer], tops: Sequence[int], held: Sequence[int]
+) -> list[int]:
+    """Bit j of each offer's mask at ``tops[i]`` (served at ``tops[i] - j``), one 0/1
+    value per point, offer after offer: an all-rank MIN of them is their AND, so the
+    mask step rides in the probe's collective."""
+    bits: list[int] = []
+    for mask in serve_masks(cache, offers, tops, held):
+        bits.extend((mask >> j) & 1 for j in range(MASK_WIDTH))
+    return bits
+
+
+def window_points(
+    tops: Sequence[int], bases: Sequence[int], bits: Sequence[int]
+) -> list[int | None]:
+    """Each offer's agreed point where its first window settles it: the highest point
+    there that every stage serves (no stage sets a bit above its own lease, so it is at
+    or below ``bases[i]``, the lowest lease). None where the window holds no common
+    point, or ends below the lowest lease (rank 0's probe moved between the broadcast
+    and the round: points above the window were not looked at)."""
+    found: list[int | None] = []
+    for i, (top, base) in enumerate(zip(tops, bases, strict=True)):
+        row = bits[i * MASK_WIDTH : (i + 1) * MASK_WIDTH]
+        mask = sum(int(b) << j for j, b in enumerate(row))
+        found.append(point_from_mask(top, mask) if base <= top else None)
+    return found
+
+
+def next_windows(
+    tops: Sequence[int], bases: Sequence[int], found: Sequence[int | None]
+) -> dict[int, int]:
+    """Where the AND rounds start for the offers the first window left without a point:
+    just below that window and at or below the lowest lease."""
+    return {
+        i: base if base > top else min(base, top - MASK_WIDTH)
+        for i, (top, base, point) in enumerate(zip(tops, bases, found, strict=True))
+        if point is None
+    }
+
+
+def fell_back(bases: Sequence[int], agreed: Sequence[int]) -> list[bool]:
+    """Whether the window of ``MASK_WIDTH`` points at the lowest lease held no common
+    point (the round's *fallbacks*)."""
+    return [b - a >= MASK_WIDTH for b, a in zip(bases, agreed, strict=True)]
+
+
 @attrs.frozen
 class RoundResult:
     admitted: tuple[bool, ...]
@@ -366,37 +432,39 @@ class StageBook:
 
 
 async def run_round(
-    plane: RoundsPlane, book: StageBook, offers: Sequence[Offer], mode: RoundMode
-) -> RoundResult:
-    """One admission round over ``offers``; every rank calls it with the same offers."""
+    plane: RoundsPlane, book: StageBook, offers: Sequence[Offer], mode: RoundMode,
+    anchors: Sequence[int] | None = None,
+) -> RoundResult:  # fmt: skip
+    """One admission round over ``offers``; every rank calls it with the same offers and
+    ``anchors`` (rank 0's probe point of each offer, sent with the round: the first mask
+    window ends there; None: at the probe limit, which only costs more AND rounds)."""
     t0 = time.perf_counter()
     plane = _WorkClock(plane)  # type: ignore[assignment]  # the collectives, timed apart
     n = len(offers)
+    tops = window_tops(offers, anchors)
     local = probe_points(book.cache, offers, mode, book.probe_us)
-    both = await plane.all_min([*local, *(-p for p in local)])  # MIN and MAX in one
-    points, highest = both[:n], [-p for p in both[n:]]
-    book.cache, held = lease_all(book.cache, offers, points, mode)
-    bases = await plane.all_min(held)
-    masks = serve_masks(book.cache, offers, bases, held)
-    masks = await plane.all_and(masks)
-    found = first_agreement(bases, masks)
-    fell_back = [p is None for p in found]
-    windows = list(bases)
-    while todo := lower_windows(windows, found):  # the same on every rank: masks are AND-ed
-        for i in todo:
-            windows[i] -= MASK_WIDTH
+    book.cache, held = lease_all(book.cache, offers, local, mode)
+    bits = window_bits(book.cache, offers, tops, held)
+    got = await plane.all_min([*local, *(-p for p in local), *held, *bits])  # AND of bits
+    points, highest, bases = got[:n], [-p for p in got[n : 2 * n]], got[2 * n : 3 * n]
+    found = window_points(tops, bases, got[3 * n :])
+    windows = next_windows(tops, bases, found)
+    while windows:  # the same on every rank: the masks are AND-ed
+        todo = sorted(windows)
         sub = [offers[i] for i in todo]
         masks = serve_masks(book.cache, sub, [windows[i] for i in todo], [held[i] for i in todo])
         masks = await plane.all_and(masks)
         for i, m in zip(todo, masks, strict=True):
             found[i] = point_from_mask(windows[i], m)
+        lower_windows([windows[i] for i in todo], [found[i] for i in todo])
+        windows = {i: windows[i] - MASK_WIDTH for i in todo if found[i] is None}
     agreed = [int(p) for p in found if p is not None]
     book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
     flags = await plane.all_min(ok)
     admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, book.refusals))
     book.cache, evicted = commit(book.cache, offers, admitted, mode)
     book.refusals = note_refusals(book.refusals, offers, admitted)
-    counters = count_round(admitted, highest, points, bases, agreed, fell_back)
+    counters = count_round(admitted, highest, points, bases, agreed, fell_back(bases, agreed))
     return RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0,
                        counters, plane.stop())  # fmt: skip
 
@@ -417,8 +485,8 @@ def round_over(
     points = [min(p[i] for p in probed) for i in range(n)]
     highest = [max(p[i] for p in probed) for i in range(n)]
     held = []
-    for s, cache in enumerate(caches):
-        caches[s], got = lease_all(cache, offers, points, mode)
+    for s, cache in enumerate(caches):  # each stage leases what it probed
+        caches[s], got = lease_all(cache, offers, probed[s], mode)
         held.append(got)
     bases = [min(h[i] for h in held) for i in range(n)]
     agreed, fell_back = agree_over(caches, offers, bases, held)

@@ -50,6 +50,9 @@ class AdmitRound(_Msg, frozen=True):
 
     round_id: Count
     entries: Annotated[list[AdmitEntry], msgspec.Meta(max_length=MAX_ENTRIES)]
+    anchors: Annotated[list[Count], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    #  rank 0's probe point of each entry: the round's first mask window ends there
+    #  (``rounds.admission.window_tops`` checks them); empty: at each probe limit
 
 
 class Heartbeat(_Msg, frozen=True):

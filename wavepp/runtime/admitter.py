@@ -275,10 +275,12 @@ class Admitter:
         self.round_id += 1
         started = time.time()
         async with self.plane.lock:
+            # rank 0's own probes end the first mask window of each offer
+            anchors = probe_points(self.stage.book.cache, offers, self.mode)
             await self.plane.broadcast(
-                encode(AdmitRound(self.round_id, [_entry(o) for o in offers]))
+                encode(AdmitRound(self.round_id, [_entry(o) for o in offers], anchors))
             )
-            result = await run_round(self.plane, self.stage.book, offers, self.mode)
+            result = await run_round(self.plane, self.stage.book, offers, self.mode, anchors)
         self.round_seconds.append(result.seconds)
         self.round_cpu_s.append(result.cpu_s)
         self.round_spans.append((started, time.time(), len(offers)))

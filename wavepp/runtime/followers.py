@@ -33,7 +33,8 @@ async def follow_rounds(plane: TorchRoundsPlane, stage: Stage, mode: RoundMode) 
             return
         if isinstance(message, AdmitRound):
             offers = [offer_from_entry(e) for e in message.entries]
-            result = await run_round(plane, stage.book, offers, mode)
+            anchors = message.anchors or None
+            result = await run_round(plane, stage.book, offers, mode, anchors)
             for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
                 if ok:
                     stage.register(Admitted(offer, point))

@@ -232,9 +232,9 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
                 probed = [probe_points(c, offers, mode) for c in self.caches]
             points = [min(p[i] for p in probed) for i in range(n)]
             held = []
-            for s, cache in enumerate(self.caches):
+            for s, cache in enumerate(self.caches):  # each stage leases what it probed
                 with policy_step("lease"):
-                    self.caches[s], got = lease_all(cache, offers, points, mode)
+                    self.caches[s], got = lease_all(cache, offers, probed[s], mode)
                 held.append(got)
             bases = [min(h[i] for h in held) for i in range(n)]
             agreed, _ = agree_over(self.caches, offers, bases, held)
