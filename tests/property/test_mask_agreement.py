@@ -125,6 +125,7 @@ class _Plane:
 
     def __init__(self, world: int) -> None:
         self.world = world
+        self.collectives = 0
         self.pending: list[tuple[int, list[int]]] = []
         self.done = anyio.Event()
         self.result: list[int] = []
@@ -140,6 +141,7 @@ class _Plane:
             assert len({len(v) for v in rows}) == 1, "ranks issued different collectives"
             self.result = [op(col) for col in zip(*rows, strict=True)]
             self.pending, self.done = [], anyio.Event()
+            self.collectives += 1
             done.set()
         await done.wait()
         return list(self.result)
@@ -162,6 +164,24 @@ class _Rank:
         return await self.plane.reduce(self.rank, values, band)
 
 
+def _run_round_on_every_rank(caches, offers, anchors):
+    """``run_round`` on one in-process rank per cache; the results and the plane."""
+    plane = _Plane(len(caches))
+    books = [StageBook(c) for c in caches]
+    results = [None] * len(caches)
+
+    async def one(r: int) -> None:
+        results[r] = await run_round(plane.rank(r), books[r], offers, MODE, anchors)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for r in range(len(caches)):
+                tg.start_soon(one, r)
+
+    anyio.run(main)
+    return results, plane
+
+
 @settings(max_examples=40, deadline=None)
 @given(spec=stages, length=st.integers(1, 3 * MASK_WIDTH + 10), data=st.data())
 def test_run_round_makes_round_over_decisions(spec, length, data):
@@ -172,23 +192,26 @@ def test_run_round_makes_round_over_decisions(spec, length, data):
     # round may carry none) must reach the same decisions, in more AND rounds at most.
     own = MODE.policy.probe(caches[0], offer.hashes, offer.probe_limit)
     anchor = data.draw(st.one_of(st.just(own), st.none(), st.integers(0, offer.probe_limit)))
-    anchors = None if anchor is None else [anchor]
-    plane = _Plane(len(caches))
-    books = [StageBook(c) for c in caches]
-    results = [None] * len(caches)
-
-    async def one(r: int) -> None:
-        results[r] = await run_round(plane.rank(r), books[r], [offer], MODE, anchors)
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            for r in range(len(caches)):
-                tg.start_soon(one, r)
-
-    anyio.run(main)
+    results, _ = _run_round_on_every_rank(caches, [offer], None if anchor is None else [anchor])
     for res in results:
         assert res.admitted == expected.admitted and res.points == expected.points
         assert res.counters == expected.counters
+
+
+def test_escrow_flags_travel_only_when_some_stage_might_lack_room():
+    # Stages that cached 120 blocks of a document; the offer shares them all (121
+    # blocks, 1 to escrow). With room for its whole prompt on every stage, the round is
+    # one all-reduce; where one stage's pool could not hold it all, the flags' MIN runs
+    # too — and the decisions are the same.
+    doc = [(i * 7) % 5 for i in range(121 * B)]
+    offer = _offer("q", [*doc[: 120 * B], 3])
+    for small, collectives in ((400, 1), (200, 2)):
+        caches = [_stage(400, False, doc, [], 120), _stage(small, False, doc, [], 120)]
+        _, expected = round_over(caches, [offer], MODE)
+        results, plane = _run_round_on_every_rank(caches, [offer], [120])
+        assert plane.collectives == collectives
+        assert expected.admitted == (True,) and expected.points == (120,)
+        assert all(r.admitted == expected.admitted and r.points == (120,) for r in results)
 
 
 def test_anchors_from_rank_0_are_checked_before_use():

@@ -2,7 +2,8 @@
 
 Each step is a pure function of one stage's ``StageCache`` that calls the reducers only
 through the policy in use (:class:`wavepp.policy.Policy`); :func:`run_round` strings
-them together with two small collectives on the rounds plane, the same on every rank::
+them together with one or two small collectives on the rounds plane, the same on every
+rank::
 
     probe, lease(own probe), mask      -> MIN   per request: p (MIN of the probes), the
                                                 highest probe, h (MIN of the leases), and
@@ -14,16 +15,19 @@ them together with two small collectives on the rounds plane, the same on every 
                                                 from h, until one holds a common point
                                                 (point 0 is always served)
     reconcile + escrow, in the escrow order -> MIN   admitted iff every stage escrowed;
-                                                     the order's cut (FCFS by default)
+                                                     the order's cut (FCFS by default);
+                                                     skipped where the first MIN showed
+                                                     every stage with room for every
+                                                     offer's whole prompt (all hold)
 
 Each stage leases what it probed itself, so probe and lease need no collective between
 them; the richer leases roll back to the agreed point before anything is escrowed.
 Points never rise from one step to the next, and every stage ends on the same point:
 the highest that every stage serves exactly at or below h (see
 ``wavepp.state.probe.reuse_mask``). The counters (:class:`RoundCounters`) come from the
-same MIN. :func:`round_over` runs the same steps over several caches in one process
-(collectives as plain MIN/AND): the oracle, the parity harness and the property suite
-use it.
+same MIN, and so does each stage's spare room (:func:`spare_room`). :func:`round_over`
+runs the same steps over several caches in one process (collectives as plain MIN/AND):
+the oracle, the parity harness and the property suite use it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from wavepp.state import (
     probe_linear,
     reuse_mask,
 )
+from wavepp.state import escrow as _default_escrow
+from wavepp.state import reconcile as _default_reconcile
 
 
 @attrs.frozen
@@ -384,6 +390,20 @@ def fell_back(bases: Sequence[int], agreed: Sequence[int]) -> list[bool]:
     return [b - a >= MASK_WIDTH for b, a in zip(bases, agreed, strict=True)]
 
 
+def spare_room(cache: StageCache, offers: Sequence[Offer], mode: RoundMode) -> int:
+    """Blocks this stage could still back after escrowing every offer's whole prompt
+    (as if nothing were reused), with this round's leases held; -1 where the policy
+    reconciles or escrows with reducers of its own.
+
+    Where the MIN of this over the stages is ≥ 0, every escrow of the round holds on
+    every stage: reconciling only lowers leases (frees protection) and each escrow
+    needs at most its prompt's blocks. Then the escrow flags need no collective."""
+    rules = mode.policy
+    if rules.escrow is not _default_escrow or rules.reconcile is not _default_reconcile:
+        return -1
+    return cache.num_backable - sum(blocks_needed(o, mode.block_size) for o in offers)
+
+
 @attrs.frozen
 class RoundResult:
     admitted: tuple[bool, ...]
@@ -445,9 +465,11 @@ async def run_round(
     local = probe_points(book.cache, offers, mode, book.probe_us)
     book.cache, held = lease_all(book.cache, offers, local, mode)
     bits = window_bits(book.cache, offers, tops, held)
-    got = await plane.all_min([*local, *(-p for p in local), *held, *bits])  # AND of bits
+    room = spare_room(book.cache, offers, mode)
+    got = await plane.all_min([*local, *(-p for p in local), *held, room, *bits])  # bits: AND
     points, highest, bases = got[:n], [-p for p in got[n : 2 * n]], got[2 * n : 3 * n]
-    found = window_points(tops, bases, got[3 * n :])
+    room = got[3 * n]
+    found = window_points(tops, bases, got[3 * n + 1 :])
     windows = next_windows(tops, bases, found)
     while windows:  # the same on every rank: the masks are AND-ed
         todo = sorted(windows)
@@ -460,7 +482,13 @@ async def run_round(
         windows = {i: windows[i] - MASK_WIDTH for i in todo if found[i] is None}
     agreed = [int(p) for p in found if p is not None]
     book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
-    flags = await plane.all_min(ok)
+    if room >= 0:  # every stage had room for every offer: all escrows held everywhere
+        if not all(ok):
+            raise ProtocolError("an escrow failed on this stage although every stage had "
+                                "room for every offer's whole prompt")  # fmt: skip
+        flags = ok
+    else:
+        flags = await plane.all_min(ok)
     admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, book.refusals))
     book.cache, evicted = commit(book.cache, offers, admitted, mode)
     book.refusals = note_refusals(book.refusals, offers, admitted)
