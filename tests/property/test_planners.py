@@ -1,10 +1,11 @@
 """Planner properties: every admitted token planned once, in order, within the budget."""
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from wavepp.plan import PLANNERS, Pending, PlanContext, estimated_waves, mpu_budget
+from wavepp.plan import PLANNERS, Pending, PlanContext, estimated_waves, fill, mpu_budget
 from wavepp.spec import planner_property
 
 queues = st.lists(st.integers(1, 40_000), min_size=1, max_size=12)
@@ -185,3 +186,19 @@ def test_waves_in_flight_keep_the_pipeline_fed():
     assert cost_plan(queue, 0, empty, model).budget < 16384
     busy = PlanContext(budget=16384, ring=8, min_budget=512, stages=4, in_flight=3)
     assert cost_plan(queue, 0, busy, model).budget == 16384
+
+
+def test_requests_about_to_be_admitted_keep_the_pipeline_fed():
+    # A run's first request is admitted a round before the rest: alone, on an empty
+    # pipeline, the cost planner would halve it; with fifteen more waiting for the
+    # round under way, it plans the full wave static plans.
+    model = CostModel(a=1e-6, c=0.0, d=1e-4)
+    queue = [Pending("r0", 0, 8192)]
+    alone = PlanContext(budget=8192, ring=8, min_budget=512, stages=4)
+    assert cost_plan(queue, 0, alone, model).budget < 8192
+    waiting = tuple(Pending(f"r{i}", 0, 8192) for i in range(1, 16))
+    soon = attrs.evolve(alone, waiting=waiting)
+    assert cost_plan(queue, 0, soon, model) == fill(queue, 0, 8192)
+    # a little waiting work does not stop the halving where the ring would run dry
+    few = attrs.evolve(alone, waiting=(Pending("r1", 7000, 8192),))
+    assert cost_plan(queue, 0, few, model).budget < 8192

@@ -29,13 +29,14 @@ floor measure d alone.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
-from wavepp.plan.planners import Pending, PlanContext, estimated_waves, fill, mpu_budget
+from wavepp.plan.planners import Pending, PlanContext, fill, mpu_budget
 from wavepp.plan.wave import Chunk, Wave
 
 
@@ -147,10 +148,13 @@ def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) 
     pipeline, ``min(1, (n(b) + in_flight)/P)`` of the P stages stay busy, each wave
     taking ``t(b) = d + max(floor, b·s)`` with s the mean seconds per token of the
     admitted work: throughput(b) = ``min(1, (n(b) + in_flight)/P) * b / t(b)``. Waves
-    in flight keep the stages after this one busy: counting them, the planner halves
-    only where the pipeline would really run dry, not whenever the queue is short
-    (smoke cells, medians of 3: without them it planned 38 waves a stage where static
-    planned 32, and lost 4% to it; with them 34, and 1.2%). The
+    in flight keep the stages after this one busy, and requests about to be admitted
+    (``ctx.waiting``: in the round under way or the next) will feed them within a
+    round: counting both, the planner halves only where the pipeline would really run
+    dry, not whenever the admitted queue is short (smoke cells, medians of 3: counting
+    neither, it planned 38 waves a stage where static planned 32, and lost 4% to it;
+    counting waves in flight, 34 and 1.2% — the two extra waves came from halving the
+    first request of a run, admitted a round before the rest). The
     per-wave cost (d, the weight-streaming floor) favours fewer, larger waves; an idle
     stage favours more, smaller ones; where the ring is fed by every budget, M wins and
     this plans what static plans. Ties go to MPU's own choice, so where waves cost
@@ -158,18 +162,25 @@ def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) 
     """
     stages = max(ctx.ring / 2, 1.0)
     per_token = mean_token_seconds(queue, model)
-    work = sum(max(0, p.remaining) for p in queue)
+    left = sorted(p.remaining for p in queue if p.remaining > 0)
+    soon = sorted(p.remaining for p in ctx.waiting if p.remaining > 0)
+    work = sum(left)
+
+    def waves(remaining: list[int], total: int, b: int) -> float:  # MPU's n(b), sorted
+        return max(total / b, len(remaining) - bisect.bisect_right(remaining, b / 2))
 
     def rate(b: int) -> float:  # tokens per second of one busy stage
         tokens = min(b, work)  # a wave holds no more than the work left
         return tokens / max(model.d + max(model.floor, tokens * per_token), 1e-30)
 
-    scores = {
-        b: min(1.0, (estimated_waves(queue, b) + ctx.in_flight) / stages) * rate(b)
-        for b in candidate_budgets(ctx)
-    }
+    def fed(b: int) -> float:  # waves that keep the stages busy at budget b
+        return waves(left, work, b) + waves(soon, sum(soon), b) + ctx.in_flight
+
+    scores = {b: min(1.0, fed(b) / stages) * rate(b) for b in candidate_budgets(ctx)}
     best = max(scores.values())
     tied = [b for b, v in scores.items() if v >= best * (1 - 1e-9)]
+    if len(tied) == 1:
+        return tied[0]
     mpu_choice = mpu_budget(queue, ctx)
     return mpu_choice if mpu_choice in tied else max(tied)
 

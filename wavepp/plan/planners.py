@@ -51,6 +51,9 @@ class PlanContext:
     #   oldest first (a bounded window)
     stages: int = 0  # P, the pipeline's stages (0: not given)
     in_flight: int = 0  # waves planned earlier and not yet back from the last stage
+    waiting: tuple[Pending, ...] = ()  # queued requests about to be admitted (offered
+    #   to the next round or the one under way), from their reuse point on rank 0 —
+    #   work that will feed the ring soon but cannot be planned yet
 
 
 Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]

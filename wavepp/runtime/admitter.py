@@ -32,6 +32,7 @@ import anyio
 
 from wavepp.exec.planes import TorchRoundsPlane
 from wavepp.exec.stage import Admitted, Stage
+from wavepp.plan import Pending
 from wavepp.policy import FCFS
 from wavepp.rounds.admission import Offer, RoundCounters, RoundMode, probe_points, run_round
 from wavepp.rounds.messages import (
@@ -114,6 +115,25 @@ class Admitter:
         now = time.monotonic()
         self._revise(now)
         return any(inflight.can_go(self.inflight, rid, now) for rid in waits)
+
+    def upcoming(self, enough_tokens: int) -> list[Pending]:
+        """The queue's head as the planner's ``PlanContext.waiting``: requests the round
+        under way or the next will offer (not held back for a producer; none while a
+        refusal blocks admission), from rank 0's own reuse point, until they hold
+        ``enough_tokens`` of work."""
+        if self.blocked():
+            return []
+        cache, bs, out, tokens = self.stage.book.cache, self.mode.block_size, [], 0
+        for rid in self.intake.waiting.head(self.max_batch):
+            if tokens >= enough_tokens:
+                break
+            if rid in self.inflight.waits:
+                continue
+            offer = self.intake.records[rid].offer
+            start = self.mode.policy.probe(cache, offer.hashes, offer.probe_limit) * bs
+            out.append(Pending(rid, start, offer.num_tokens))
+            tokens += offer.num_tokens - start
+        return out
 
     def next_deadline(self) -> float | None:
         """When the earliest held-back request may go whatever its producer does."""

@@ -11,6 +11,7 @@ as a :class:`ProtocolError`.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import attrs
 
@@ -38,10 +39,12 @@ class WavePlanner:
         self.next_wave_id += 1
         return self.next_wave_id - 1
 
-    def next(self, in_flight: int = 0) -> Wave | None:
-        """The next wave, ``in_flight`` waves being in the pipeline already."""
+    def next(self, in_flight: int = 0, waiting: Sequence[Pending] = ()) -> Wave | None:
+        """The next wave, ``in_flight`` waves being in the pipeline already and the
+        ``waiting`` requests about to be admitted."""
         ctx = attrs.evolve(self.ctx, cost_model=self.cost_fit.model(),
-                           wave_seconds=tuple(self.recent), in_flight=in_flight)  # fmt: skip
+                           wave_seconds=tuple(self.recent), in_flight=in_flight,
+                           waiting=tuple(waiting))  # fmt: skip
         wave = self.planner(self.queue, self.next_wave_id, ctx)
         if wave is None:
             return None

@@ -63,7 +63,10 @@ class StageZero:
         self.intake.changed.notify()
 
     def _next_wave(self) -> Wave | None:
-        wave = self.planner.next(self.in_flight) if self.in_flight < self.ring else None
+        wave = None
+        if self.in_flight < self.ring:
+            budget = self.planner.ctx.budget * max(self.ring // 2, 1)  # enough to feed P
+            wave = self.planner.next(self.in_flight, self.admitter.upcoming(budget))
         if wave is None and self.pending_cancels:
             wave = Wave(self.planner.take_wave_id(), 0, ())  # carries only the cancels
         return wave
