@@ -202,3 +202,7 @@ def test_requests_about_to_be_admitted_keep_the_pipeline_fed():
     # a little waiting work does not stop the halving where the ring would run dry
     few = attrs.evolve(alone, waiting=(Pending("r1", 7000, 8192),))
     assert cost_plan(queue, 0, few, model).budget < 8192
+    # nor does waiting work that comes only after the admitted work is done (a round
+    # slower than the wave: 10 ms against 8192 * 1e-6 + 1e-4 s)
+    late = attrs.evolve(soon, waiting_after_s=0.010)
+    assert cost_plan(queue, 0, late, model).budget < 8192

@@ -54,6 +54,8 @@ class PlanContext:
     waiting: tuple[Pending, ...] = ()  # queued requests about to be admitted (offered
     #   to the next round or the one under way), from their reuse point on rank 0 —
     #   work that will feed the ring soon but cannot be planned yet
+    waiting_after_s: float = 0.0  # when they are expected in the queue: a round's
+    #   recent wall time (0: at once)
 
 
 Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]

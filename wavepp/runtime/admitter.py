@@ -25,6 +25,7 @@ followers see a live rank 0, and ends every rank's WAVE with ``Stop``.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -134,6 +135,14 @@ class Admitter:
             out.append(Pending(rid, start, offer.num_tokens))
             tokens += offer.num_tokens - start
         return out
+
+    def round_latency_s(self) -> float:
+        """A round's recent wall time, broadcast included (median of the last 16): how
+        long a waiting request takes to reach the planner. The run's first round is left
+        out — it pays the rounds plane's first use (1.5-3x a later one here) — so this is
+        0 until a second round has run."""
+        spans = self.round_spans[1:][-16:]
+        return statistics.median(end - start for start, end, _ in spans) if spans else 0.0
 
     def next_deadline(self) -> float | None:
         """When the earliest held-back request may go whatever its producer does."""

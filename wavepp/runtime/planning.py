@@ -39,12 +39,14 @@ class WavePlanner:
         self.next_wave_id += 1
         return self.next_wave_id - 1
 
-    def next(self, in_flight: int = 0, waiting: Sequence[Pending] = ()) -> Wave | None:
+    def next(
+        self, in_flight: int = 0, waiting: Sequence[Pending] = (), waiting_after_s: float = 0.0
+    ) -> Wave | None:
         """The next wave, ``in_flight`` waves being in the pipeline already and the
-        ``waiting`` requests about to be admitted."""
+        ``waiting`` requests about to be admitted, in about ``waiting_after_s``."""
         ctx = attrs.evolve(self.ctx, cost_model=self.cost_fit.model(),
                            wave_seconds=tuple(self.recent), in_flight=in_flight,
-                           waiting=tuple(waiting))  # fmt: skip
+                           waiting=tuple(waiting), waiting_after_s=waiting_after_s)  # fmt: skip
         wave = self.planner(self.queue, self.next_wave_id, ctx)
         if wave is None:
             return None

@@ -66,7 +66,8 @@ class StageZero:
         wave = None
         if self.in_flight < self.ring:
             budget = self.planner.ctx.budget * max(self.ring // 2, 1)  # enough to feed P
-            wave = self.planner.next(self.in_flight, self.admitter.upcoming(budget))
+            wave = self.planner.next(self.in_flight, self.admitter.upcoming(budget),
+                                     self.admitter.round_latency_s())  # fmt: skip
         if wave is None and self.pending_cancels:
             wave = Wave(self.planner.take_wave_id(), 0, ())  # carries only the cancels
         return wave
