@@ -121,11 +121,12 @@ class Admitter:
         """The queue's head as the planner's ``PlanContext.waiting``: requests the round
         under way or the next will offer (not held back for a producer; none while a
         refusal blocks admission), from rank 0's own reuse point, until they hold
-        ``enough_tokens`` of work."""
+        ``enough_tokens`` of work — at most 64 of them, so that a long queue of short
+        prompts costs each plan no more than 64 probes."""
         if self.blocked():
             return []
         cache, bs, out, tokens = self.stage.book.cache, self.mode.block_size, [], 0
-        for rid in self.intake.waiting.head(self.max_batch):
+        for rid in self.intake.waiting.head(min(self.max_batch, 64)):
             if tokens >= enough_tokens:
                 break
             if rid in self.inflight.waits:
