@@ -156,8 +156,9 @@ def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) 
     it planned 38 waves a stage where static planned 32, and lost 4% to it; counting
     waves in flight, 34 and 1.2% — the two extra waves came from halving a run's first
     request, admitted a round before the rest). Counting waiting work that comes only
-    after the admitted work is done cost 12% on ``seeded-8k``, where a round outlasts
-    a wave of short suffixes. The
+    after the admitted work is done looked costly on ``seeded-8k``, where a round
+    outlasts a wave of short suffixes (one smoke run: R5 988K tok/s against 1.12M in
+    the two runs before). The
     per-wave cost (d, the weight-streaming floor) favours fewer, larger waves; an idle
     stage favours more, smaller ones; where the ring is fed by every budget, M wins and
     this plans what static plans. Ties go to MPU's own choice, so where waves cost
