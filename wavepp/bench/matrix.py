@@ -168,7 +168,7 @@ def paper_cells() -> list[Cell]:
         (*kimi, "--workload", "mixed", "--prompt-tokens", "131072", "--cold-tokens", "262144",
          "--requests", "64"), 8)  # fmt: skip
     for model, device in (("glm5-class", "b300"), ("minimax-m2-class", "b300")):
-        add(f"{model.split('-')[0]}-short-suffix-4k", 128, ("R1", "R4", "R5", "oracle"),
+        add(f"{model.split('-')[0]}-short-suffix-4k", 128, ("R1", "R3", "R4", "R5", "oracle"),
             ("--model", model, "--sim-device", device, "--weight-format", "nvfp4",
              "--workload", "short-suffix", "--prompt-tokens", "16384", "--requests", "256",
              "--budget", "16384"), 4)  # fmt: skip
