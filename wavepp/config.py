@@ -66,6 +66,7 @@ class RunConfig:
     json: str | None = None
     trace_out: str | None = None
     heartbeat_s: float = 2.0
+    rounds_plane: str = "auto"
     timeout_s: float = 60.0
     dead_after_s: float = 10.0
     progress: bool = True
@@ -125,6 +126,9 @@ HELP: dict[str, str] = {
     "json": "write the run's JSON record here",
     "trace_out": "write a Chrome-trace timeline (Perfetto): waves and bubbles per stage, rounds",
     "heartbeat_s": "rank 0 heartbeat on the rounds plane when idle, seconds",
+    "rounds_plane": "transport of the admission rounds: 'local' (Unix sockets around rank 0, "
+    "every rank on one host), 'gloo' (a Gloo group, any hosts), or 'auto' (local where "
+    "torchrun put every rank on this host, else gloo)",
     "timeout_s": "timeout of every process group, seconds",
     "dead_after_s": "a rank whose watchdog heartbeat stalls this long is named dead or hung "
     "and the run exits non-zero",
@@ -153,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
         if str(field.type).startswith("int |"):
             kind = int
         choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS,
-                   "device": ("auto", "cpu", "cuda"),
+                   "device": ("auto", "cpu", "cuda"), "rounds_plane": ("auto", "local", "gloo"),
                    "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
                    "weight_format": ("bf16", "fp8", "nvfp4"),
                    "dtype": ("float32", "bfloat16", "float16")}  # fmt: skip

@@ -29,7 +29,13 @@ from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
-from wavepp.exec.planes import DataLimits, PlaneError, build_planes, set_limits
+from wavepp.exec.planes import (
+    DataLimits,
+    PlaneError,
+    build_planes,
+    pick_rounds_plane,
+    set_limits,
+)
 from wavepp.exec.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
 from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
@@ -245,7 +251,8 @@ async def rank_main(
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
 ) -> tuple[dict | None, int]:  # fmt: skip
     device = pick_device(c.device) if c.executor == "torch" else None
-    plane, inbound, outbound, done = build_planes(c.timeout_s, device=device)
+    gloo, inbound, outbound, done = build_planes(c.timeout_s, device=device)
+    plane = await pick_rounds_plane(gloo, c.rounds_plane, c.timeout_s, log)
     if watchdog is not None:
         for part in (plane, inbound, outbound, done):
             if part is not None:
@@ -397,6 +404,7 @@ async def rank_main(
         round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
         round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
+                                              "rounds_plane": plane.kind,
                                               "capacity_blocks": [r.capacity for r in reports],
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """Two torchrun agents on localhost as two nodes (c10d rendezvous, 2 ranks each) run a
-4-stage pipeline to completion with the same first tokens as one 4-rank agent."""
+4-stage pipeline to completion with the same first tokens as one 4-rank agent (whose
+rounds go over Unix sockets, where the two nodes' go over Gloo)."""
 
 import json
 import socket
@@ -51,6 +52,9 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path):
     assert codes == [0, 0], logs
     one, two = json.loads(single.read_text()), json.loads(multi.read_text())
     assert two["config"]["stages"] == 4
+    # --rounds-plane auto: Unix sockets on one host, Gloo across the two "nodes"
+    assert one["config"]["rounds_plane"] == "local"
+    assert two["config"]["rounds_plane"] == "gloo"
     assert len(first_tokens(one)) == 8
     assert first_tokens(two) == first_tokens(one)
     assert all(stage["balanced"] for stage in two["leak_check"]), two["leak_check"]

@@ -3,6 +3,7 @@
 - ``base``: the :class:`Executor` protocol and the records it exchanges;
 - ``torch_exec`` / ``families``: real model math; ``sim``: the cost-model simulation;
 - ``planes``: the rounds plane and the data-plane links over ``torch.distributed``;
+  ``local_plane``: the rounds plane over Unix sockets, for ranks on one host;
 - ``stage``: one stage's cache effects around each wave; ``watchdog``: heartbeats.
 """
 

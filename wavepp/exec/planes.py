@@ -25,10 +25,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-
-class PlaneError(RuntimeError):
-    """A collective or transfer failed: a peer died, hung past the timeout, or sent junk."""
-
+from wavepp.exec import local_plane
+from wavepp.exec.local_plane import LocalRoundsPlane, PlaneError
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
 _HEADER = 10  # int64 words: [magic, sender, desc_bytes, dtype code, ndim, dims...(5)]
@@ -61,6 +59,8 @@ class TorchRoundsPlane:
     first ``inline`` bytes; only a longer payload pays a second one for the rest. The
     room grows with the longest payload seen (rank 0's rounds), on every rank alike.
     """
+
+    kind = "gloo"
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
         self.group = group
@@ -139,6 +139,56 @@ class TorchRoundsPlane:
             return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
 
         return await self._run(work, "gather of stage reports")
+
+
+HostRoundsPlane = TorchRoundsPlane | LocalRoundsPlane
+"""A rounds plane the runtime drives (both have a ``lock`` and a watchdog ``on_wait``)."""
+
+
+async def pick_rounds_plane(
+    gloo: TorchRoundsPlane, kind: str, timeout_s: float, log: Callable[[str], None]
+) -> HostRoundsPlane:
+    """The rounds plane of the run (``--rounds-plane``), the same choice on every rank.
+
+    ``local`` (and ``auto`` where torchrun put every rank on this host) builds a
+    :class:`~wavepp.exec.local_plane.LocalRoundsPlane`: rank 0 listens on a fresh Unix
+    socket and sends its path over ``gloo``; the others connect. Where rank 0 cannot
+    listen, ``auto`` stays on Gloo and ``local`` fails on every rank."""
+    world = gloo.world_size
+    one_host = os.environ.get("LOCAL_WORLD_SIZE", "1" if world == 1 else "") == str(world)
+    one_host = one_host and local_plane.available()
+    want, allowed = await gloo.all_min([int(kind != "gloo" and one_host),
+                                        int(kind != "local" or one_host)])  # fmt: skip
+    if not allowed:
+        raise PlaneError("--rounds-plane local needs every rank on one host (torchrun's "
+                         "LOCAL_WORLD_SIZE equal to its WORLD_SIZE); use gloo or auto")  # fmt: skip
+    if not want:
+        if gloo.rank == 0 and world > 1:
+            log("rounds plane: Gloo" + ("" if one_host else " (ranks on several hosts)"))
+        return gloo
+    path, listener = "", None
+    if gloo.rank == 0:
+        try:
+            path = LocalRoundsPlane.listen_path()
+            listener = await anyio.create_unix_listener(path)
+        except OSError as error:
+            log(f"rounds plane: cannot listen on a Unix socket ({error}); using Gloo")
+            path = ""
+    raw = await gloo.broadcast(path.encode())
+    try:
+        path = raw.decode()
+    except UnicodeDecodeError:
+        raise PlaneError("rank 0 sent a rounds-plane socket path that is not UTF-8") from None
+    if not path:
+        if kind == "local":
+            raise PlaneError("--rounds-plane local: rank 0 could not listen on a Unix socket")
+        return gloo
+    if len(path) > 107 or not os.path.isabs(path):
+        raise PlaneError(f"rank 0 sent an unusable rounds-plane socket path {path[:120]!r}")
+    plane = await LocalRoundsPlane.connect(gloo.rank, world, path, timeout_s, listener)
+    if gloo.rank == 0 and world > 1:
+        log("rounds plane: Unix sockets around rank 0 (every rank on this host)")
+    return plane
 
 
 MAX_TENSOR_BYTES = 8 << 30  # one wave's activations when no run-derived bound is given

@@ -478,8 +478,8 @@ async def run_round(
         masks = await plane.all_and(masks)
         for i, m in zip(todo, masks, strict=True):
             found[i] = point_from_mask(windows[i], m)
-        lower_windows([windows[i] for i in todo], [found[i] for i in todo])
-        windows = {i: windows[i] - MASK_WIDTH for i in todo if found[i] is None}
+        left = lower_windows([windows[i] for i in todo], [found[i] for i in todo])
+        windows = {todo[j]: windows[todo[j]] - MASK_WIDTH for j in left}
     agreed = [int(p) for p in found if p is not None]
     book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
     if room >= 0:  # every stage had room for every offer: all escrows held everywhere

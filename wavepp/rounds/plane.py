@@ -1,5 +1,6 @@
-"""What the admission protocol needs from the rounds plane (implemented over Gloo in
-``wavepp.exec.planes``; over plain lists in tests)."""
+"""What the admission protocol needs from the rounds plane (implemented over Unix
+sockets in ``wavepp.exec.local_plane`` and over Gloo in ``wavepp.exec.planes``; over
+plain lists in tests)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 import anyio
 
-from wavepp.exec.planes import TorchRoundsPlane
+from wavepp.exec.planes import HostRoundsPlane
 from wavepp.exec.stage import Admitted, Stage
 from wavepp.plan import Pending
 from wavepp.policy import FCFS
@@ -60,7 +60,7 @@ def _entry(offer: Offer) -> AdmitEntry:
 
 class Admitter:
     def __init__(
-        self, rung: Rung, plane: TorchRoundsPlane, stage: Stage, intake: Intake,
+        self, rung: Rung, plane: HostRoundsPlane, stage: Stage, intake: Intake,
         mode: RoundMode, max_batch: int, heartbeat_s: float,
         on_admitted: Callable[[RequestId, int], None],
     ) -> None:  # fmt: skip

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from wavepp.exec.planes import Link, TorchRoundsPlane
+from wavepp.exec.planes import HostRoundsPlane, Link
 from wavepp.exec.stage import Stage
 from wavepp.rounds.admission import RoundMode
 from wavepp.rungs import Rung
@@ -31,7 +31,7 @@ from wavepp.state import RequestId
 
 class Coordinator:
     def __init__(
-        self, rung: Rung, plane: TorchRoundsPlane, stage: Stage, outbound: Link | None,
+        self, rung: Rung, plane: HostRoundsPlane, stage: Stage, outbound: Link | None,
         done: Link | None, planner: WavePlanner, mode: RoundMode, *, min_capacity: int,
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
         log: Callable[[str], None],

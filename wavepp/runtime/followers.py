@@ -8,7 +8,7 @@ import anyio
 import msgspec
 
 from wavepp.exec.base import StageOutput
-from wavepp.exec.planes import Link, TorchRoundsPlane
+from wavepp.exec.planes import HostRoundsPlane, Link
 from wavepp.exec.stage import Admitted, Stage, offer_from_entry
 from wavepp.rounds.admission import RoundMode, run_round
 from wavepp.rounds.messages import (
@@ -25,7 +25,7 @@ from wavepp.rounds.messages import (
 from wavepp.state import RequestId
 
 
-async def follow_rounds(plane: TorchRoundsPlane, stage: Stage, mode: RoundMode) -> None:
+async def follow_rounds(plane: HostRoundsPlane, stage: Stage, mode: RoundMode) -> None:
     """WAVE on ranks > 0: take part in every round rank 0 opens, until Stop."""
     while True:
         message = decode_untrusted(await plane.broadcast(None), RoundMessage)
