@@ -66,13 +66,13 @@ class _Peer:
                 raise PlaneError(f"{self.who} sent a frame without WavePP's magic")
             if got != op:
                 raise PlaneError(f"{self.who} sent {_OPS.get(got, f'operation {got}')} "
-                                      f"while this rank runs {_OPS[op]}")  # fmt: skip
+                                 f"while this rank runs {_OPS[op]}")  # fmt: skip
             if exact is not None and n != exact:
                 raise PlaneError(f"{self.who} sent {n:,} bytes for {_OPS[op]}; "
-                                      f"{exact:,} expected")  # fmt: skip
+                                 f"{exact:,} expected")  # fmt: skip
             if n > MAX_FRAME_BYTES:
                 raise PlaneError(f"{self.who} announced {n:,} bytes; at most "
-                                      f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
+                                 f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
             return await self.reader.receive_exactly(n) if n else b""
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
                 anyio.ClosedResourceError, OSError) as error:  # fmt: skip
@@ -132,13 +132,13 @@ class LocalRoundsPlane:
                 peers: dict[int, _Peer] = {}
                 try:
                     while len(peers) < world_size - 1:
-                        peer = _Peer(await _accept(listener), "a connecting rank")
+                        peer = _Peer(await listener.accept(), "a connecting rank")
                         raw = await peer.receive(HELLO, exact=8)
                         (who,) = _unints(raw)
                         if not 0 < who < world_size or who in peers:
                             await peer.close()
                             raise PlaneError(f"a peer said it is rank {who}; expected one "
-                                                  f"of 1..{world_size - 1}, once each")  # fmt: skip
+                                             f"of 1..{world_size - 1}, once each")  # fmt: skip
                         peer.who = f"rank {who}"
                         peers[who] = peer
                 finally:
@@ -146,7 +146,7 @@ class LocalRoundsPlane:
                 return cls(rank, world_size, peers, timeout_s)
         except TimeoutError:
             raise PlaneError(f"rounds plane: not every rank connected within {timeout_s:g} s "
-                                  f"(rank {rank})") from None  # fmt: skip
+                             f"(rank {rank})") from None  # fmt: skip
         finally:
             if rank == 0:
                 shutil.rmtree(os.path.dirname(path), ignore_errors=True)
@@ -158,7 +158,7 @@ class LocalRoundsPlane:
                 return await work()
         except TimeoutError:
             raise PlaneError(f"rounds plane {what}: no answer within {self.timeout_s:g} s"
-                                  ) from None  # fmt: skip
+                             ) from None  # fmt: skip
         finally:
             self.on_wait("running")
 
@@ -169,7 +169,7 @@ class LocalRoundsPlane:
             assert payload is not None
             if len(payload) > MAX_FRAME_BYTES:  # the peers would refuse it: say so here
                 raise PlaneError(f"a broadcast of {len(payload):,} bytes; at most "
-                                      f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
+                                 f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
             for peer in self.peers.values():
                 await peer.send(BROADCAST, payload)
             return payload
@@ -218,10 +218,6 @@ class LocalRoundsPlane:
     async def aclose(self) -> None:
         for peer in self.peers.values():
             await peer.close()
-
-
-async def _accept(listener: anyio.abc.SocketListener) -> anyio.abc.SocketStream:
-    return await listener.accept()
 
 
 def available() -> bool:
