@@ -1,12 +1,12 @@
 """The rounds plane over Unix domain sockets, for ranks that share one host.
 
-On this machine a Gloo collective among four processes takes about 2 ms (a one-way
-message 0.7-1.4 ms, DESIGN §10), and every call also hops to a worker thread and back,
-because Gloo cannot be awaited. An admission round is two collectives, so rounds cost
-milliseconds of wall time even when every rank is idle. Where every rank runs on one
-host, :class:`LocalRoundsPlane` does the same four operations over Unix sockets in a
-star around rank 0, inside each rank's event loop: a MIN is one frame from each peer
-to rank 0 and one frame back; a broadcast one frame out.
+On the development machine a Gloo MIN among four processes takes 0.9 ms for one int64
+and 3.1-3.4 ms for 256 (docs/design.md §10), and every call also hops to a worker thread
+and back, because Gloo cannot be awaited. An admission round is two collectives, so
+rounds cost milliseconds of wall time even when every rank is idle. Where every rank
+runs on one host, :class:`LocalRoundsPlane` does the same four operations over Unix
+sockets in a star around rank 0, inside each rank's event loop: a MIN is one frame from
+each peer to rank 0 and one frame back; a broadcast one frame out.
 
 The wire: every frame is a 16-byte header — magic, operation, payload length — and the
 payload. A header is checked before anything is read or allocated: the magic, the

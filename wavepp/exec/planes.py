@@ -42,7 +42,8 @@ def _bytes_tensor(payload: bytes) -> torch.Tensor:
 
 INLINE_MIN_BYTES = 4 << 10  # a broadcast's first collective carries this much payload
 INLINE_MAX_BYTES = 256 << 10  # ... growing to the longest payload seen, up to this
-MAX_BROADCAST_BYTES = 64 << 20  # a longer announced payload is refused, not allocated
+MAX_BROADCAST_BYTES = local_plane.MAX_FRAME_BYTES  # a longer announced payload is refused,
+#   not allocated (the same cap on either rounds plane)
 
 
 def _inline_after(inline: int, n: int) -> int:

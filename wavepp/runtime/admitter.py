@@ -140,8 +140,8 @@ class Admitter:
     def round_latency_s(self) -> float:
         """A round's recent wall time, broadcast included (median of the last 16): how
         long a waiting request takes to reach the planner. The run's first round is left
-        out — it pays the rounds plane's first use (1.5-3x a later one here) — so this is
-        0 until a second round has run."""
+        out — it pays the rounds plane's first use (over Gloo, 1.5-3x a later one here) —
+        so this is 0 until a second round has run."""
         spans = self.round_spans[1:][-16:]
         return statistics.median(end - start for start, end, _ in spans) if spans else 0.0
 
