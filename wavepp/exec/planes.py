@@ -359,7 +359,11 @@ class Link:
                 tensor = self._recv_tensor(header)
         return desc.numpy().tobytes(), tensor
 
+    @torch.inference_mode()
     def _recv_tensor(self, header: Header) -> torch.Tensor:
+        """An inference tensor, like the sender's executor output: a plain tensor carries
+        another dispatch key, and a compiled stage would recompile for it at the first
+        wave (1.6 s on two cores, measured at P = 2 with ``--compile``)."""
         if self.stream is None:
             tensor = torch.empty(header.shape, dtype=header.dtype)
             if tensor.numel():
