@@ -1,8 +1,11 @@
 """Real multi-process runs of the runtime on the simulated executor."""
 
+import json
 from pathlib import Path
 
 import pytest
+
+from tests.integration.conftest import torchrun
 
 pytestmark = pytest.mark.slow
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "synthetic_trace.jsonl"
@@ -89,3 +92,14 @@ def test_one_stage_run(run_wavepp):
     record, _ = run_wavepp(1, *SMALL, "--workload", "mixed", "--requests", "8",
                            "--concurrency", "4", "--rung", "R2")  # fmt: skip
     check_clean(record, 1)
+
+
+def test_measurement_begins_when_every_stage_is_ready(tmp_path):
+    """Rank 0 admits nothing before every stage is built: the slow stage's start-up is
+    not inside the measured phase (nor in its first round's latency)."""
+    out = tmp_path / "run.json"
+    options = ["--executor", "sim", "--workload", "cold", "--requests", "4", "--no-progress"]
+    torchrun(2, ["tests/integration/ready_script.py", str(out), *options, "--json", str(out)])
+    ready = float((tmp_path / "ready-1").read_text())
+    assert float((tmp_path / "measure-start").read_text()) > ready
+    assert json.loads(out.read_text())["measured_requests"] == 4
