@@ -63,3 +63,46 @@ def test_measurement_starts_after_warmups_that_ended_early(ending):
     assert feed.measure_start is not None and feed.measure_end >= feed.measure_start
     said_rejected = any("every one of the 2 warm-up requests was rejected" in x for x in lines)
     assert said_rejected == (ending == "rejected")
+
+
+class _Pending(_Engine):
+    """Measured requests stay in flight until the test lets them finish."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.handles: list[_Handle] = []
+
+    def submit_spec(self, spec, priority=0):
+        self.submitted.append(spec.request_id)
+        self.handles.append(_Handle(spec.request_id))
+        return self.handles[-1]
+
+
+@pytest.mark.parametrize(("concurrency", "together"), [(8, 8), (3, 3)])
+def test_requests_that_arrive_together_are_submitted_together(concurrency, together):
+    """Closed loop: the first ``concurrency`` requests are queued before the engine's
+    admission task gets to run, so they meet in one round (a yield after each put the
+    first alone in its round, and its wave went out nearly empty)."""
+    specs = [_spec(f"m{i}", False) for i in range(8)]
+    engine = _Pending()
+    feed = Feed(engine, specs, concurrency=concurrency, progress=False, log=lambda _: None)
+    seen_first: list[int] = []
+
+    async def admission_task() -> None:  # what the admitter sees when it first runs
+        seen_first.append(len(engine.submitted))
+        while len(engine.submitted) < len(specs) or any(
+            not h.event.is_set() for h in engine.handles
+        ):
+            for h in engine.handles:
+                h.event.set()
+            await anyio.sleep(0)
+
+    async def run() -> None:
+        with anyio.fail_after(60):  # a hang guard
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feed)
+                tg.start_soon(admission_task)
+
+    anyio.run(run)
+    assert seen_first == [together]
+    assert engine.submitted == [s.request_id for s in specs]
