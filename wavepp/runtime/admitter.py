@@ -194,6 +194,17 @@ class Admitter:
         self.num_waits += 1
         return True
 
+    def _published(self, rid: RequestId, local: int) -> int:
+        """Of the ``local`` leading blocks rank 0 holds for ``rid``, those published on
+        every stage as far as rank 0 can tell: all of them, unless a live producer holds
+        some it has not yet published (stage 0 computes ahead of the others)."""
+        offer = self.intake.records[rid].offer
+        producer, shared = inflight.shared_prefix(self.inflight, offer.hashes, offer.probe_limit)
+        if producer is None:
+            return local
+        published = max(self.inflight.producers[producer].done, self.waited.get(rid, 0))
+        return local if shared <= published else min(local, published)
+
     def _offers(self, limit: int) -> tuple[list[Offer], int]:
         # The epoch is read when the round starts: a request ending during the round
         # unblocks the next one (else a refusal could wait forever).
@@ -222,8 +233,12 @@ class Admitter:
             batch.append(rid)
             start = local * bs
             ahead.append((o.num_tokens - start, start))
-            # offered: siblings later in this round wait for its blocks instead
-            self.inflight = inflight.add_producer(self.inflight, rid, o.hashes, admitted=False)
+            # offered: siblings later in this round wait for the blocks it computes, not
+            # for those it finds published (a seeded prefix, say)
+            published = self._published(rid, local)
+            self.inflight = inflight.add_producer(
+                self.inflight, rid, o.hashes, published, admitted=False
+            )
             hit = attention_hit(cache, o.hashes, o.probe_limit)
             if room is not None:
                 room -= num_blocks_for(o.num_tokens, bs) - hit

@@ -61,7 +61,8 @@ class Producer:
 
     hashes: tuple[BlockHash, ...]  # its full blocks, in chain order
     done: int  # blocks 0..done-1 are published on every stage (its lease point at
-    #            admission, then the end of each chunk that left the last stage)
+    #            admission, then the end of each chunk that left the last stage; while
+    #            only offered, rank 0's estimate of what is published: see add_producer)
     admitted: bool  # False while it is only offered to the round under way
     sent: int = 0  # blocks 0..sent-1 are published or in chunks sent into the pipeline
 
@@ -90,14 +91,21 @@ def empty_inflight() -> InFlight:
 def add_producer(
     fl: InFlight, rid: RequestId, hashes: Sequence[BlockHash], done: int = 0, admitted: bool = True
 ) -> InFlight:
-    """``rid`` computes ``hashes[done:]`` (it was offered or admitted). A request that is
-    already a producer is updated: admitted, and done raised to ``done``."""
+    """``rid`` computes ``hashes[done:]`` (it was offered or admitted).
+
+    An offer's ``done`` is rank 0's estimate of its blocks already published everywhere
+    (cached there, and computed by no live producer), so that siblings offered after it
+    in the same round do not wait for blocks nobody computes. Admitting an offer replaces
+    the estimate with the agreed point; an admitted producer's done only rises."""
     if rid in fl.waits:
         raise InvariantError(f"{rid!r} waits for {fl.waits[rid].producer!r}; it cannot produce")
     old = fl.producers.get(rid)
     if old is not None:
-        top = max(old.done, done)
-        new = Producer(old.hashes, top, old.admitted or admitted, max(old.sent, top))
+        if old.admitted:
+            top = max(old.done, done)
+            new = Producer(old.hashes, top, True, max(old.sent, top))
+        else:
+            new = Producer(old.hashes, done, admitted, done)
         return attrs.evolve(fl, producers=fl.producers.set(rid, new))
     hashes = tuple(hashes)
     with fl.holders.mutate() as holders:
