@@ -175,13 +175,8 @@ class Admitter:
         factor = self.mode.policy.in_flight_wait
         if factor <= 0:
             return False
-        offer = self.intake.records[rid].offer
-        producer, shared = inflight.shared_prefix(self.inflight, offer.hashes, offer.probe_limit)
-        if producer is None:
-            return False
-        # blocks published everywhere, or already waited for (never again)
-        local = max(self.inflight.producers[producer].done, self.waited.get(rid, 0))
-        if shared <= local:
+        producer, shared, local = self._sharing(rid)
+        if producer is None or shared <= local:
             return False
         bs = self.mode.block_size
         ahead = [*self.work_ahead(), *ahead]
@@ -194,16 +189,23 @@ class Admitter:
         self.num_waits += 1
         return True
 
+    def _sharing(self, rid: RequestId) -> tuple[RequestId | None, int, int]:
+        """(producer, shared, published): the live producer holding the longest prefix
+        ``rid`` shares, how many blocks that is, and how many of them are published
+        everywhere or were already waited for (never again); ``(None, 0, 0)`` if none."""
+        offer = self.intake.records[rid].offer
+        producer, shared = inflight.shared_prefix(self.inflight, offer.hashes, offer.probe_limit)
+        if producer is None:
+            return None, 0, 0
+        return producer, shared, max(self.inflight.producers[producer].done,
+                                     self.waited.get(rid, 0))  # fmt: skip
+
     def _published(self, rid: RequestId, local: int) -> int:
         """Of the ``local`` leading blocks rank 0 holds for ``rid``, those published on
         every stage as far as rank 0 can tell: all of them, unless a live producer holds
         some it has not yet published (stage 0 computes ahead of the others)."""
-        offer = self.intake.records[rid].offer
-        producer, shared = inflight.shared_prefix(self.inflight, offer.hashes, offer.probe_limit)
-        if producer is None:
-            return local
-        published = max(self.inflight.producers[producer].done, self.waited.get(rid, 0))
-        return local if shared <= published else min(local, published)
+        producer, shared, published = self._sharing(rid)
+        return local if producer is None or shared <= published else min(local, published)
 
     def _offers(self, limit: int) -> tuple[list[Offer], int]:
         # The epoch is read when the round starts: a request ending during the round
