@@ -8,7 +8,7 @@ MPU sizes waves by token count, but a chunk's time grows with its attention pref
 tokens it holds (MoE experts make it large).
 
 This planner chooses the wave budget b among MPU's halvings by predicted throughput —
-the ring's fed share times tokens per predicted second at the admitted work's mean cost per
+busy stages times tokens per predicted second at the admitted work's mean cost per
 token, so a large per-wave cost (memory-bound MoE weights, launches, the runtime's own
 per-wave overhead as fitted) is weighed against an under-fed ring; with the ring fed it
 plans full waves, as static does. At the full budget M it fills exactly as static
@@ -145,31 +145,26 @@ def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) 
     """The budget with the best predicted steady throughput.
 
     With n(b) waves of work (MPU's estimate) and ``ctx.in_flight`` waves already in the
-    pipeline, the ring of R waves (``ctx.ring``, 2P) is ``min(1, (n(b) + in_flight)/R)``
-    fed, each wave taking ``t(b) = d + max(floor, b·s)`` with s the mean seconds per
-    token of the admitted work: throughput(b) = ``min(1, (n(b) + in_flight)/R) * b /
-    t(b)``. The ring, not P: MPU's own test of a fed pipeline. P waves are not enough,
-    since a wave that leaves the last stage is replaced only after its request's
-    completion, a round and the first stages (``kimi-reuse-131k``: eight requests of one
-    wave each at P = 8 kept the stages 35–65% busy; halved to feed 2P, R5 ran 8–17%
-    faster than static in three single runs, where counting P it planned what static
-    plans). Waves in flight keep the stages after this one busy, and so do requests
-    about to be admitted (``ctx.waiting``: in the round under way or the next) where
-    the admitted work lasts until they come (``ctx.waiting_after_s``, a round's recent
-    time): counting them, the planner halves only where the pipeline would really run
-    dry, not whenever the admitted queue is short (smoke cells, medians of 3: counting
-    neither, it planned 38 waves a stage where static planned 32, and lost 4% to it;
-    counting waves in flight, 34 and 1.2% — the two extra waves came from halving a
-    run's first request, admitted a round before the rest). Counting waiting work that
-    comes only after the admitted work is done looked costly on ``seeded-8k``, where a
-    round outlasts a wave of short suffixes (one smoke run: R5 988K tok/s against 1.12M
-    in the two runs before). The per-wave cost (d, the weight-streaming floor) favours
-    fewer, larger waves; an unfed ring favours more, smaller ones; where the ring is
-    fed by every budget, M wins and this plans what static plans. Ties go to MPU's own
-    choice, so where waves cost nothing beyond their tokens (d = floor = 0) this is
-    exactly MPU.
+    pipeline, ``min(1, (n(b) + in_flight)/P)`` of the P stages stay busy, each wave
+    taking ``t(b) = d + max(floor, b·s)`` with s the mean seconds per token of the
+    admitted work: throughput(b) = ``min(1, (n(b) + in_flight)/P) * b / t(b)``. Waves
+    in flight keep the stages after this one busy, and so do requests about to be
+    admitted (``ctx.waiting``: in the round under way or the next) where the admitted
+    work lasts until they come (``ctx.waiting_after_s``, a round's recent time):
+    counting them, the planner halves only where the pipeline would really run dry, not
+    whenever the admitted queue is short (smoke cells, medians of 3: counting neither,
+    it planned 38 waves a stage where static planned 32, and lost 4% to it; counting
+    waves in flight, 34 and 1.2% — the two extra waves came from halving a run's first
+    request, admitted a round before the rest). Counting waiting work that comes only
+    after the admitted work is done looked costly on ``seeded-8k``, where a round
+    outlasts a wave of short suffixes (one smoke run: R5 988K tok/s against 1.12M in
+    the two runs before). The
+    per-wave cost (d, the weight-streaming floor) favours fewer, larger waves; an idle
+    stage favours more, smaller ones; where the ring is fed by every budget, M wins and
+    this plans what static plans. Ties go to MPU's own choice, so where waves cost
+    nothing beyond their tokens (d = floor = 0) this is exactly MPU.
     """
-    ring = max(float(ctx.ring), 1.0)
+    stages = max(ctx.ring / 2, 1.0)
     per_token = mean_token_seconds(queue, model)
     left = sorted(p.remaining for p in queue if p.remaining > 0)
     soon = sorted(p.remaining for p in ctx.waiting if p.remaining > 0)
@@ -182,14 +177,14 @@ def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) 
         tokens = min(b, work)  # a wave holds no more than the work left
         return tokens / max(model.d + max(model.floor, tokens * per_token), 1e-30)
 
-    def fed(b: int) -> float:  # waves that feed the ring at budget b
+    def fed(b: int) -> float:  # waves that keep the stages busy at budget b
         admitted = waves(left, work, b)
         # the waiting work feeds them only if the admitted work lasts until it comes
         lasts = admitted * (model.d + max(model.floor, min(b, work) * per_token))
         later = waves(soon, sum(soon), b) if lasts >= ctx.waiting_after_s else 0.0
         return admitted + later + ctx.in_flight
 
-    scores = {b: min(1.0, fed(b) / ring) * rate(b) for b in candidate_budgets(ctx)}
+    scores = {b: min(1.0, fed(b) / stages) * rate(b) for b in candidate_budgets(ctx)}
     best = max(scores.values())
     tied = [b for b, v in scores.items() if v >= best * (1 - 1e-9)]
     if len(tied) == 1:
