@@ -440,13 +440,14 @@ def main(argv: list[str] | None = None) -> None:
     cells = expand(cells, args.repeat)
     done = {r.get("cell_key") for r in load_results(out)}
     todo = [c for c in cells if c.key(args.preset) not in done]
+    sizes = sorted({c.ranks or ranks for c in todo}) or [ranks]
     print(f"preset {args.preset}: {len(cells)} runs, {len(cells) - len(todo)} already in {out}, "
-          f"{len(todo)} to run on {ranks} ranks", flush=True)  # fmt: skip
+          f"{len(todo)} to run on {' or '.join(map(str, sizes))} ranks", flush=True)  # fmt: skip
     if args.dry_run:
         for cell in todo:
             planner = f" --planner {cell.planner}" if cell.planner else ""
-            print(f"  {cell.workload} c={cell.concurrency} {cell.rung}{planner} "
-                  f"#{cell.repeat}: {' '.join(cell.args)}")  # fmt: skip
+            print(f"  {cell.workload} c={cell.concurrency} {cell.rung}{planner} #{cell.repeat} "
+                  f"on {cell.ranks or ranks} ranks: {' '.join(cell.args)}")  # fmt: skip
         return
     started = time.time()
     for i, cell in enumerate(todo, 1):
