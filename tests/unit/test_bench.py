@@ -76,7 +76,6 @@ def test_matrix_resumes_from_its_results_file(tmp_path, capsys):
     assert "oracle --planner cost #1" in text
 
 
-
 def test_dry_run_names_each_cells_own_rank_count(tmp_path, capsys):
     # paper-cells: the Kimi-class cells run at P = 8, the others at the preset's 4
     matrix_main(["--preset", "paper-cells", "--out", str(tmp_path / "r.jsonl"), "--dry-run",
@@ -86,6 +85,7 @@ def test_dry_run_names_each_cells_own_rank_count(tmp_path, capsys):
     matrix_main(["--preset", "paper-cells", "--out", str(tmp_path / "r.jsonl"), "--dry-run",
                  "--rungs", "R3"])  # fmt: skip
     assert "to run on 4 or 8 ranks" in capsys.readouterr().out
+
 
 def test_retention_traces_arrive_at_their_rate_and_reuse_documents(tmp_path):
     from wavepp.bench.matrix import retention_cells, retention_trace
