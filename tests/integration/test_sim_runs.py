@@ -103,3 +103,19 @@ def test_measurement_begins_when_every_stage_is_ready(tmp_path):
     ready = float((tmp_path / "ready-1").read_text())
     assert float((tmp_path / "measure-start").read_text()) > ready
     assert json.loads(out.read_text())["measured_requests"] == 4
+
+
+def test_a_lone_prompt_is_planned_in_equal_time_chunks(run_wavepp):
+    """c = 1 at P = 2: static (R3) plans the prompt in budget-sized chunks; the cost
+    planner (R5), the request alone in the pipeline, in more chunks of equal time."""
+    options = ("--executor", "sim", "--workload", "cold", "--prompt-tokens", "32768",
+               "--requests", "1", "--concurrency", "1", "--budget", "8192",
+               "--time-scale", "0.1")  # fmt: skip
+    waves = {}
+    for rung in ("R3", "R5"):
+        record, _ = run_wavepp(2, *options, "--rung", rung)
+        check_clean(record, 2)
+        assert record["measured_requests"] == 1
+        waves[rung] = record["stage_waves"]
+    assert waves["R3"] == [4, 4]
+    assert waves["R5"][0] == waves["R5"][1] > 4

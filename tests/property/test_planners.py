@@ -32,7 +32,7 @@ def drain(planner, sizes, starts, ctx, arrivals):
         waves.append(wave)
         for chunk in wave.chunks:
             i = next(k for k, p in enumerate(live) if p.request_id == chunk.request_id)
-            live[i] = Pending(chunk.request_id, chunk.end, chunk.num_tokens)
+            live[i] = live[i].planned_to(chunk.end)
         live = [p for p in live if p.remaining > 0]
         if later:
             live.append(later.pop(0))
@@ -206,3 +206,67 @@ def test_requests_about_to_be_admitted_keep_the_pipeline_fed():
     # slower than the wave: 10 ms against 8192 * 1e-6 + 1e-4 s)
     late = attrs.evolve(soon, waiting_after_s=0.010)
     assert cost_plan(queue, 0, late, model).budget < 8192
+
+
+def flow_shop_s(times, stages):
+    """Completion of waves taking ``times`` on each of ``stages`` identical stages."""
+    done = [0.0] * stages
+    for t in times:
+        for s in range(stages):
+            done[s] = max(done[s], done[s - 1] if s else 0.0) + t
+    return done[-1]
+
+
+def run_alone(planner, request, ctx, model):
+    """A lone request planned to its end: its waves' predicted times."""
+    live, times = [request], []
+    while live:
+        wave = planner(live, len(times), ctx)
+        times.append(model.wave([(c.size, c.start) for c in wave.chunks]))
+        (chunk,) = wave.chunks
+        live = [p for p in [live[0].planned_to(chunk.end)] if p.remaining > 0]
+    return times
+
+
+def test_a_lone_long_prompt_gets_equal_time_chunks_and_finishes_sooner():
+    # One cold 131K prompt at P = 4: static chunks of 8,192 grow dearer down the prompt
+    # and the pipeline drains on the dearest; the cost planner's chunks take equal time.
+    model = CostModel(a=1.8e-6, c=1.2e-10, d=5e-4, floor=8e-3)
+    ctx = PlanContext(budget=8192, ring=8, min_budget=64, stages=4)
+    request = Pending("r0", 0, 131_072)
+    mine = run_alone(lambda q, i, c: cost_plan(q, i, c, model), request, ctx, model)
+    theirs = run_alone(static, request, ctx, model)
+    assert max(mine[:-1]) <= min(mine[:-1]) * 1.5  # equal time, but for the M cap early on
+    assert max(theirs) > 5 * min(theirs)
+    assert flow_shop_s(mine, 4) < 0.92 * flow_shop_s(theirs, 4)
+    # a cached prefix: the chunks are sized for the suffix's own work
+    deep = run_alone(lambda q, i, c: cost_plan(q, i, c, model), Pending("r1", 100_000, 131_072),
+                     ctx, model)  # fmt: skip
+    assert 1 < len(deep) < len(mine)
+
+
+@settings(max_examples=200, deadline=None)
+@given(size=st.integers(1, 200_000), start=st.floats(0, 0.99), ctx=contexts, model=models,
+       floor=st.floats(0, 1e-2))  # fmt: skip
+def test_a_lone_request_finishes_no_later_than_with_mpu(size, start, ctx, model, floor):
+    """Alone in the pipeline, the cost planner's plan completes (by its own cost model,
+    waves flowing through P identical stages) no later than MPU's, up to a wave's cost."""
+    model = CostModel(model.a, model.c, max(model.d, 1e-6), floor)
+    ctx = attrs.evolve(ctx, stages=max(ctx.ring // 2, 2))
+    request = Pending("r0", int(start * size), size)
+    mine = run_alone(lambda q, i, c: cost_plan(q, i, c, model), request, ctx, model)
+    theirs = run_alone(mpu, request, ctx, model)
+    slack = model.d + max(model.floor, model.chunk(ctx.min_budget, size))
+    assert flow_shop_s(mine, ctx.stages) <= flow_shop_s(theirs, ctx.stages) + slack
+
+
+def test_the_lone_request_rule_waits_while_others_run_or_wait():
+    # Others in flight (a closed loop brings a request as each ends) or waiting: the
+    # throughput rule plans, as before.
+    model = CostModel(a=1.8e-6, c=1.2e-10, d=5e-4, floor=8e-3)
+    alone = PlanContext(budget=8192, ring=8, min_budget=64, stages=4)
+    queue = [Pending("r0", 60_000, 131_072)]
+    assert cost_plan(queue, 0, alone, model).num_tokens < 8192
+    for busy in (attrs.evolve(alone, running=3, in_flight=6),
+                 attrs.evolve(alone, waiting=(Pending("r1", 0, 131_072),))):  # fmt: skip
+        assert cost_plan(queue, 0, busy, model) == fill(queue, 0, 8192)

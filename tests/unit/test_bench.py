@@ -111,6 +111,12 @@ def test_scaling_model_bounds():
     assert one[0] == 1.0 and four[0] == pytest.approx(1.0, abs=1e-4)  # 12 + 12 + 12 + 12
     assert 0.25 < four[1] / one[1] < 0.4  # fill and drain of 16 chunks, the last dearest
     assert model_bounds("kimi-k3-class", "gb300", 4, 131_072, 16_384, 8192)[0] < 0.96
+    # the cost planner's equal-time chunks for a prompt alone drain sooner than static's
+    for model, device in (("qwen3-next-80b", "h200"), ("kimi-k3-class", "gb300")):
+        one = model_bounds(model, device, 1, 131_072, 16_384, 8192, planner="cost")[1]
+        four = model_bounds(model, device, 4, 131_072, 16_384, 8192, planner="cost")[1]
+        static = model_bounds(model, device, 4, 131_072, 16_384, 8192)[1]
+        assert four < 0.9 * static and four / one < 0.3
 
 
 def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():

@@ -7,7 +7,9 @@ at P = 1, 2, 4, 8 pipeline stages, one ``torchrun`` each, and prints
   nothing to fill, drain, bubbles or its own overheads (SGLang reports 82.8% for its
   chunked pipeline; the issue aims at ≥ 90% at P = 4);
 - **latency at c = 1**: the completion time of one prompt alone, and its ratio to P = 1
-  (one prompt split into chunks that overlap across stages; the aim is ≤ 0.3x at P = 4).
+  (one prompt split into chunks that overlap across stages; the aim is ≤ 0.3x at P = 4),
+  with ``--latency-rung`` (default R5, whose cost planner sizes a lone prompt's chunks
+  to equal time: :func:`wavepp.plan.cost.lone_chunk`).
 
 Every figure is SIMULATED (the sim executor sleeps each wave's predicted time) and
 every ratio comes from runs of this invocation. The runtime itself (admission, planning,
@@ -21,9 +23,11 @@ import argparse
 import json
 from pathlib import Path
 
-from wavepp.bench.matrix import Cell, run_cell
+from wavepp.bench.matrix import _RUNG_PLANNER, Cell, run_cell
+from wavepp.config import EXECUTOR_DEFAULTS
 from wavepp.exec.profiles import DEVICES, MODELS, split_layers
-from wavepp.exec.sim import StageCostModel
+from wavepp.exec.sim import SimExecutor, StageCostModel
+from wavepp.plan import PLANNERS, CostModel, Pending, PlanContext
 
 
 def _chunks(prompt: int, size: int) -> list[tuple[int, int]]:
@@ -65,39 +69,55 @@ def balanced_split(model: str, device: str, stages: int, prompt: int, budget: in
     return counts[::-1]
 
 
+def planned_alone(planner: str, prior: CostModel, stages: int, prompt: int,
+                  budget: int) -> list[tuple[int, int]]:  # fmt: skip
+    """The chunks ``planner`` plans for one prompt alone in the pipeline, by the cost
+    model it starts from (``prior``: the runtime refits it from measured waves)."""
+    ctx = PlanContext(budget, 2 * stages, EXECUTOR_DEFAULTS["sim"]["min_budget"],
+                      cost_model=prior, stages=stages)  # fmt: skip
+    live, out = [Pending("alone", 0, prompt)], []
+    while live:
+        wave = PLANNERS[planner](live, len(out), ctx)
+        (chunk,) = wave.chunks
+        out.append((chunk.start, chunk.end))
+        live = [p for p in [live[0].planned_to(chunk.end)] if p.remaining > 0]
+    return out
+
+
 def model_bounds(
     model: str, device: str, stages: int, prompt: int, budget: int, latency_budget: int,
-    counts: list[int] | None = None,
+    counts: list[int] | None = None, planner: str = "static",
 ) -> tuple[float, float]:  # fmt: skip
     """What the cost model alone allows, with no runtime overhead: (the balance bound on
     efficiency — all stages' time over P x the slowest stage's, for one prompt in chunks of
-    ``budget`` — and one prompt's latency in seconds, chunks of ``latency_budget`` flowing
-    through the stages in order). ``counts``: layers per stage (default: even)."""
+    ``budget`` — and one prompt's latency in seconds: the chunks ``planner`` plans for it
+    at budget ``latency_budget``, flowing through the stages in order). ``counts``:
+    layers per stage (default: even)."""
     m = MODELS[model]
     costs = [StageCostModel(m, DEVICES[device], layers, s == stages - 1)
              for s, layers in enumerate(split_layers(m.num_layers, stages, counts))]  # fmt: skip
 
-    def times(size: int) -> list[list[float]]:  # [chunk][stage] seconds
-        return [[c.cost([ch], int(ch[1] == prompt)).seconds for c in costs]
-                for ch in _chunks(prompt, size)]  # fmt: skip
+    def times(chunks: list[tuple[int, int]]) -> list[list[float]]:  # [chunk][stage] s
+        return [[c.cost([ch], int(ch[1] == prompt)).seconds for c in costs] for ch in chunks]
 
-    per_stage = [sum(col) for col in zip(*times(budget), strict=True)]
+    per_stage = [sum(col) for col in zip(*times(_chunks(prompt, budget)), strict=True)]
     balance = sum(per_stage) / (stages * max(per_stage))
+    prior = CostModel(*SimExecutor(costs[0]).prior_cost())  # what rank 0's planner starts from
     done = [0.0] * stages  # when each stage finished its previous chunk
-    for row in times(latency_budget):
+    for row in times(planned_alone(planner, prior, stages, prompt, latency_budget)):
         for s, t in enumerate(row):
             done[s] = max(done[s], done[s - 1] if s else 0.0) + t
     return balance, done[-1]
 
 
-def _cell(a: argparse.Namespace, ranks: int, concurrency: int, requests: int,
-          budget: int, counts: list[int] | None = None) -> Cell:  # fmt: skip
+def _cell(a: argparse.Namespace, ranks: int, concurrency: int, requests: int, budget: int,
+          counts: list[int] | None = None, rung: str | None = None) -> Cell:  # fmt: skip
     split = ("--layers-per-stage", ",".join(map(str, counts))) if counts else ()
     args = ("--executor", "sim", "--model", a.model, "--sim-device", a.sim_device,
             "--workload", "cold", "--prompt-tokens", str(a.prompt_tokens),
             "--requests", str(requests), "--budget", str(budget),
             "--time-scale", str(a.time_scale), *split, *a.extra.split())  # fmt: skip
-    return Cell(f"cold-{a.prompt_tokens // 1024}k", concurrency, a.rung, args, ranks=ranks)
+    return Cell(f"cold-{a.prompt_tokens // 1024}k", concurrency, rung or a.rung, args, ranks=ranks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,12 +132,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=131_072)
     p.add_argument("--requests", type=int, default=32, help="throughput runs")
     p.add_argument("--concurrency", type=int, default=16, help="throughput runs")
-    p.add_argument("--rung", default="R4")
+    p.add_argument("--rung", default="R4", help="rung of the throughput runs")
+    p.add_argument(
+        "--latency-rung", default="R5", choices=sorted(_RUNG_PLANNER),
+        help="rung of the c = 1 runs (R5: the cost planner sizes a lone prompt's chunks "
+        "to equal time; R4: MPU's equal-token chunks)",
+    )  # fmt: skip
     p.add_argument("--budget", type=int, default=16_384, help="M of the throughput runs")
     p.add_argument(
         "--latency-budget", type=int, default=8192,
-        help="M of the c = 1 runs (a prompt needs ≥ 15 chunks for 0.3x at P = 4: "
-        "1/P + (P-1)/(chunks x P))",
+        help="M of the c = 1 runs (equal-token chunks need ≥ 15 for 0.3x at P = 4: "
+        "1/P + (P-1)/(chunks x P); R5's equal-time chunks take at most this many tokens)",
     )  # fmt: skip
     p.add_argument(
         "--balance", choices=("cost", "count"), default="cost",
@@ -139,9 +164,11 @@ def main(argv: list[str] | None = None) -> None:
             counts = balanced_split(a.model, a.sim_device, ranks, a.prompt_tokens, a.budget)
         tput = run_cell(_cell(a, ranks, a.concurrency, a.requests, a.budget, counts), 1,
                         a.timeout)  # fmt: skip
-        alone = run_cell(_cell(a, ranks, 1, 1, a.latency_budget, counts), 1, a.timeout)
+        alone = run_cell(_cell(a, ranks, 1, 1, a.latency_budget, counts, a.latency_rung), 1,
+                         a.timeout)  # fmt: skip
         balance, ideal_latency = model_bounds(a.model, a.sim_device, ranks, a.prompt_tokens,
-                                              a.budget, a.latency_budget, counts)  # fmt: skip
+                                              a.budget, a.latency_budget, counts,
+                                              _RUNG_PLANNER[a.latency_rung])  # fmt: skip
         rows.append({"stages": ranks, "layers_per_stage": counts or "even",
                      "throughput_tok_s": tput["throughput_tok_s"],
                      "utilization": tput["stage_utilization"],
@@ -152,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     base = next(r for r in rows if r["stages"] == 1)
     print(
         f"\nstrong scaling — SIMULATED — {a.model} on {a.sim_device}, cold "
-        f"{a.prompt_tokens:,}-token prompts, rung {a.rung}, time scale {a.time_scale}"
+        f"{a.prompt_tokens:,}-token prompts, rung {a.rung} (c = 1: {a.latency_rung}), "
+        f"time scale {a.time_scale}"
     )
     print(f"  {'P':>2}  {'tok/s (c=' + str(a.concurrency) + ')':>16}  {'efficiency':>10}  "
           f"{'model bound':>11}  {'mean util':>9}  {'latency c=1 s':>13}  {'vs P=1':>6}  "
@@ -169,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "  model bound: all stages' predicted time over P x the slowest stage's (uneven "
         "layer kinds per stage); model: one prompt's latency ratio from the cost model "
-        "alone (chunks flowing through the stages, no runtime overhead)"
+        "alone (the chunks the c = 1 rung's planner plans from its prior, flowing through "
+        "the stages, no runtime overhead)"
     )
     if a.json:
         record = {"simulated": True, "config": vars(a), "rows": rows}

@@ -22,6 +22,10 @@ short-prefix chunks more, so the waves that keep the stages in step take equal t
 Where a token's cost depends on neither its prefix nor its wave (c = d = floor = 0) it
 plans exactly what MPU plans.
 
+One request with the pipeline to itself (a prompt at c = 1, the last of a run) is
+planned for its completion time instead (:func:`lone_chunk`): equal-time chunks, as
+many as the per-wave cost against the drain says, so low load has no latency floor.
+
 The coefficients are fitted online from measured stage times (:func:`observe`), by
 ridge regression toward a prior taken from the executor's cost model; waves at the
 floor measure d alone.
@@ -193,6 +197,39 @@ def choose_budget(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) 
     return mpu_choice if mpu_choice in tied else max(tied)
 
 
+def lone_chunk(queue: Sequence[Pending], ctx: PlanContext, model: CostModel) -> int | None:
+    """Tokens of the next chunk of a request that has the pipeline to itself, sized for
+    its completion time; None where this rule does not apply.
+
+    With nothing else admitted, waiting or in the pipeline, the request's waves are all
+    the pipeline will run until it ends: its last chunk is the drain. Waves taking
+    ``w_i`` on every stage finish after ``Σ w_i + (P-1)·max w_i`` (a flow shop: the
+    critical path crosses the longest wave on every stage). Σ w_i is the request's own
+    work W plus d a wave, however it is chunked (attention work does not depend on the
+    chunking), so the best chunks take equal time u and ``W·d/u + (P-1)·u`` is least
+    at ``u = sqrt(W·d/(P-1))`` — or at the floor where that is below it (a wave costs
+    the floor however little it computes). W is the request's work from where it was
+    admitted, so every chunk gets the same u: equal-*time* chunks, which shrink as the
+    prefix grows. Equal-*token* chunks (static, MPU) end on the dearest chunks, and
+    their drain is long on long prompts.
+
+    Applies to one live request with nothing waiting and no other request in flight, at
+    P ≥ 2 and with a per-wave cost (d > 0; without one, ever smaller chunks would look
+    free — there the throughput rule plans, as MPU would)."""
+    stages = ctx.stages or max(ctx.ring // 2, 1)
+    alone = len(queue) == 1 and not ctx.waiting and not ctx.running
+    if not alone or stages < 2 or model.d <= 0:
+        return None
+    head = queue[0]
+    first = head.first_token
+    work = model.chunk(head.num_tokens - first, first)
+    target = max(model.floor, math.sqrt(work * model.d / (stages - 1)))
+    size = model.largest_chunk(head.next_token, target)
+    if model.chunk(size, head.next_token) < model.floor:
+        size += 1  # a wave under the floor pays for compute it does not do
+    return max(min(head.remaining, ctx.min_budget), min(size, head.remaining, ctx.budget))
+
+
 def cost_plan(
     queue: Sequence[Pending], wave_id: int, ctx: PlanContext, model: CostModel
 ) -> Wave | None:
@@ -202,6 +239,11 @@ def cost_plan(
     live = [p for p in queue if p.remaining > 0]
     if not live:
         return None
+    alone = lone_chunk(live, ctx, model)
+    if alone is not None:
+        head = live[0]
+        chunk = Chunk(head.request_id, head.next_token, head.next_token + alone, head.num_tokens)
+        return Wave(wave_id, alone, (chunk,))
     budget = choose_budget(live, ctx, model)
     if budget == ctx.budget:
         return fill(live, wave_id, budget)

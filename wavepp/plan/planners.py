@@ -32,10 +32,21 @@ class Pending:
     request_id: RequestId
     next_token: int  # first token not yet planned (starts at the reuse point, in tokens)
     num_tokens: int  # whole prompt length
+    start: int | None = None  # where its planned work began (the reuse point it was
+    #   admitted at); None: next_token — a request not yet planned, or one that did not say
 
     @property
     def remaining(self) -> int:
         return self.num_tokens - self.next_token
+
+    @property
+    def first_token(self) -> int:
+        """The first token of this request's work: :attr:`start`, else :attr:`next_token`."""
+        return self.next_token if self.start is None else self.start
+
+    def planned_to(self, end: int) -> Pending:
+        """This request with its tokens up to ``end`` planned (its start kept)."""
+        return Pending(self.request_id, end, self.num_tokens, self.first_token)
 
 
 @attrs.frozen
@@ -56,6 +67,8 @@ class PlanContext:
     #   work that will feed the ring soon but cannot be planned yet
     waiting_after_s: float = 0.0  # when they are expected in the queue: a round's
     #   recent wall time (0: at once)
+    running: int = 0  # requests not in the queue (nothing left to plan) whose waves are
+    #   still in the pipeline: in a closed loop each brings a new request when it ends
 
 
 Planner = Callable[[Sequence[Pending], int, PlanContext], Wave | None]

@@ -40,13 +40,19 @@ class WavePlanner:
         return self.next_wave_id - 1
 
     def next(
-        self, in_flight: int = 0, waiting: Sequence[Pending] = (), waiting_after_s: float = 0.0
+        self,
+        in_flight: int = 0,
+        waiting: Sequence[Pending] = (),
+        waiting_after_s: float = 0.0,
+        running: int = 0,
     ) -> Wave | None:
-        """The next wave, ``in_flight`` waves being in the pipeline already and the
-        ``waiting`` requests about to be admitted, in about ``waiting_after_s``."""
+        """The next wave, ``in_flight`` waves being in the pipeline already (holding
+        ``running`` requests besides the queue's), and the ``waiting`` requests about to
+        be admitted, in about ``waiting_after_s``."""
         ctx = attrs.evolve(self.ctx, cost_model=self.cost_fit.model(),
                            wave_seconds=tuple(self.recent), in_flight=in_flight,
-                           waiting=tuple(waiting), waiting_after_s=waiting_after_s)  # fmt: skip
+                           waiting=tuple(waiting), waiting_after_s=waiting_after_s,
+                           running=running)  # fmt: skip
         wave = self.planner(self.queue, self.next_wave_id, ctx)
         if wave is None:
             return None
@@ -59,7 +65,7 @@ class WavePlanner:
             if i is None or chunk.start != self.queue[i].next_token:
                 where = "unknown request" if i is None else f"after {self.queue[i]}"
                 raise ProtocolError(f"planner skipped tokens: {chunk} ({where})")
-            self.queue[i] = Pending(chunk.request_id, chunk.end, chunk.num_tokens)
+            self.queue[i] = self.queue[i].planned_to(chunk.end)
         self.queue = [p for p in self.queue if p.remaining > 0]
         return wave
 

@@ -67,7 +67,7 @@ class StageZero:
         if self.in_flight < self.ring:
             budget = self.planner.ctx.budget * max(self.ring // 2, 1)  # enough to feed P
             wave = self.planner.next(self.in_flight, self.admitter.upcoming(budget),
-                                     self.admitter.round_latency_s())  # fmt: skip
+                                     self.admitter.round_latency_s(), self._running())  # fmt: skip
         if wave is None and self.pending_cancels:
             wave = Wave(self.planner.take_wave_id(), 0, ())  # carries only the cancels
         return wave
@@ -149,6 +149,12 @@ class StageZero:
                 self.passage_s.append(time.monotonic() - at)
             for chunk in wave.chunks:
                 self.admitter.progress(chunk.request_id, chunk.end)
+
+    def _running(self) -> int:
+        """Requests with waves in the pipeline and nothing left to plan."""
+        queued = {p.request_id for p in self.planner.queue}
+        sent = {c.request_id for wave, _ in self.sent.values() for c in wave.chunks}
+        return len(sent - queued)
 
     def _work_ahead(self) -> list[tuple[int, int]]:
         """(tokens, prefix) of the admitted work not yet planned, in planning order."""

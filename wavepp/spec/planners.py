@@ -78,7 +78,7 @@ def drain(
                 f"{covered.get(chunk.request_id)}",
             )  # fmt: skip
             covered[chunk.request_id] = chunk.end
-            live[i] = Pending(chunk.request_id, chunk.end, chunk.num_tokens)  # type: ignore[index]
+            live[i] = live[i].planned_to(chunk.end)  # type: ignore[index]
         live = [p for p in live if p.remaining > 0]
         if later:
             live.append(later.pop(0))
