@@ -5,7 +5,7 @@ at P = 1, 2, 4, 8 pipeline stages, one ``torchrun`` each, and prints
 
 - **efficiency** = throughput(P) / (P x throughput(1)): 1.0 is a pipeline that loses
   nothing to fill, drain, bubbles or its own overheads (SGLang reports 82.8% for its
-  chunked pipeline; the issue aims at ≥ 90% at P = 4);
+  chunked pipeline; the issue aims at ≥ 90% at P = 4), with ``--rung`` (default R5);
 - **latency at c = 1**: the completion time of one prompt alone, and its ratio to P = 1
   (one prompt split into chunks that overlap across stages; the aim is ≤ 0.3x at P = 4),
   with ``--latency-rung`` (default R5, whose cost planner sizes a lone prompt's chunks
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-tokens", type=int, default=131_072)
     p.add_argument("--requests", type=int, default=32, help="throughput runs")
     p.add_argument("--concurrency", type=int, default=16, help="throughput runs")
-    p.add_argument("--rung", default="R4", help="rung of the throughput runs")
+    p.add_argument("--rung", default="R5", choices=sorted(_RUNG_PLANNER),
+                   help="rung of the throughput runs")  # fmt: skip
     p.add_argument(
         "--latency-rung", default="R5", choices=sorted(_RUNG_PLANNER),
         help="rung of the c = 1 runs (R5: the cost planner sizes a lone prompt's chunks "
