@@ -219,13 +219,8 @@ def flow_shop_s(times, stages):
 
 def run_alone(planner, request, ctx, model):
     """A lone request planned to its end: its waves' predicted times."""
-    live, times = [request], []
-    while live:
-        wave = planner(live, len(times), ctx)
-        times.append(model.wave([(c.size, c.start) for c in wave.chunks]))
-        (chunk,) = wave.chunks
-        live = [p for p in [live[0].planned_to(chunk.end)] if p.remaining > 0]
-    return times
+    waves = drain(planner, [request.num_tokens], [request.next_token], ctx, 0)[1]
+    return [model.wave([(c.size, c.start) for c in wave.chunks]) for wave in waves]
 
 
 def test_a_lone_long_prompt_gets_equal_time_chunks_and_finishes_sooner():
