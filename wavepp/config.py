@@ -67,6 +67,7 @@ class RunConfig:
     trace_out: str | None = None
     heartbeat_s: float = 2.0
     rounds_plane: str = "auto"
+    data_plane: str = "auto"
     timeout_s: float = 60.0
     dead_after_s: float = 10.0
     progress: bool = True
@@ -129,6 +130,9 @@ HELP: dict[str, str] = {
     "rounds_plane": "transport of the admission rounds: 'local' (Unix sockets around rank 0, "
     "every rank on one host), 'gloo' (a Gloo group, any hosts), or 'auto' (local where "
     "torchrun put every rank on this host, else gloo)",
+    "data_plane": "transport of the waves between stages: 'local' (a Unix socket per link, "
+    "every rank on one host), 'gloo' (Gloo pair groups, any hosts), or 'auto' (local where "
+    "torchrun put every rank on this host and activations are not on NCCL, else gloo)",
     "timeout_s": "timeout of every process group, seconds",
     "dead_after_s": "a rank whose watchdog heartbeat stalls this long is named dead or hung "
     "and the run exits non-zero",
@@ -158,6 +162,7 @@ def parser() -> argparse.ArgumentParser:
             kind = int
         choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS,
                    "device": ("auto", "cpu", "cuda"), "rounds_plane": ("auto", "local", "gloo"),
+                   "data_plane": ("auto", "local", "gloo"),
                    "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
                    "weight_format": ("bf16", "fp8", "nvfp4"),
                    "dtype": ("float32", "bfloat16", "float16")}  # fmt: skip

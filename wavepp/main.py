@@ -33,6 +33,7 @@ from wavepp.exec.planes import (
     DataLimits,
     PlaneError,
     build_planes,
+    pick_data_plane,
     pick_rounds_plane,
     set_limits,
 )
@@ -253,6 +254,9 @@ async def rank_main(
     device = pick_device(c.device) if c.executor == "torch" else None
     gloo, inbound, outbound, done = build_planes(c.timeout_s, device=device)
     plane = await pick_rounds_plane(gloo, c.rounds_plane, c.timeout_s, log)
+    (inbound, outbound, done), data_plane = await pick_data_plane(
+        gloo, c.data_plane, (inbound, outbound, done), c.timeout_s, log
+    )
     if watchdog is not None:
         for part in (plane, inbound, outbound, done):
             if part is not None:
@@ -409,6 +413,7 @@ async def rank_main(
         round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
                                               "rounds_plane": plane.kind,
+                                              "data_plane": data_plane,
                                               "capacity_blocks": [r.capacity for r in reports],
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """Run by test_data_plane under torchrun (2 ranks): waves sent concurrently from several
-tasks arrive whole — each descriptor with its own tensor — and in order per sender."""
+tasks arrive whole — each descriptor with its own tensor — and in order per sender, over
+the data plane given (``gloo`` or ``local``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from wavepp.exec.planes import DataLimits, build_planes
+from wavepp.exec.planes import DataLimits, build_planes, pick_data_plane
 
 SENDERS, WAVES, WIDTH, BUDGET = 4, 25, 96, 300
 
@@ -22,9 +23,11 @@ def wave(sender: int, i: int) -> tuple[bytes, torch.Tensor]:
     return desc.encode(), torch.full((tokens, WIDTH), float(sender * 1000 + i))
 
 
-async def main(out_path: str) -> None:
+async def main(out_path: str, kind: str) -> None:
     limits = DataLimits.for_run(BUDGET, WIDTH, torch.float32, 1 << 16)
-    _, inbound, outbound, _ = build_planes(30, limits)
+    gloo, *links = build_planes(30, limits)
+    (inbound, outbound, _), got = await pick_data_plane(gloo, kind, tuple(links), 30, print)
+    assert got == kind, (got, kind)
     if dist.get_rank() == 0:
 
         async def send_all(sender: int) -> None:
@@ -53,6 +56,6 @@ async def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    anyio.run(main, sys.argv[1])
+    anyio.run(main, sys.argv[1], sys.argv[2])
     dist.barrier()
     dist.destroy_process_group()

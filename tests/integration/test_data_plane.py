@@ -1,5 +1,6 @@
-"""The data plane keeps each wave's descriptor with its tensor under concurrent senders
-(Gloo for both parts on CPU; the same code sends the tensor over NCCL on CUDA)."""
+"""The data plane keeps each wave's descriptor with its tensor under concurrent senders,
+over Gloo (both parts on CPU; the same code sends the tensor over NCCL on CUDA) and over
+Unix sockets (``--data-plane local``)."""
 
 import json
 
@@ -10,9 +11,10 @@ from tests.integration.conftest import torchrun
 pytestmark = pytest.mark.slow
 
 
-def test_descriptor_and_tensor_stay_together_under_concurrent_waves(tmp_path):
+@pytest.mark.parametrize("kind", ["gloo", "local"])
+def test_descriptor_and_tensor_stay_together_under_concurrent_waves(tmp_path, kind):
     out = tmp_path / "data_plane.json"
-    torchrun(2, ["tests/integration/data_plane_script.py", str(out)], timeout=180)
+    torchrun(2, ["tests/integration/data_plane_script.py", str(out), kind], timeout=180)
     result = json.loads(out.read_text())
     assert result["mismatches"] == []
     # received as inference tensors, like the sender's executor output (a plain tensor

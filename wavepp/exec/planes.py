@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import socket
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 
@@ -383,6 +386,181 @@ class Link:
 
     async def recv(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
         return await anyio.to_thread.run_sync(self.recv_blocking, max_bytes, abandon_on_cancel=True)
+
+
+def _byte_view(tensor: torch.Tensor):
+    """The bytes of a contiguous CPU tensor as a writable buffer (shared, not copied)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+class SocketLink(Link):
+    """A :class:`Link` whose three parts travel over a connected Unix socket.
+
+    For ranks on one host: a Gloo pair message costs 0.7-1.4 ms here (DESIGN §10) and a
+    hand-off is three of them (header, descriptor, tensor), where a socket write costs
+    tens of microseconds. The header, its checks before anything is allocated, and the
+    order of the parts are :class:`Link`'s; tensors on NCCL stay on NCCL. A receive
+    waits for the next header as long as the link is idle; the rest of a message must
+    follow within ``timeout_s``. A peer that exits closes its end: the wait fails at
+    once with :class:`PlaneError`, where a Gloo receive would wait out its timeout.
+    """
+
+    kind = "local"
+
+    def __init__(self, link: Link, sock: socket.socket, timeout_s: float) -> None:
+        super().__init__(link.group, link.src, link.dst, link.limits, link.tensor_group,
+                         link.device)  # fmt: skip
+        self.sock = sock
+        self.timeout_s = timeout_s
+        self._header_next = False  # the next receive is a message's header (may idle)
+
+    def _on_nccl(self, group) -> bool:
+        return self.stream is not None and group is self.tensor_group
+
+    def _send(self, tensor: torch.Tensor, group) -> None:
+        if self._on_nccl(group):
+            return super()._send(tensor, group)
+        try:
+            self.sock.settimeout(self.timeout_s)
+            self.sock.sendall(_byte_view(tensor))
+        except OSError as error:  # a timeout is an OSError too
+            raise PlaneError(f"data plane: sending to rank {self.dst} failed: {error!r}") from None
+
+    def _recv(self, tensor: torch.Tensor, group) -> None:
+        if self._on_nccl(group):
+            return super()._recv(tensor, group)
+        view = memoryview(_byte_view(tensor))
+        idle, self._header_next = self._header_next, False
+        got = 0
+        try:
+            while got < len(view):
+                self.sock.settimeout(None if idle and not got else self.timeout_s)
+                n = self.sock.recv_into(view[got:])
+                if n == 0:
+                    raise PlaneError(f"data plane: rank {self.src} closed its link ({got} of "
+                                     f"{len(view)} bytes of a message part read)")  # fmt: skip
+                got += n
+        except OSError as error:
+            raise PlaneError(f"data plane: receiving from rank {self.src} failed "
+                             f"({got} of {len(view)} bytes read): {error!r}") from None  # fmt: skip
+
+    def recv_blocking(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
+        with self._recv_lock:
+            self._header_next = True
+        return super().recv_blocking(max_bytes)
+
+
+def _connect_pair(directory: str, rank: int, world: int, listener: socket.socket,
+                  timeout_s: float) -> tuple[socket.socket, socket.socket]:  # fmt: skip
+    """(to rank+1, from rank-1), around the ring: connect to the next rank's socket and
+    say who this is; accept the previous rank and check who it says it is."""
+    send_to, recv_from = (rank + 1) % world, (rank - 1) % world
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        out.settimeout(timeout_s)
+        out.connect(os.path.join(directory, f"in-{send_to}.sock"))
+        out.sendall(rank.to_bytes(8, "little"))
+        listener.settimeout(timeout_s)
+        into, _ = listener.accept()
+    except OSError as error:
+        out.close()
+        raise PlaneError(f"data plane: rank {rank} could not connect its links: {error!r}"
+                         ) from None  # fmt: skip
+    into.settimeout(timeout_s)
+    hello = b""
+    try:
+        while len(hello) < 8:
+            part = into.recv(8 - len(hello))
+            if not part:
+                break
+            hello += part
+    except OSError:
+        pass
+    if int.from_bytes(hello.ljust(8, b"\xff"), "little") != recv_from:
+        out.close()
+        into.close()
+        raise PlaneError(f"data plane: rank {rank} expected rank {recv_from} on its inbound "
+                         f"socket, got {hello!r}")  # fmt: skip
+    return out, into
+
+
+async def pick_data_plane(
+    gloo: TorchRoundsPlane, kind: str, links: tuple[Link | None, Link | None, Link | None],
+    timeout_s: float, log: Callable[[str], None],
+) -> tuple[tuple[Link | None, Link | None, Link | None], str]:  # fmt: skip
+    """The data plane of the run (``--data-plane``), the same choice on every rank:
+    ``(inbound, outbound, done)`` and its kind (``local``, ``gloo``; ``none`` for one rank).
+
+    ``local`` (and ``auto`` where torchrun put every rank on this host and tensors are
+    not on NCCL) carries the links over Unix sockets (:class:`SocketLink`): rank 0
+    makes a directory only this user may enter and sends its path over ``gloo``; each
+    rank listens there for its one inbound link (rank 0: the completions from the last
+    rank) and connects to the next rank's. The directory is removed once all are in."""
+    world, rank = gloo.world_size, gloo.rank
+    if world == 1:
+        return links, "none"
+    one_host = os.environ.get("LOCAL_WORLD_SIZE", "") == str(world) and local_plane.available()
+    nccl = any(link is not None and link.stream is not None for link in links)
+    auto = kind == "auto" and one_host and not nccl
+    want, allowed = await gloo.all_min([int(kind == "local" or auto),
+                                        int(kind != "local" or one_host)])  # fmt: skip
+    if not allowed:
+        raise PlaneError("--data-plane local needs every rank on one host (torchrun's "
+                         "LOCAL_WORLD_SIZE equal to its WORLD_SIZE); use gloo or auto")  # fmt: skip
+    if not want:
+        return links, "gloo"
+    directory = ""
+    if rank == 0:
+        try:
+            directory = tempfile.mkdtemp(prefix="wavepp-data-")
+        except OSError as error:
+            log(f"data plane: cannot make a socket directory ({error}); using Gloo")
+    raw = await gloo.broadcast(directory.encode())
+    try:
+        directory = raw.decode()
+    except UnicodeDecodeError:
+        raise PlaneError("rank 0 sent a data-plane socket directory that is not UTF-8") from None
+    if directory and (len(directory) > 90 or not os.path.isabs(directory)):
+        raise PlaneError(f"rank 0 sent an unusable data-plane directory {directory[:120]!r}")
+    listener = None
+    if directory:
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(os.path.join(directory, f"in-{rank}.sock"))
+            listener.listen(1)
+        except OSError as error:
+            log(f"data plane: rank {rank} cannot listen on a Unix socket ({error})")
+            if listener is not None:
+                listener.close()
+            listener = None
+    (listening,) = await gloo.all_min([int(listener is not None)])
+    try:
+        if not listening:
+            if kind == "local":
+                raise PlaneError("--data-plane local: a rank could not listen on a Unix socket")
+            if listener is not None:
+                listener.close()
+            return links, "gloo"
+        out, into = await anyio.to_thread.run_sync(
+            _connect_pair, directory, rank, world, listener, timeout_s
+        )
+        listener.close()
+        await gloo.all_min([1])  # every link is up: the directory may go
+    finally:
+        if rank == 0 and directory:
+            shutil.rmtree(directory, ignore_errors=True)
+    inbound, outbound, done = links
+    if rank < world - 1:
+        outbound = SocketLink(outbound, out, timeout_s)
+    else:
+        done = SocketLink(done, out, timeout_s)
+    if rank > 0:
+        inbound = SocketLink(inbound, into, timeout_s)
+    else:
+        done = SocketLink(done, into, timeout_s)
+    if rank == 0:
+        log("data plane: Unix sockets between neighbouring ranks (every rank on this host)")
+    return (inbound, outbound, done), "local"
 
 
 def build_planes(
