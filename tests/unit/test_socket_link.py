@@ -1,12 +1,13 @@
 """The data plane over a Unix socket (``--data-plane local``): the same messages as over
-Gloo, every dtype the links carry; a peer's header is refused before anything is
-allocated; a peer that closes its end fails the wait at once, not after a timeout."""
+Gloo, every dtype the links carry, awaited in the event loop; a peer's header is refused
+before anything is allocated; a peer that closes its end fails the wait at once, not
+after a timeout; a message cut short fails within the timeout."""
 
 from __future__ import annotations
 
 import socket
-import threading
 
+import anyio
 import pytest
 import torch
 
@@ -15,62 +16,98 @@ from wavepp.exec.planes import DataLimits, Link, PlaneError, SocketLink
 LIMITS = DataLimits.for_run(budget=512, width=64, dtype=torch.bfloat16, max_descriptor_bytes=4096)
 
 
-def _pair(timeout_s: float = 10.0) -> tuple[SocketLink, SocketLink, socket.socket, socket.socket]:
+def _pair(timeout_s: float = 10.0, limits: DataLimits = LIMITS):
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = SocketLink(Link(None, 0, 1, LIMITS), a, timeout_s)
-    receiver = SocketLink(Link(None, 0, 1, LIMITS), b, timeout_s)
-    return sender, receiver, a, b
+    sender = SocketLink(Link(None, 0, 1, limits), a, timeout_s)
+    receiver = SocketLink(Link(None, 0, 1, limits), b, timeout_s)
+    return sender, receiver, a
+
+
+def _header(*words: int) -> bytes:
+    return torch.tensor(words, dtype=torch.int64).numpy().tobytes()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_messages_arrive_whole_and_in_order(dtype):
+def test_messages_arrive_whole_and_in_order_from_concurrent_senders(dtype):
     limits = DataLimits.for_run(budget=512, width=64, dtype=dtype, max_descriptor_bytes=4096)
-    sender, receiver, *_ = _pair()
-    sender.limits = receiver.limits = limits
-    sent = [(f"wave {i}".encode() * (i + 1), torch.randn(i * 37 + 1, 64).to(dtype))
-            for i in range(8)]  # fmt: skip
-    sent.append((b"no tensor", None))
-    thread = threading.Thread(target=lambda: [sender.send_blocking(d, t) for d, t in sent])
-    thread.start()  # a tensor larger than the socket's buffer needs a reader meanwhile
-    for desc, tensor in sent:
-        got_desc, got = receiver.recv_blocking(4096)
-        assert got_desc == desc
-        if tensor is None:
-            assert got is None
-        else:
-            assert got.dtype == dtype and torch.equal(got, tensor) and got.is_inference()
-    thread.join(timeout=30)
+    sender, receiver, _ = _pair(limits=limits)
+    waves = {s: [(f"{s}:{i}".encode() * (i + 1), torch.randn(i * 61 + 1, 64).to(dtype))
+                 for i in range(6)] for s in range(3)}  # fmt: skip
+    waves[0].append((b"0:no tensor", None))
+    got: list[tuple[bytes, torch.Tensor | None]] = []
+
+    async def main() -> None:
+        async def send_all(s: int) -> None:
+            for desc, tensor in waves[s]:  # larger than the socket's buffer: writes wait
+                await sender.send(desc, tensor)
+
+        async def receive_all() -> None:
+            for _ in range(sum(map(len, waves.values()))):
+                got.append(await receiver.recv(4096))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receive_all)
+            for s in waves:
+                tg.start_soon(send_all, s)
+
+    anyio.run(main)
+    by_sender: dict[int, list] = {s: [] for s in waves}
+    for desc, tensor in got:
+        by_sender[int(desc.split(b":")[0])].append((desc, tensor))
+    for s, sent in waves.items():
+        assert [d for d, _ in by_sender[s]] == [d for d, _ in sent]  # in order per sender
+        for (_, tensor), (_, want) in zip(by_sender[s], sent, strict=True):
+            if want is None:
+                assert tensor is None
+            else:  # whole, and an inference tensor like the sender's executor output
+                assert tensor.dtype == dtype and torch.equal(tensor, want)
+                assert tensor.is_inference()
 
 
 def test_a_bad_header_is_refused_before_anything_is_allocated():
-    _, receiver, a, _ = _pair()
-    words = [0x57505044, 0, 100, 3, 2, 1 << 40, 64, 0, 0, 0]  # 2^40 tokens of bfloat16
-    a.sendall(torch.tensor(words, dtype=torch.int64).numpy().tobytes())
+    _, receiver, a = _pair()
+    a.sendall(_header(0x57505044, 0, 100, 3, 2, 1 << 40, 64, 0, 0, 0))  # 2^40 bf16 tokens
     asked = []
-    real = receiver._recv
+    real = receiver._read_into
 
-    def recording(tensor, group):
-        asked.append(tensor.numel() * tensor.element_size())
-        real(tensor, group)
+    async def recording(view):
+        asked.append(len(view))
+        await real(view)
 
-    receiver._recv = recording
+    receiver._read_into = recording
     with pytest.raises(PlaneError, match="tokens"):
-        receiver.recv_blocking(4096)
+        anyio.run(receiver.recv, 4096)
     assert asked == [80]  # the header only
 
 
 def test_a_peer_that_closes_its_end_fails_the_wait_at_once():
-    _, receiver, a, _ = _pair(timeout_s=600)
-    timer = threading.Timer(0.2, a.close)
-    timer.start()
-    with pytest.raises(PlaneError, match="closed its link"):
-        receiver.recv_blocking(4096)  # idle: no timeout on the header, yet no hang
-    timer.join()
+    _, receiver, a = _pair(timeout_s=600)
+
+    async def main() -> None:
+        async def close_soon() -> None:
+            await anyio.sleep(0.2)
+            a.close()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(close_soon)
+            with anyio.fail_after(60):  # a hang guard: the idle wait has no timeout
+                await receiver.recv(4096)
+
+    with pytest.raises(ExceptionGroup) as caught:
+        anyio.run(main)
+    assert caught.group_contains(PlaneError, match="closed its link")
 
 
 def test_a_message_cut_short_fails_within_the_timeout():
-    _, receiver, a, _ = _pair(timeout_s=0.5)
-    words = [0x57505044, 0, 100, 0, 0, 0, 0, 0, 0, 0]  # a 100-byte descriptor, no tensor
-    a.sendall(torch.tensor(words, dtype=torch.int64).numpy().tobytes() + b"x" * 10)
-    with pytest.raises(PlaneError, match="10 of 100 bytes"):
+    _, receiver, a = _pair(timeout_s=0.5)
+    a.sendall(_header(0x57505044, 0, 100, 0, 0, 0, 0, 0, 0, 0) + b"x" * 10)  # 10 of 100
+    with pytest.raises(PlaneError, match="stopped short"):
+        anyio.run(receiver.recv, 4096)
+
+
+def test_the_blocking_calls_are_refused():
+    sender, receiver, _ = _pair()
+    with pytest.raises(TypeError, match="awaited"):
+        sender.send_blocking(b"x", None)
+    with pytest.raises(TypeError, match="awaited"):
         receiver.recv_blocking(4096)

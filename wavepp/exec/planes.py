@@ -18,6 +18,7 @@ import datetime
 import os
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -388,66 +389,107 @@ class Link:
         return await anyio.to_thread.run_sync(self.recv_blocking, max_bytes, abandon_on_cancel=True)
 
 
-def _byte_view(tensor: torch.Tensor):
+def _byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor as a writable buffer (shared, not copied)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 class SocketLink(Link):
-    """A :class:`Link` whose three parts travel over a connected Unix socket.
+    """A :class:`Link` over a connected Unix socket, awaited in the rank's event loop.
 
-    For ranks on one host: a Gloo pair message costs 0.7-1.4 ms here (DESIGN §10) and a
-    hand-off is three of them (header, descriptor, tensor), where a socket write costs
-    tens of microseconds. The header, its checks before anything is allocated, and the
-    order of the parts are :class:`Link`'s; tensors on NCCL stay on NCCL. A receive
-    waits for the next header as long as the link is idle; the rest of a message must
-    follow within ``timeout_s``. A peer that exits closes its end: the wait fails at
-    once with :class:`PlaneError`, where a Gloo receive would wait out its timeout.
+    For ranks on one host. Over Gloo a hand-off is three pair messages (0.7-1.4 ms each
+    here, DESIGN §10), each waited on in a worker thread, and a thread hop on each side;
+    here it is one write of the header and descriptor, one of the tensor's bytes, and
+    the reads straight into the received tensor, with no thread. The header, its checks
+    before anything is allocated, and the order of the parts are :class:`Link`'s;
+    tensors are CPU tensors (a CUDA tensor is staged through host memory, as over Gloo).
+    A receive may wait for the next header as long as the link is idle; the rest of a
+    message must follow within ``timeout_s``. A peer that exits closes its end: the
+    wait fails at once with :class:`PlaneError`, where a Gloo receive waits out its
+    timeout.
     """
 
     kind = "local"
 
     def __init__(self, link: Link, sock: socket.socket, timeout_s: float) -> None:
-        super().__init__(link.group, link.src, link.dst, link.limits, link.tensor_group,
-                         link.device)  # fmt: skip
+        super().__init__(None, link.src, link.dst, link.limits, device=link.device)
+        sock.setblocking(False)
         self.sock = sock
         self.timeout_s = timeout_s
-        self._header_next = False  # the next receive is a message's header (may idle)
+        self._sending = anyio.Lock()  # one message's parts together, whoever sends
+        self._receiving = anyio.Lock()
 
-    def _on_nccl(self, group) -> bool:
-        return self.stream is not None and group is self.tensor_group
+    async def _write(self, data: memoryview) -> None:
+        while data:
+            try:
+                n = self.sock.send(data)
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+                continue
+            except OSError as error:
+                raise PlaneError(f"data plane: sending to rank {self.dst} failed: {error!r}"
+                                 ) from None  # fmt: skip
+            data = data[n:]
 
-    def _send(self, tensor: torch.Tensor, group) -> None:
-        if self._on_nccl(group):
-            return super()._send(tensor, group)
-        try:
-            self.sock.settimeout(self.timeout_s)
-            self.sock.sendall(_byte_view(tensor))
-        except OSError as error:  # a timeout is an OSError too
-            raise PlaneError(f"data plane: sending to rank {self.dst} failed: {error!r}") from None
-
-    def _recv(self, tensor: torch.Tensor, group) -> None:
-        if self._on_nccl(group):
-            return super()._recv(tensor, group)
-        view = memoryview(_byte_view(tensor))
-        idle, self._header_next = self._header_next, False
+    async def _read_into(self, view: memoryview) -> None:
         got = 0
-        try:
-            while got < len(view):
-                self.sock.settimeout(None if idle and not got else self.timeout_s)
+        while got < len(view):
+            try:
                 n = self.sock.recv_into(view[got:])
-                if n == 0:
-                    raise PlaneError(f"data plane: rank {self.src} closed its link ({got} of "
-                                     f"{len(view)} bytes of a message part read)")  # fmt: skip
-                got += n
-        except OSError as error:
-            raise PlaneError(f"data plane: receiving from rank {self.src} failed "
-                             f"({got} of {len(view)} bytes read): {error!r}") from None  # fmt: skip
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            except OSError as error:
+                raise PlaneError(f"data plane: receiving from rank {self.src} failed ({got} "
+                                 f"of {len(view)} bytes read): {error!r}") from None  # fmt: skip
+            if n == 0:
+                raise PlaneError(f"data plane: rank {self.src} closed its link ({got} of "
+                                 f"{len(view)} bytes of a message part read)")  # fmt: skip
+            got += n
+
+    async def send(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
+        words = self.make_header(descriptor, tensor)
+        head = struct.pack(f"<{_HEADER}q", *words) + descriptor
+        body = None
+        if tensor is not None and tensor.numel():
+            body = tensor.detach().cpu().contiguous()  # kept alive while it is written
+        async with self._sending:
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    await self._write(memoryview(head))
+                    if body is not None:
+                        await self._write(_byte_view(body))
+            except TimeoutError:
+                raise PlaneError(f"data plane: rank {self.dst} took no message for "
+                                 f"{self.timeout_s:g} s") from None  # fmt: skip
+
+    async def recv(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
+        async with self._receiving:
+            raw = bytearray(8 * _HEADER)
+            await self._read_into(memoryview(raw))  # the link may idle before a header
+            header = self.parse_header(struct.unpack(f"<{_HEADER}q", raw), max_bytes)
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    desc = bytearray(header.descriptor_bytes)
+                    await self._read_into(memoryview(desc))
+                    tensor = None
+                    if header.dtype is not None:
+                        with torch.inference_mode():  # like the sender's executor output
+                            tensor = torch.empty(header.shape, dtype=header.dtype)
+                        if tensor.numel():
+                            await self._read_into(_byte_view(tensor))
+                        with torch.inference_mode():
+                            tensor = tensor.to(self.device)
+            except TimeoutError:
+                raise PlaneError(f"data plane: a message from rank {self.src} stopped short "
+                                 f"for {self.timeout_s:g} s") from None  # fmt: skip
+        return bytes(desc), tensor
+
+    def send_blocking(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
+        raise TypeError("a SocketLink is awaited in the event loop: use send()")
 
     def recv_blocking(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
-        with self._recv_lock:
-            self._header_next = True
-        return super().recv_blocking(max_bytes)
+        raise TypeError("a SocketLink is awaited in the event loop: use recv()")
 
 
 def _connect_pair(directory: str, rank: int, world: int, listener: socket.socket,
@@ -491,8 +533,8 @@ async def pick_data_plane(
     """The data plane of the run (``--data-plane``), the same choice on every rank:
     ``(inbound, outbound, done)`` and its kind (``local``, ``gloo``; ``none`` for one rank).
 
-    ``local`` (and ``auto`` where torchrun put every rank on this host and tensors are
-    not on NCCL) carries the links over Unix sockets (:class:`SocketLink`): rank 0
+    ``local`` (and ``auto`` where torchrun put every rank on this host and activations
+    are not on NCCL) carries the links over Unix sockets (:class:`SocketLink`): rank 0
     makes a directory only this user may enter and sends its path over ``gloo``; each
     rank listens there for its one inbound link (rank 0: the completions from the last
     rank) and connects to the next rank's. The directory is removed once all are in."""
@@ -501,12 +543,13 @@ async def pick_data_plane(
         return links, "none"
     one_host = os.environ.get("LOCAL_WORLD_SIZE", "") == str(world) and local_plane.available()
     nccl = any(link is not None and link.stream is not None for link in links)
-    auto = kind == "auto" and one_host and not nccl
-    want, allowed = await gloo.all_min([int(kind == "local" or auto),
-                                        int(kind != "local" or one_host)])  # fmt: skip
+    can = one_host and not nccl
+    want, allowed = await gloo.all_min([int(kind == "local" or (kind == "auto" and can)),
+                                        int(kind != "local" or can)])  # fmt: skip
     if not allowed:
         raise PlaneError("--data-plane local needs every rank on one host (torchrun's "
-                         "LOCAL_WORLD_SIZE equal to its WORLD_SIZE); use gloo or auto")  # fmt: skip
+                         "LOCAL_WORLD_SIZE equal to its WORLD_SIZE) and activations off "
+                         "NCCL; use gloo or auto")  # fmt: skip
     if not want:
         return links, "gloo"
     directory = ""
