@@ -52,9 +52,10 @@ def test_two_nodes_of_two_ranks_equal_one_node_of_four(tmp_path):
     assert codes == [0, 0], logs
     one, two = json.loads(single.read_text()), json.loads(multi.read_text())
     assert two["config"]["stages"] == 4
-    # --rounds-plane auto: Unix sockets on one host, Gloo across the two "nodes"
-    assert one["config"]["rounds_plane"] == "local"
-    assert two["config"]["rounds_plane"] == "gloo"
+    # --rounds-plane / --data-plane auto: Unix sockets on one host, Gloo across the two
+    # "nodes" (the same first tokens over either transport)
+    assert one["config"]["rounds_plane"] == one["config"]["data_plane"] == "local"
+    assert two["config"]["rounds_plane"] == two["config"]["data_plane"] == "gloo"
     assert len(first_tokens(one)) == 8
     assert first_tokens(two) == first_tokens(one)
     assert all(stage["balanced"] for stage in two["leak_check"]), two["leak_check"]

@@ -43,14 +43,16 @@ def test_p2_short_suffix_reuses_every_prompt(run_wavepp):
 
 def test_p4_rungs_finish_clean(run_wavepp):
     results = {}
-    # R3's rounds go over Gloo, the others' over Unix sockets (the default on one host)
+    # R3's rounds and waves go over Gloo, the others' over Unix sockets (the default on
+    # one host)
     for rung, plane in (("R1", "auto"), ("R3", "gloo"), ("oracle", "auto")):
         record, _ = run_wavepp(4, *SMALL, "--workload", "seeded", "--requests", "16",
-                               "--concurrency", "8", "--rung", rung,
-                               "--rounds-plane", plane)  # fmt: skip
+                               "--concurrency", "8", "--rung", rung, "--rounds-plane", plane,
+                               "--data-plane", plane)  # fmt: skip
         check_clean(record, 4)
         assert record["rung"] == rung
         assert record["config"]["rounds_plane"] == ("gloo" if plane == "gloo" else "local")
+        assert record["config"]["data_plane"] == record["config"]["rounds_plane"]
         assert record["good_hit_rate"] == 1.0
         results[rung] = record
     # Pools from device memory (Qwen3-Next-80B on H200): the end stages hold the
