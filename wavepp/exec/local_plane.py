@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 MAGIC = 0x52505057  # "WPPR"
 HELLO, BROADCAST, MIN, AND, GATHER = 1, 2, 3, 4, 5
@@ -45,23 +44,49 @@ class PlaneError(RuntimeError):
 
 
 class _Peer:
-    """One connected socket: frames out, frames in (each header checked first)."""
+    """One connected socket: frames out, frames in (each header checked first).
+
+    Reads and writes go to the raw socket straight away and wait only when it would
+    block: an anyio stream's ``send`` and ``receive`` first yield to the event loop,
+    which here let a rank's wave work run between a round's frames (a round waited on
+    it: 2.1-3.1 ms p50 a round on the ``seeded-8k`` smoke cell)."""
 
     def __init__(self, stream: anyio.abc.SocketStream, who: str) -> None:
         self.stream = stream
-        self.reader = BufferedByteReceiveStream(stream)
+        self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        self.buffer = bytearray()  # received bytes not yet taken
         self.who = who
 
     async def send(self, op: int, payload: bytes) -> None:
+        data = memoryview(_HEADER.pack(MAGIC, op, len(payload)) + payload)
         try:
-            await self.stream.send(_HEADER.pack(MAGIC, op, len(payload)) + payload)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
+            while data:
+                try:
+                    data = data[self.sock.send(data) :]
+                except BlockingIOError:
+                    await anyio.wait_writable(self.sock)
+        except OSError as error:
             raise PlaneError(f"{self.who} is gone ({_OPS[op]}): {error!r}") from None
+
+    async def _exactly(self, n: int) -> bytes:
+        """The next ``n`` bytes (the caller bounds ``n`` before asking)."""
+        while len(self.buffer) < n:
+            try:
+                chunk = self.sock.recv(max(1 << 16, n - len(self.buffer)))
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not chunk:
+                raise anyio.EndOfStream
+            self.buffer += chunk
+        out = bytes(self.buffer[:n])
+        del self.buffer[:n]
+        return out
 
     async def receive(self, op: int, exact: int | None = None) -> bytes:
         """The next frame's payload; it must be ``op``, and ``exact`` bytes if given."""
         try:
-            magic, got, n = _HEADER.unpack(await self.reader.receive_exactly(_HEADER.size))
+            magic, got, n = _HEADER.unpack(await self._exactly(_HEADER.size))
             if magic != MAGIC:
                 raise PlaneError(f"{self.who} sent a frame without WavePP's magic")
             if got != op:
@@ -73,9 +98,8 @@ class _Peer:
             if n > MAX_FRAME_BYTES:
                 raise PlaneError(f"{self.who} announced {n:,} bytes; at most "
                                  f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
-            return await self.reader.receive_exactly(n) if n else b""
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError) as error:  # fmt: skip
+            return await self._exactly(n) if n else b""
+        except (anyio.EndOfStream, OSError) as error:
             raise PlaneError(f"{self.who} is gone ({_OPS[op]}): {error!r}") from None
 
     async def close(self) -> None:
