@@ -129,7 +129,7 @@ class LocalRoundsPlane:
         self.world_size = world_size
         self.peers = peers  # rank 0: every other rank; elsewhere: {0: rank 0}
         self.timeout_s = timeout_s
-        self.lock = anyio.Lock()
+        self.lock = anyio.Lock(fast_acquire=True)  # no yield when free: rounds are on the clock
         self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
 
     @staticmethod

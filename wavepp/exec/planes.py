@@ -71,7 +71,7 @@ class TorchRoundsPlane:
         self.group = group
         self.rank = rank
         self.world_size = world_size
-        self.lock = anyio.Lock()
+        self.lock = anyio.Lock(fast_acquire=True)  # no yield when free: rounds are on the clock
         self.on_wait: Callable[[str], None] = lambda status: None  # the watchdog's status
         self.inline = INLINE_MIN_BYTES  # payload bytes the next broadcast carries at once
 
@@ -416,8 +416,8 @@ class SocketLink(Link):
         sock.setblocking(False)
         self.sock = sock
         self.timeout_s = timeout_s
-        self._sending = anyio.Lock()  # one message's parts together, whoever sends
-        self._receiving = anyio.Lock()
+        self._sending = anyio.Lock(fast_acquire=True)  # one message's parts together, whoever sends
+        self._receiving = anyio.Lock(fast_acquire=True)
 
     async def _write(self, data: memoryview) -> None:
         while data:
