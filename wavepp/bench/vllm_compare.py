@@ -203,7 +203,7 @@ class VllmEngine:
         driver = tmp / "vllm_driver.py"
         driver.write_text(_VLLM_DRIVER)
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
-               "VLLM_CPU_KVCACHE_SPACE": "8"}  # fmt: skip
+               "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}  # fmt: skip
         self.log = (tmp / "vllm.log").open("w")
         self.proc = subprocess.Popen(
             [args.vllm_python, str(driver), str(job)], env=env, text=True,
@@ -311,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--vllm-python", help="python of a virtual env with vllm-cpu (omit: skip)")
     p.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    p.add_argument("--vllm-kv-gib", type=int, default=8,
+                   help="VLLM_CPU_KVCACHE_SPACE: vLLM's KV pool, GiB (the rows need about "
+                   "1; vLLM refuses to start when NUMA node 0 has less free)")  # fmt: skip
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated: " + ", ".join(ROWS))
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds over the rows; in each, a row's three runs go back to back, "

@@ -5,6 +5,8 @@
 - **Data plane**: one two-rank group per link ``s -> s+1`` (and ``P-1 -> 0`` for
   completions). On each rank a link is used by exactly one sender or one receiver, so
   no group ever has two concurrent users (two threads on one Gloo group deadlock).
+  Where every rank is on one host, :func:`pick_data_plane` replaces each link by a
+  :class:`SocketLink`: the same messages over a Unix socket, in the event loop.
 
 Gloo point-to-point cannot be polled and a blocking call inside a coroutine would
 stall the event loop, so every blocking call runs in a worker thread
