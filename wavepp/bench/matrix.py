@@ -81,9 +81,9 @@ def preset_cells(name: str, workdir: Path | None = None) -> tuple[int, list[Cell
                 else:
                     cells.append(Cell(label, c, rung, tuple(args), ranks=ranks))
 
-    if name == "smoke":  # about 5 minutes here per repeat
-        # Each run measures 1-5 s of simulated prefill: in runs under a second, two runs
-        # of the same plan differed by 2% here (start-up and drain jitter).
+    if name == "smoke":  # about 3 minutes here per repeat of R3, R4, R5 and the oracle
+        # Each run measures 0.9-3 s of simulated prefill: in runs under a second, two
+        # runs of the same plan differed by 2% here (start-up and drain jitter).
         add("cold-8k", [16], RUNGS, _sim("--workload", "cold", "--prompt-tokens", "8192",
                                          "--requests", "128"))  # fmt: skip
         add("seeded-8k", [16], RUNGS, _sim("--workload", "seeded", "--prompt-tokens", "8192",
