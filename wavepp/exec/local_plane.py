@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import struct
 import sys
 import tempfile
@@ -43,45 +44,56 @@ class PlaneError(RuntimeError):
     (Defined here, where the torch-free plane needs it; ``wavepp.exec.planes`` exports it.)"""
 
 
+async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    """Write all of ``data`` to a non-blocking socket, waiting only when it would block
+    (an anyio stream's ``send`` yields to the event loop first, even when it need not)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view) :]
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+
+
+async def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from a non-blocking socket, waiting only when it would block;
+    :class:`anyio.IncompleteRead` if the peer closes first."""
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            await anyio.wait_readable(sock)
+            continue
+        if n == 0:
+            raise anyio.IncompleteRead
+        got += n
+
+
 class _Peer:
     """One connected socket: frames out, frames in (each header checked first).
 
-    Reads and writes go to the raw socket straight away and wait only when it would
-    block: an anyio stream's ``send`` and ``receive`` first yield to the event loop,
-    which here let a rank's wave work run between a round's frames (a round waited on
-    it: 2.1-3.1 ms p50 a round on the ``seeded-8k`` smoke cell)."""
+    Frames go to and come from the raw socket straight away (:func:`send_all`,
+    :func:`recv_exactly`): an anyio stream's ``send`` and ``receive`` first yield to the
+    event loop, which here let a rank's wave work run between a round's frames (a round
+    waited on it: 2.1-3.1 ms p50 a round on the ``seeded-8k`` smoke cell)."""
 
     def __init__(self, stream: anyio.abc.SocketStream, who: str) -> None:
         self.stream = stream
         self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        self.buffer = bytearray()  # received bytes not yet taken
         self.who = who
 
     async def send(self, op: int, payload: bytes) -> None:
-        data = memoryview(_HEADER.pack(MAGIC, op, len(payload)) + payload)
         try:
-            while data:
-                try:
-                    data = data[self.sock.send(data) :]
-                except BlockingIOError:
-                    await anyio.wait_writable(self.sock)
+            await send_all(self.sock, _HEADER.pack(MAGIC, op, len(payload)) + payload)
         except OSError as error:
             raise PlaneError(f"{self.who} is gone ({_OPS[op]}): {error!r}") from None
 
     async def _exactly(self, n: int) -> bytes:
         """The next ``n`` bytes (the caller bounds ``n`` before asking)."""
-        while len(self.buffer) < n:
-            try:
-                chunk = self.sock.recv(max(1 << 16, n - len(self.buffer)))
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            if not chunk:
-                raise anyio.EndOfStream
-            self.buffer += chunk
-        out = bytes(self.buffer[:n])
-        del self.buffer[:n]
-        return out
+        buf = bytearray(n)
+        await recv_exactly(self.sock, memoryview(buf))
+        return bytes(buf)
 
     async def receive(self, op: int, exact: int | None = None) -> bytes:
         """The next frame's payload; it must be ``op``, and ``exact`` bytes if given."""
@@ -99,7 +111,7 @@ class _Peer:
                 raise PlaneError(f"{self.who} announced {n:,} bytes; at most "
                                  f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
             return await self._exactly(n) if n else b""
-        except (anyio.EndOfStream, OSError) as error:
+        except (anyio.IncompleteRead, OSError) as error:
             raise PlaneError(f"{self.who} is gone ({_OPS[op]}): {error!r}") from None
 
     async def close(self) -> None:

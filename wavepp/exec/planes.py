@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from wavepp.exec import local_plane
-from wavepp.exec.local_plane import LocalRoundsPlane, PlaneError
+from wavepp.exec.local_plane import LocalRoundsPlane, PlaneError, recv_exactly, send_all
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
 _HEADER = 10  # int64 words: [magic, sender, desc_bytes, dtype code, ndim, dims...(5)]
@@ -422,32 +422,21 @@ class SocketLink(Link):
         self._receiving = anyio.Lock(fast_acquire=True)
 
     async def _write(self, data: memoryview) -> None:
-        while data:
-            try:
-                n = self.sock.send(data)
-            except BlockingIOError:
-                await anyio.wait_writable(self.sock)
-                continue
-            except OSError as error:
-                raise PlaneError(f"data plane: sending to rank {self.dst} failed: {error!r}"
-                                 ) from None  # fmt: skip
-            data = data[n:]
+        try:
+            await send_all(self.sock, data)
+        except OSError as error:
+            raise PlaneError(f"data plane: sending to rank {self.dst} failed: {error!r}"
+                             ) from None  # fmt: skip
 
     async def _read_into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            try:
-                n = self.sock.recv_into(view[got:])
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            except OSError as error:
-                raise PlaneError(f"data plane: receiving from rank {self.src} failed ({got} "
-                                 f"of {len(view)} bytes read): {error!r}") from None  # fmt: skip
-            if n == 0:
-                raise PlaneError(f"data plane: rank {self.src} closed its link ({got} of "
-                                 f"{len(view)} bytes of a message part read)")  # fmt: skip
-            got += n
+        try:
+            await recv_exactly(self.sock, view)
+        except anyio.IncompleteRead:
+            raise PlaneError(f"data plane: rank {self.src} closed its link in a message "
+                             f"part of {len(view)} bytes") from None  # fmt: skip
+        except OSError as error:
+            raise PlaneError(f"data plane: receiving from rank {self.src} failed: {error!r}"
+                             ) from None  # fmt: skip
 
     async def send(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
         words = self.make_header(descriptor, tensor)
