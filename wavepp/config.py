@@ -60,6 +60,7 @@ class RunConfig:
     dtype: str = "float32"
     threads: int = 0
     compile: bool = False
+    full_last_layer: bool = False
     layers_per_stage: str | None = None
     time_scale: float = 1.0
     seed: int = 0
@@ -121,6 +122,9 @@ HELP: dict[str, str] = {
     "compile": "torch executor: run Llama-shaped layers' norms, projections, rotary embedding "
     "and MLP through torch.compile (Inductor; needs a C++ compiler on CPU); compiled at "
     "start-up, in about 10-40 s on two cores, cached across runs; other layer kinds stay eager",
+    "full_last_layer": "torch executor: run the model's last layer (attention, MLP) for every "
+    "token, as a plain forward does; by default it runs for each finished prompt's last token "
+    "only, the one row the logits read, and writes its cache for every token",
     "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
@@ -214,6 +218,8 @@ def validate(c: RunConfig) -> None:
     need(c.time_scale > 0, f"--time-scale must be positive, got {c.time_scale}")
     need(c.threads >= 0, f"--threads must be ≥ 0 (0: automatic), got {c.threads}")
     need(not c.compile or c.executor == "torch", "--compile applies to --executor torch only")
+    need(not c.full_last_layer or c.executor == "torch",
+         "--full-last-layer applies to --executor torch only")
 
 
 def stage_capacities(c: RunConfig, world: int) -> list[int] | None:

@@ -124,7 +124,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     recurrent = any(cfg.kind(layer) == "L" for layer in layers)
     if c.compile:
         log(f"compiling stage {rank}'s layers (--compile)")
-    executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile)
+    executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
+                             c.full_last_layer)  # fmt: skip
     if executor.attention_kernel:
         log(f"stage {rank}: attention by {executor.attention_kernel}")
     if c.compile:

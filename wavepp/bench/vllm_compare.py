@@ -73,7 +73,8 @@ def write_checkpoint(path: Path, seed: int) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
-def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path) -> dict:
+def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path,
+               full_last_layer: bool = False) -> dict:  # fmt: skip
     seeds, measured = prompts(row)
     requests = tmp / f"{row}.jsonl"
     with requests.open("w") as f:
@@ -87,7 +88,8 @@ def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path)
            "--requests-file", str(requests), "--concurrency", str(len(measured)),
            "--budget", str(args.budget), "--block-size", str(args.block_size),
            "--threads", str(threads), "--no-progress", "--json", str(out),
-           *(["--compile"] if args.compile else [])]  # fmt: skip
+           *(["--compile"] if args.compile else []),
+           *(["--full-last-layer"] if full_last_layer else [])]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
     record = json.loads(out.read_text())
     firsts = {r["id"]: r["first_token"] for r in record["requests"]}
@@ -260,7 +262,7 @@ def _tree_cpu_seconds(root: int) -> float:
     return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
 
 
-SYSTEMS = ("vllm", "wavepp_p1", "wavepp_p2", "wavepp_stage")
+SYSTEMS = ("vllm", "wavepp_p1", "wavepp_p2", "wavepp_p1_full", "wavepp_stage")
 
 
 def summarize(results: list[dict]) -> list[dict]:
@@ -283,6 +285,10 @@ def summarize(results: list[dict]) -> list[dict]:
                  if "vllm" in r and "wavepp_stage" in r]  # fmt: skip
         if stage:  # the bare stage, for where the gap lies (not the verdict)
             entry["stage_over_vllm"] = float(np.median(stage))
+        full = [r["wavepp_p1_full"]["tok_s"] / r["vllm"]["tok_s"] for r in runs
+                if "vllm" in r and "wavepp_p1_full" in r]  # fmt: skip
+        if full:  # the last layer for every token, as vLLM runs it (not the verdict)
+            entry["p1_full_over_vllm"] = float(np.median(full))
         entry["first_tokens_agree"] = all(r["first_tokens_agree"] for r in runs)
         out.append(entry)
     return out
@@ -298,8 +304,11 @@ def print_table(summary: list[dict]) -> None:
             ratio = f"{s['best_wavepp_over_vllm']:.2f} ({low:.2f}-{high:.2f})"
         vllm = f"{s['vllm']:>10,.0f}" if "vllm" in s else f"{'—':>10}"
         stage = ""
+        if "wavepp_p1_full" in s:
+            stage = f"  P=1 full last layer {s['wavepp_p1_full']:,.0f}"
+            stage += f" ({s['p1_full_over_vllm']:.2f} of vLLM)" if "vllm" in s else ""
         if "wavepp_stage" in s:
-            stage = f"  bare stage {s['wavepp_stage']:,.0f}"
+            stage += f"  bare stage {s['wavepp_stage']:,.0f}"
             stage += f" ({s['stage_over_vllm']:.2f} of vLLM)" if "stage_over_vllm" in s else ""
         print(f"{s['row']:<12} {s['repeats']:>7} {vllm}  {s['wavepp_p1']:>10,.0f}  "
               f"{s['wavepp_p2']:>10,.0f}  {ratio:<33} "
@@ -326,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="also time the row's waves on one bare stage, no runtime")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="run WavePP with --compile (torch.compile of Llama layers)")  # fmt: skip
+    p.add_argument("--full-last-layer", action="store_true",
+                   help="also run WavePP P=1 with --full-last-layer (the last layer for every "
+                   "token, as vLLM runs it), back to back with the others")  # fmt: skip
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     rows = args.rows.split(",")
@@ -344,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
                 return vllm.run(row)
             if system == "wavepp_stage":
                 return run_stage(ckpt, row, args)
+            if system == "wavepp_p1_full":
+                return run_wavepp(ckpt, row, 1, args.cores, args, tmp, full_last_layer=True)
             stages = 1 if system == "wavepp_p1" else 2
             return run_wavepp(ckpt, row, stages, max(1, args.cores // stages), args, tmp)
 
@@ -355,8 +369,9 @@ def main(argv: list[str] | None = None) -> None:
                     # (a core's matmul rate moved 50-110 GFLOP/s within seconds here).
                     for system in SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]:
                         if (system == "vllm" and vllm is None) or (
-                            system == "wavepp_stage" and not args.stage
-                        ):
+                            system == "wavepp_stage" and not args.stage) or (
+                            system == "wavepp_p1_full" and not args.full_last_layer
+                        ):  # fmt: skip
                             continue
                         before = vllm.cpu_seconds() if vllm and system != "vllm" else None
                         entry[system] = run_system(system, row)
@@ -373,7 +388,8 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(results)
     print_table(summary)
     emit({"benchmark": "vllm_compare", "budget": args.budget, "block_size": args.block_size,
-          "compile": args.compile, "rows": results, "summary": summary}, args.json)  # fmt: skip
+          "compile": args.compile, "full_last_layer_too": args.full_last_layer,
+          "rows": results, "summary": summary}, args.json)  # fmt: skip
 
 
 if __name__ == "__main__":

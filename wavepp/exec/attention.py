@@ -84,11 +84,13 @@ class PagedBatch:
             self.spans.append((at, at + n))
             at += n
         self.num_tokens = at
-        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends, strict=True)]
+                              or [torch.zeros(0, dtype=torch.long)])  # fmt: skip
         table = torch.zeros(len(tables), max((len(t) for t in tables), default=0), dtype=torch.long)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-        seq = torch.repeat_interleave(torch.arange(len(tables)), torch.as_tensor(lengths))
+        seq = torch.repeat_interleave(torch.arange(len(tables)),
+                                      torch.as_tensor(lengths, dtype=torch.long))
         rows = table[seq, positions // block_size] * block_size + positions % block_size
         self.positions = positions.to(device)
         self.write_rows = rows.to(device)
@@ -97,6 +99,21 @@ class PagedBatch:
         self.block_tables = table.to(device)
         self.prefix_pieces = [self._pieces(s, t) for s, t in zip(starts, tables, strict=True)]
         self.kernel_state: dict[str, Any] = {}  # per-wave kernel plans (FlashInfer, CPU)
+        self.rows: torch.Tensor | None = None  # set on a batch of queries (last_tokens)
+
+    def last_tokens(self, seqs: Sequence[int]) -> PagedBatch:
+        """The last new token of each sequence in ``seqs``, as a batch of queries: one
+        token a sequence, attending to its whole sequence in the pools (rows this wave
+        has already written). ``rows [R]`` holds each one's row in this wave's tensors.
+
+        For the model's last layer, whose outputs only the logits read: its keys and
+        values are written for every new token, its attention and MLP run for these."""
+        ends = [self.ends[s] for s in seqs]
+        queries = PagedBatch([e - 1 for e in ends], ends, [self.tables[s] for s in seqs],
+                             self.block_size, self.device)  # fmt: skip
+        queries.rows = torch.as_tensor([self.spans[s][1] - 1 for s in seqs],
+                                       dtype=torch.long).to(self.device)  # fmt: skip
+        return queries
 
     @classmethod
     def build(
@@ -151,6 +168,15 @@ def write_paged(pool: torch.Tensor, batch: PagedBatch, values: torch.Tensor) -> 
     pool.index_copy_(0, batch.write_rows, values.to(pool.dtype))
 
 
+def to_queries(batch: PagedBatch, queries: PagedBatch | None, *tensors):
+    """The batch a layer attends with and its per-token ``tensors`` (None passes) cut
+    to that batch's query rows: ``batch`` and the tensors as they are when ``queries``
+    is None, else ``queries`` (:meth:`PagedBatch.last_tokens`) and their rows."""
+    if queries is None:
+        return (batch, *tensors)
+    return (queries, *(None if t is None else t[queries.rows] for t in tensors))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -163,6 +189,8 @@ def paged_attention(
         raise ValueError(f"{q.shape[0]} queries for a wave of {batch.num_tokens} tokens")
     if q.shape[1] % k_pool.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not group over {k_pool.shape[1]} KV heads")
+    if not batch.num_tokens:  # a last layer whose wave ends no sequence
+        return q.new_empty(0, q.shape[1], v_pool.shape[-1])
     if q.is_cuda and _flashinfer() is not None:
         return _flashinfer_attention(q, k_pool, v_pool, batch, scale)
     if cpu_kernel.fits(q, k_pool, v_pool):

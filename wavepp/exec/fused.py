@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wavepp.exec.attention import to_queries
 from wavepp.exec.model import MLP, Attention, RMSNorm, apply_rope, rms_norm
 
 
@@ -72,17 +73,22 @@ class FusedLayer:
         self.layer = layer
         self.pre, self.post = _compiled("gqa_pre"), _compiled("swiglu_post")
 
-    def __call__(self, x: torch.Tensor, batch, pools, attention) -> torch.Tensor:
-        """x: [T, d_model] -> [T, d_model], the same as the eager layer to fp32 rounding."""
+    def __call__(self, x: torch.Tensor, batch, pools, attention, queries=None) -> torch.Tensor:
+        """x: [T, d_model] -> [T, d_model] (or [R, d_model], the rows of ``queries``, as
+        ``paged_forward``), the same as the eager layer to fp32 rounding."""
         layer, mixer = self.layer, self.layer.mixer
         cfg, mlp = mixer.cfg, layer.ffn
-        pre, post = (self.pre, self.post) if x.shape[0] > 1 else (gqa_pre, swiglu_post)
+        pre = self.pre if x.shape[0] > 1 else gqa_pre
         cos, sin = mixer.wave_rope(batch, x.dtype)
         norm = layer.input_layernorm
         q, k, v = pre(x, norm.weight, norm.eps, mixer.q_proj.weight, mixer.k_proj.weight,
                       mixer.v_proj.weight, cos, sin, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim)  # fmt: skip
-        out = mixer.paged_attend(q, k, v, batch, pools, attention)
+        out = mixer.paged_attend(q, k, v, batch, pools, attention, queries)
+        _, x = to_queries(batch, queries, x)
+        if not x.shape[0]:
+            return x
+        post = self.post if x.shape[0] > 1 else swiglu_post
         norm = layer.post_attention_layernorm
         return post(x, out, mixer.o_proj.weight, norm.weight, norm.eps, mlp.gate_proj.weight,
                     mlp.up_proj.weight, mlp.down_proj.weight)  # fmt: skip

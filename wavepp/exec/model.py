@@ -11,7 +11,9 @@ The layer-kind seam the executor relies on (every mixer, here and in the familie
 - a **paged** kind (``paged = True``) declares ``cache_layout() -> {name: entry shape}``,
   the per-token entries it keeps in the paged pool (``k``/``v`` ``[KV, hd]`` for GQA, a
   compressed ``latent`` ``[1, rank + rope]`` for MLA), and runs a whole wave with
-  ``paged_forward(h [T, d_model], batch, pools, attention) -> [T, d_model]``;
+  ``paged_forward(h [T, d_model], batch, pools, attention, queries=None) -> [T, d_model]``:
+  it writes every new token's entries, and with ``queries``
+  (``PagedBatch.last_tokens``) attends for those rows only and returns ``[R, d_model]``;
 - a **recurrent** kind (``paged = False``) declares ``state_shapes() -> {part: shape}``
   (e.g. the delta-rule state and the short convolution's state) and runs one chunk with
   ``chunk(h [n, d_model], state | None, cuts) -> (out, state after, [state at cut])``,
@@ -32,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.attention import write_paged
+from wavepp.exec.attention import to_queries, write_paged
 from wavepp.exec.families import (
     FamilyConfig,
     build_family_stage,
@@ -211,17 +213,20 @@ class Attention(nn.Module):
                                                   cfg.rope_theta, dtype)  # fmt: skip
         return batch.kernel_state[key]
 
-    def paged_attend(self, q, k, v, batch, pools, attention) -> torch.Tensor:
-        """Store the wave's k/v in the pools, attend: [T, H * hd], before ``o_proj``."""
+    def paged_attend(self, q, k, v, batch, pools, attention, queries=None) -> torch.Tensor:
+        """Store the wave's k/v in the pools, attend: [T, H * hd] (or [R, H * hd], the rows
+        of ``queries``), before ``o_proj``."""
         write_paged(pools["k"], batch, k)
         write_paged(pools["v"], batch, v)
+        batch, q = to_queries(batch, queries, q)
         out = attention(q, pools["k"], pools["v"], batch, self.cfg.head_dim**-0.5)
-        return out.reshape(out.shape[0], -1)
+        return out.flatten(1)
 
-    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention,
+                      queries=None) -> torch.Tensor:  # fmt: skip
         # h: [T, d_model], the wave's new tokens; their prefixes are in the pools.
         q, k, v = self.qkv(h, batch.positions, self.wave_rope(batch, h.dtype))  # q: [T, H, hd]
-        return self.o_proj(self.paged_attend(q, k, v, batch, pools, attention))
+        return self.o_proj(self.paged_attend(q, k, v, batch, pools, attention, queries))
 
 
 class GatedLinearAttention(nn.Module):

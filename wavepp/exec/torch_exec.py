@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from wavepp.exec import cpu_kernel
-from wavepp.exec.attention import PagedBatch, paged_attention
+from wavepp.exec.attention import PagedBatch, paged_attention, to_queries
 from wavepp.exec.base import ChunkWork, StageOutput
 from wavepp.exec.fused import FusedLayer, fusable
 from wavepp.state import BlockHash, RequestId
@@ -76,13 +76,20 @@ class TorchExecutor:
     simulated = False
 
     def __init__(self, modules: nn.Module, capacity: int, block_size: int,
-                 snapshot_capacity: int | None = None, compile: bool = False) -> None:  # fmt: skip
+                 snapshot_capacity: int | None = None, compile: bool = False,
+                 full_last_layer: bool = False) -> None:  # fmt: skip
         """``modules``: a stage (``build_stage``) already on its device in its dtype; the
         pools and states follow it. ``snapshot_capacity``: slots of the snapshot pool
         (default ``capacity``: at most one snapshot per cached block). ``compile``: run
         Llama-shaped layers' token-wise work through ``torch.compile``
-        (``wavepp.exec.fused``), compiled here, before the first wave."""
+        (``wavepp.exec.fused``), compiled here, before the first wave.
+        ``full_last_layer``: run the model's last layer for every token, as a plain
+        forward does; by default its cache entries (keys and values, latents, recurrent
+        states) are computed for every token and its outputs (attention, MLP) only for
+        the last token of each prompt that ends in the wave, the only rows the logits
+        read."""
         self.m = modules
+        self.full_last_layer = full_last_layer
         self.cfg = modules.cfg
         self.block_size = block_size
         weight = next(modules.parameters())
@@ -213,15 +220,20 @@ class TorchExecutor:
         if batch.num_tokens != x.shape[0]:
             raise ValueError(f"wave of {batch.num_tokens} tokens got activations for {x.shape[0]}")
         x = x.to(self.device, self.dtype)  # x: [tokens, d_model]
+        ending = [s for s, c in enumerate(chunks) if c.is_last]  # sequences whose logits we read
+        # The model's last layer: outputs only at those sequences' last tokens (R rows).
+        pruned = self.m.last and not self.full_last_layer
+        final = batch.last_tokens(ending) if pruned else None
         for i in self.m.layer_ids:
+            queries = final if i == self.m.layer_ids[-1] else None
             if i in self.fused:
-                x = self.fused[i](x, batch, self.pools[i], self.attention)
+                x = self.fused[i](x, batch, self.pools[i], self.attention, queries)
                 continue
             layer = self.m.layer(i)
             h = layer.input_layernorm(x)
             mixer = layer.mixer
             if mixer.paged:
-                mixed = mixer.paged_forward(h, batch, self.pools[i], self.attention)
+                mixed = mixer.paged_forward(h, batch, self.pools[i], self.attention, queries)
             else:
                 mixed = torch.cat(
                     [
@@ -229,17 +241,20 @@ class TorchExecutor:
                         for c, (a, b) in zip(chunks, batch.spans, strict=True)
                     ]
                 )
+                _, mixed = to_queries(batch, queries, mixed)
+            _, x = to_queries(batch, queries, x)
             x = x + mixed
-            x = x + layer.ffn(layer.post_attention_layernorm(x))
+            if x.shape[0]:
+                x = x + layer.ffn(layer.post_attention_layernorm(x))
         for c in chunks:
             if c.is_last:
                 self.live.pop(c.request_id, None)
         if not self.m.last:
             return x, {}
         results = {}
-        ends = [b - 1 for c, (_, b) in zip(chunks, batch.spans, strict=True) if c.is_last]
-        if ends:
-            logits = self.m.head(x[ends]).float()  # [finished, vocab]
+        if ending:
+            last = x if pruned else x[[batch.spans[s][1] - 1 for s in ending]]
+            logits = self.m.head(last).float()  # [finished, vocab]
             top, best = logits.max(-1)
             for row, c in enumerate(c for c in chunks if c.is_last):
                 self.last_logits[c.request_id] = logits[row]

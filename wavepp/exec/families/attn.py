@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.attention import write_paged
+from wavepp.exec.attention import to_queries, write_paged
 from wavepp.exec.families.common import RMSNorm, rope_partial
 
 
@@ -112,13 +112,16 @@ class GQAttention(nn.Module):
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
-    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
-        # h: [T, d_model], the wave's new tokens; their prefixes are in the pools
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention,
+                      queries=None) -> torch.Tensor:  # fmt: skip
+        # h: [T, d_model], the wave's new tokens; their prefixes are in the pools;
+        # with queries, the output is for their rows only ([R, d_model])
         (q, gate), entries = self.project(h, batch.positions)  # entries: [T, 2, KV, hd]
         write_paged(pools["k"], batch, entries[:, 0])
         write_paged(pools["v"], batch, entries[:, 1])
+        batch, q, gate = to_queries(batch, queries, q, gate)
         out = attention(q, pools["k"], pools["v"], batch, self.head_dim**-0.5)  # [T, H, hd]
-        out = out.reshape(q.shape[0], -1)
+        out = out.flatten(1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
@@ -185,12 +188,15 @@ class LatentAttention(nn.Module):
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"latent": (1, self.rank + self.rope_dim)}
 
-    def paged_forward(self, h: torch.Tensor, batch, pools, attention) -> torch.Tensor:
+    def paged_forward(self, h: torch.Tensor, batch, pools, attention,
+                      queries=None) -> torch.Tensor:  # fmt: skip
         """Absorbed form: queries move into the latent space, so attention reads the
-        latent pool as keys ([latent, k_shared]) and its leading ``rank`` dims as values."""
+        latent pool as keys ([latent, k_shared]) and its leading ``rank`` dims as values.
+        With ``queries``, the output is for their rows only ([R, d_model])."""
         q, entries = self.project(h, batch.positions)  # q: [T, H, nope + rope]
         pool = pools["latent"]  # [rows, 1, rank + rope]
         write_paged(pool, batch, entries[:, None, :])
+        batch, q = to_queries(batch, queries, q)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
         w_k, w_v = w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, r], [H, v, r]
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -198,4 +204,4 @@ class LatentAttention(nn.Module):
         query = torch.cat([q_latent, q_shared], dim=-1)  # [T, H, rank + rope]
         out = attention(query, pool, pool[..., : self.rank], batch, self.scale)  # [T, H, rank]
         out = torch.einsum("thr,hvr->thv", out, w_v)  # [T, H, v]
-        return self.o_proj(out.reshape(q.shape[0], -1))
+        return self.o_proj(out.flatten(1))
