@@ -161,17 +161,19 @@ def test_vllm_compare_pairs_repeats():
 def test_torch_exec_bench_rows(tmp_path):
     """Every kind of row of ``python -m wavepp.bench.torch_exec`` on a tiny model: the
     sweep against transformers, block table against copying, --compile against eager;
-    WavePP's attention kernel against PyTorch's; each with its logits matching."""
+    WavePP's attention kernel against PyTorch's; the rows-only last layer against the
+    full one; each with its logits matching."""
     from wavepp.bench.torch_exec import main as torch_exec_main
 
     out = tmp_path / "rows.json"
     torch_exec_main(["--model", "tiny-llama", "--lengths", "128", "--attention-lengths", "128",
                      "--compile-lengths", "128", "--kernel-lengths", "128", "--repeats", "1",
-                     "--threads", "1", "--json", str(out)])  # fmt: skip
+                     "--last-layer-lengths", "128", "--threads", "1",
+                     "--json", str(out)])  # fmt: skip
     record = json.loads(out.read_text())
-    rows = record["sweep"] + record["attention"] + record["compile"] + record["kernel"]
-    kinds = ("sweep", "attention", "compile", "kernel")
-    assert [len(record[k]) for k in kinds] == [2, 1, 2, 2]
+    kinds = ("sweep", "attention", "compile", "kernel", "last_layer")
+    rows = [r for k in kinds for r in record[k]]
+    assert [len(record[k]) for k in kinds] == [2, 1, 2, 2, 2]
     assert all(r["max_abs_logit_diff"] < 1e-4 for r in rows), rows
     assert {r["cached"] for r in record["compile"]} == {0, 112}
     assert all(r["compiled_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in record["compile"])

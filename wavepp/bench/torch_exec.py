@@ -15,7 +15,11 @@
 4. **Kernel rows**: WavePP's CPU attention kernel (``wavepp.exec.cpu_kernel``) against
    the PyTorch path (``WAVEPP_CPU_KERNEL=0``) on the same executor, interleaved, at the
    ``--kernel-lengths``, cold and 90% cached, with the largest logit difference.
-5. ``--pp``: the whole runtime on a cold workload with one stage and with two:
+5. **Last-layer rows**: the stage as it runs (the model's last layer computes its
+   outputs only for the row the logits read) against ``full_last_layer`` (that layer
+   for every token), interleaved, at the ``--last-layer-lengths``, cold and 90% cached,
+   with the largest logit difference.
+6. ``--pp``: the whole runtime on a cold workload with one stage and with two:
    throughput(P=2) / (2 x throughput(P=1)).
 
 Timings interleave the systems they compare, so that machine noise hits both alike; each
@@ -92,6 +96,7 @@ class Sweep:
         self.clock = clock
         self._prefix: dict[int, tuple] = {}  # executor -> the prefix its pool holds
         self._compiled: TorchExecutor | None = None
+        self._full: TorchExecutor | None = None
         self.copy_logits: torch.Tensor | None = None  # the copying path's, last run
         self.pytorch_logits: torch.Tensor | None = None  # PyTorch attention's, last run
 
@@ -128,6 +133,12 @@ class Sweep:
         if self._compiled is None:
             self._compiled = TorchExecutor(self.stage, self.blocks, self.block, compile=True)
         return self._compiled
+
+    def full(self) -> TorchExecutor:
+        """The same stage running its last layer for every token, its own pool."""
+        if self._full is None:
+            self._full = TorchExecutor(self.stage, self.blocks, self.block, full_last_layer=True)
+        return self._full
 
     @torch.inference_mode()
     def ours_seconds(self, tokens: np.ndarray, cached: int, chunk: int,
@@ -226,8 +237,9 @@ def sweep(args: argparse.Namespace) -> dict:
     attn_lengths = [int(x) for x in args.attention_lengths.split(",") if x]
     compile_lengths = [int(x) for x in args.compile_lengths.split(",") if x]
     kernel_lengths = [int(x) for x in args.kernel_lengths.split(",") if x]
+    last_lengths = [int(x) for x in args.last_layer_lengths.split(",") if x]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    longest = max(lengths + attn_lengths + compile_lengths + kernel_lengths)
+    longest = max(lengths + attn_lengths + compile_lengths + kernel_lengths + last_lengths)
     bench = Sweep(args.model, args.seed, args.block, longest, clock)
     rows = []
     for n in lengths:
@@ -269,9 +281,15 @@ def sweep(args: argparse.Namespace) -> dict:
         print(f"  attention kernel: {bench.ours.attention_kernel}", file=sys.stderr, flush=True)
     kernel = _ab_rows(bench, args, "kernel", kernel_lengths, (0.0, 0.9), ("kernel", "pytorch"),
                       bench.ours_seconds, bench.pytorch_seconds, lambda: bench.pytorch_logits)
+    last_layer = _ab_rows(
+        bench, args, "last layer", last_lengths, (0.0, 0.9), ("rows_only", "full_last_layer"),
+        bench.ours_seconds, partial(_on, bench.ours_seconds, bench.full),
+        lambda: bench.full().last_logits["bench"],
+    )
     return {"model": args.model, "chunk": args.chunk, "block": args.block, "clock": args.clock,
             "attention_kernel": bench.ours.attention_kernel, "sweep": rows,
-            "attention": attention, "compile": compiled, "kernel": kernel}  # fmt: skip
+            "attention": attention, "compile": compiled, "kernel": kernel,
+            "last_layer": last_layer}  # fmt: skip
 
 
 def plot(record: dict, path: str) -> None:
@@ -345,6 +363,12 @@ def main(argv: list[str] | None = None) -> None:
         "--kernel-lengths",
         default="",
         help="lengths of the WavePP CPU kernel vs PyTorch attention rows, cold and 90%% "
+        "cached ('' for none)",
+    )
+    p.add_argument(
+        "--last-layer-lengths",
+        default="",
+        help="lengths of the rows-only last layer vs --full-last-layer rows, cold and 90%% "
         "cached ('' for none)",
     )
     p.add_argument("--chunk", type=int, default=2048, help="tokens per wave (cold and suffix)")
