@@ -22,8 +22,11 @@ pool, the last logits kept for inspection by ``KEEP_LOGITS``.
 Weights, pools and states live on one device (recurrent states in fp32, pools in the
 weights' dtype). A wave's token-wise work (projections, MLP, experts) runs on all its
 chunks at once; paged attention reads the pool through the block tables of all chunks;
-the recurrence runs chunk by chunk, chunk-parallel inside. The forward runs in a worker
-thread, so the event loop keeps admitting while it computes.
+the recurrence runs chunk by chunk, chunk-parallel inside. On the last stage, the
+model's last layer writes its cache for every token and computes its outputs only for
+the last token of each prompt the wave ends, the rows the logits read
+(``full_last_layer``: for every token). The forward runs in a worker thread, so the
+event loop keeps admitting while it computes.
 """
 
 from __future__ import annotations
