@@ -29,6 +29,9 @@ def test_bad_options_say_what(tmp_path):
     path.write_text("reqests = 3\n")
     with pytest.raises(SystemExit, match="unknown option 'reqests'"):
         load(["--config", str(path)])
+    with pytest.raises(SystemExit, match="--full-last-layer applies to --executor torch only"):
+        load(["--executor", "sim", "--full-last-layer"])
+    assert load(["--executor", "torch", "--full-last-layer"]).full_last_layer
 
 
 def test_capacity_blocks_per_stage():

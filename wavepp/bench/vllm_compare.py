@@ -13,6 +13,9 @@ row at a time, so that in each repeat a row's three systems (vLLM, WavePP P = 1 
 P = 2) run back to back, in alternating order: this machine's speed drifts by more
 than the gap being measured. The table gives each system's median and, as the
 verdict, the median over repeats of best WavePP / vLLM within a repeat.
+``--full-last-layer`` adds WavePP P = 1 running the model's last layer for every token,
+as vLLM does (by default WavePP runs that layer's outputs only for the row the logits
+read), and ``--stage`` the same waves on one bare stage; neither counts in the verdict.
 
     python -m wavepp.bench.vllm_compare --vllm-python /tmp/vllm-venv/bin/python \
         --repeats 3 --compile --json out.json
