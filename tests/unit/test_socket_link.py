@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from wavepp.exec.planes import DataLimits, Link, PlaneError, SocketLink
+from wavepp.exec.planes import DataLimits, Link, PlaneError, SocketLink, _path_from_rank0
 
 LIMITS = DataLimits.for_run(budget=512, width=64, dtype=torch.bfloat16, max_descriptor_bytes=4096)
 
@@ -111,3 +111,27 @@ def test_the_blocking_calls_are_refused():
         sender.send_blocking(b"x", None)
     with pytest.raises(TypeError, match="awaited"):
         receiver.recv_blocking(4096)
+
+
+class _Rank0Says:
+    """A stand-in for the Gloo plane: its broadcast delivers rank 0's bytes."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    async def broadcast(self, payload: bytes) -> bytes:
+        return self.raw
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    (b"relative/dir", "unusable"), (b"/" + b"x" * 90, "unusable"), (b"/tmp/\xff", "UTF-8"),
+])  # fmt: skip
+def test_a_bad_socket_path_from_rank_0_is_refused(raw, error):
+    with pytest.raises(PlaneError, match=error):
+        anyio.run(_path_from_rank0, _Rank0Says(raw), "", "data-plane socket directory", 90)
+
+
+def test_a_good_socket_path_or_none_passes():
+    for raw in (b"", b"/tmp/wavepp-data-x"):
+        got = anyio.run(_path_from_rank0, _Rank0Says(raw), "", "directory", 90)
+        assert got == raw.decode()

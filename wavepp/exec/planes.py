@@ -152,6 +152,25 @@ HostRoundsPlane = TorchRoundsPlane | LocalRoundsPlane
 """A rounds plane the runtime drives (both have a ``lock`` and a watchdog ``on_wait``)."""
 
 
+def _one_host(world: int) -> bool:
+    """torchrun put every rank on this host, and Unix sockets work here."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1" if world == 1 else "")
+    return local == str(world) and local_plane.available()
+
+
+async def _path_from_rank0(gloo: TorchRoundsPlane, path: str, what: str, longest: int) -> str:
+    """Rank 0's ``path`` (``""``: none) on every rank, checked: absolute, UTF-8, and at
+    most ``longest`` characters (a Unix socket path holds 107 bytes)."""
+    raw = await gloo.broadcast(path.encode())
+    try:
+        path = raw.decode()
+    except UnicodeDecodeError:
+        raise PlaneError(f"rank 0 sent a {what} that is not UTF-8") from None
+    if path and (len(path) > longest or not os.path.isabs(path)):
+        raise PlaneError(f"rank 0 sent an unusable {what} {path[:120]!r}")
+    return path
+
+
 async def pick_rounds_plane(
     gloo: TorchRoundsPlane, kind: str, timeout_s: float, log: Callable[[str], None]
 ) -> HostRoundsPlane:
@@ -162,8 +181,7 @@ async def pick_rounds_plane(
     socket and sends its path over ``gloo``; the others connect. Where rank 0 cannot
     listen, ``auto`` stays on Gloo and ``local`` fails on every rank."""
     world = gloo.world_size
-    one_host = os.environ.get("LOCAL_WORLD_SIZE", "1" if world == 1 else "") == str(world)
-    one_host = one_host and local_plane.available()
+    one_host = _one_host(world)
     want, allowed = await gloo.all_min([int(kind != "gloo" and one_host),
                                         int(kind != "local" or one_host)])  # fmt: skip
     if not allowed:
@@ -181,17 +199,11 @@ async def pick_rounds_plane(
         except OSError as error:
             log(f"rounds plane: cannot listen on a Unix socket ({error}); using Gloo")
             path = ""
-    raw = await gloo.broadcast(path.encode())
-    try:
-        path = raw.decode()
-    except UnicodeDecodeError:
-        raise PlaneError("rank 0 sent a rounds-plane socket path that is not UTF-8") from None
+    path = await _path_from_rank0(gloo, path, "rounds-plane socket path", 107)
     if not path:
         if kind == "local":
             raise PlaneError("--rounds-plane local: rank 0 could not listen on a Unix socket")
         return gloo
-    if len(path) > 107 or not os.path.isabs(path):
-        raise PlaneError(f"rank 0 sent an unusable rounds-plane socket path {path[:120]!r}")
     plane = await LocalRoundsPlane.connect(gloo.rank, world, path, timeout_s, listener)
     if gloo.rank == 0 and world > 1:
         log("rounds plane: Unix sockets around rank 0 (every rank on this host)")
@@ -500,15 +512,10 @@ def _connect_pair(directory: str, rank: int, world: int, listener: socket.socket
         raise PlaneError(f"data plane: rank {rank} could not connect its links: {error!r}"
                          ) from None  # fmt: skip
     into.settimeout(timeout_s)
-    hello = b""
     try:
-        while len(hello) < 8:
-            part = into.recv(8 - len(hello))
-            if not part:
-                break
-            hello += part
+        hello = into.recv(8, socket.MSG_WAITALL)  # fewer if the peer closes first
     except OSError:
-        pass
+        hello = b""
     if int.from_bytes(hello.ljust(8, b"\xff"), "little") != recv_from:
         out.close()
         into.close()
@@ -532,7 +539,7 @@ async def pick_data_plane(
     world, rank = gloo.world_size, gloo.rank
     if world == 1:
         return links, "none"
-    one_host = os.environ.get("LOCAL_WORLD_SIZE", "") == str(world) and local_plane.available()
+    one_host = _one_host(world)
     nccl = any(link is not None and link.stream is not None for link in links)
     can = one_host and not nccl
     want, allowed = await gloo.all_min([int(kind == "local" or (kind == "auto" and can)),
@@ -549,13 +556,8 @@ async def pick_data_plane(
             directory = tempfile.mkdtemp(prefix="wavepp-data-")
         except OSError as error:
             log(f"data plane: cannot make a socket directory ({error}); using Gloo")
-    raw = await gloo.broadcast(directory.encode())
-    try:
-        directory = raw.decode()
-    except UnicodeDecodeError:
-        raise PlaneError("rank 0 sent a data-plane socket directory that is not UTF-8") from None
-    if directory and (len(directory) > 90 or not os.path.isabs(directory)):
-        raise PlaneError(f"rank 0 sent an unusable data-plane directory {directory[:120]!r}")
+    # 90: room for the socket's name under it
+    directory = await _path_from_rank0(gloo, directory, "data-plane socket directory", 90)
     listener = None
     if directory:
         try:
@@ -572,15 +574,14 @@ async def pick_data_plane(
         if not listening:
             if kind == "local":
                 raise PlaneError("--data-plane local: a rank could not listen on a Unix socket")
-            if listener is not None:
-                listener.close()
             return links, "gloo"
         out, into = await anyio.to_thread.run_sync(
             _connect_pair, directory, rank, world, listener, timeout_s
         )
-        listener.close()
         await gloo.all_min([1])  # every link is up: the directory may go
     finally:
+        if listener is not None:
+            listener.close()
         if rank == 0 and directory:
             shutil.rmtree(directory, ignore_errors=True)
     inbound, outbound, done = links
