@@ -61,6 +61,12 @@ class RunConfig:
     threads: int = 0
     compile: bool = False
     full_last_layer: bool = False
+    handoff_to: str | None = None
+    handoff_format: str = "wavepp"
+    handoff_dir: str | None = None
+    handoff_block_size: int = 16
+    handoff_timeout_s: float = 30.0
+    handoff_budget_mib: int = 256
     layers_per_stage: str | None = None
     time_scale: float = 1.0
     seed: int = 0
@@ -125,6 +131,20 @@ HELP: dict[str, str] = {
     "full_last_layer": "torch executor: run the model's last layer (attention, MLP) for every "
     "token, as a plain forward does; by default it runs for each finished prompt's last token "
     "only, the one row the logits read, and writes its cache for every token",
+    "handoff_to": "torch executor: where a request asking for the run's default handoff "
+    "(handoff: true) sends its cache: unix:/path or tcp://host:port (docs/handoff.md)",
+    "handoff_format": "torch executor: the default handoff's format: 'wavepp' (the wire format, "
+    "to --handoff-to) or 'vllm-example' (files in vLLM's ExampleConnector layout, one folder "
+    "per prompt under --handoff-dir; attention-only models)",
+    "handoff_dir": "vllm-example handoff: the folder vLLM's ExampleConnector reads "
+    "(its shared_storage_path)",
+    "handoff_block_size": "vllm-example handoff: vLLM's block size (it names a prompt's folder "
+    "by its block-aligned tokens)",
+    "handoff_timeout_s": "a stage's band of a handed-off cache must be acknowledged this many "
+    "seconds after the request's last chunk there; then its blocks are released and the "
+    "handoff fails (reason timeout)",
+    "handoff_budget_mib": "bytes of bands on their way at once, per stage; a band over it "
+    "waits its turn (its blocks stay in the pool)",
     "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
@@ -169,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
                    "data_plane": ("auto", "local", "gloo"),
                    "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
                    "weight_format": ("bf16", "fp8", "nvfp4"),
-                   "dtype": ("float32", "bfloat16", "float16")}  # fmt: skip
+                   "dtype": ("float32", "bfloat16", "float16"),
+                   "handoff_format": ("wavepp", "vllm-example")}  # fmt: skip
         if field.name == "workload":
             kind = str
         p.add_argument(flag, type=kind, choices=choices.get(field.name), help=text)
@@ -220,6 +241,27 @@ def validate(c: RunConfig) -> None:
     need(not c.compile or c.executor == "torch", "--compile applies to --executor torch only")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
+    need(c.handoff_format in ("wavepp", "vllm-example"),
+         f"--handoff-format must be wavepp or vllm-example, got {c.handoff_format!r}")
+    need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),
+         "--handoff-format vllm-example needs --handoff-dir DIR")
+    need(not (c.handoff_to or c.handoff_dir) or c.executor == "torch",
+         "--handoff-to / --handoff-dir apply to --executor torch only")
+    need(c.handoff_block_size >= 1, f"--handoff-block-size must be ≥ 1, got "
+         f"{c.handoff_block_size}")
+    need(c.handoff_timeout_s > 0, f"--handoff-timeout-s must be positive, got "
+         f"{c.handoff_timeout_s}")
+    need(c.handoff_budget_mib >= 1, f"--handoff-budget-mib must be ≥ 1, got "
+         f"{c.handoff_budget_mib}")
+    if c.handoff_to:
+        from wavepp.handoff.wire import parse_address
+
+        try:
+            kind = parse_address(c.handoff_to).kind
+        except ValueError as error:
+            raise SystemExit(f"wavepp: --handoff-to: {error}") from None
+        need(kind != "dir", "--handoff-to takes unix:/path or tcp://host:port; a folder for "
+             "vLLM is --handoff-format vllm-example --handoff-dir DIR")
 
 
 def stage_capacities(c: RunConfig, world: int) -> list[int] | None:

@@ -65,10 +65,15 @@ class Engine:
 
     async def submit(
         self, tokens: Sequence[int] | np.ndarray, *, request_id: str | None = None,
-        priority: int = 0, warmup: bool = False,
+        priority: int = 0, warmup: bool = False, handoff: str | bool | None = None,
     ) -> Handle:  # fmt: skip
-        """Queue a prompt (token ids). Raises :class:`RequestRejected` for bad input."""
-        spec = RequestSpec(self._request_id(request_id), self._tokens(tokens), warmup, 0)
+        """Queue a prompt (token ids). Raises :class:`RequestRejected` for bad input.
+
+        ``handoff``: hand the prompt's cache on when it ends — an address
+        (``unix:/path``, ``tcp://host:port``) or True for the run's default
+        (``docs/handoff.md``); the result's ``handoff`` says how every stage's band went."""
+        spec = RequestSpec(self._request_id(request_id), self._tokens(tokens), warmup, 0,
+                           handoff=handoff)  # fmt: skip
         return self.submit_spec(spec, priority)
 
     def submit_spec(self, spec: RequestSpec, priority: int = 0) -> Handle:

@@ -28,6 +28,7 @@ from wavepp.config import RunConfig, load, stage_capacities
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
+from wavepp.exec.handoff_send import HandoffSettings
 from wavepp.exec.model import BUILTIN, build_stage, random_weights
 from wavepp.exec.planes import (
     DataLimits,
@@ -51,6 +52,7 @@ from wavepp.rungs import RUNGS, Admission
 from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.feed import Feed
 from wavepp.runtime.followers import follow_rounds, follow_waves
+from wavepp.runtime.handoff import HandoffTargets, fingerprint
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import audit, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
@@ -315,8 +317,15 @@ async def rank_main(
     set_limits((inbound, outbound, done), data_limits(c, executor))
     book = StageBook(policy.empty_cache(capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
+    handoff = handoff_targets = None
+    if c.executor == "torch":  # every stage can hand its band of a request's cache on
+        handoff = HandoffSettings(rank, world, fingerprint(c.model, executor.cfg, c.dtype),
+                                  c.handoff_timeout_s, c.handoff_budget_mib << 20,
+                                  c.handoff_block_size)  # fmt: skip
+        handoff_targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
+                                         c.handoff_block_size, handoff.fingerprint.layer_kinds)
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent,
-                  policy=policy)  # fmt: skip
+                  policy=policy, handoff=handoff)  # fmt: skip
     if c.trace_out:
         stage.spans = []
     # Every stage is ready (pools zeroed, layers compiled) before rank 0 admits anything:
@@ -341,12 +350,15 @@ async def rank_main(
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_watch_signals, watchdog, on_signal, scope)
+            if stage.handoffs is not None:
+                tg.start_soon(stage.handoffs.run)
             if rank == 0:
                 coordinator = Coordinator(
                     rung, plane, stage, outbound, done, _wave_planner(c, world, executor, policy),
                     mode, min_capacity=min_capacity, vocab_size=vocab,
                     ring=c.ring or 2 * world, max_batch=c.max_batch,
-                    heartbeat_s=c.heartbeat_s, log=log,
+                    heartbeat_s=c.heartbeat_s, log=log, num_stages=world,
+                    handoff_target=handoff_targets,
                 )  # fmt: skip
                 engine = Engine(coordinator, vocab, watchdog,
                                 retain_finished=None if client is None else 10_000)  # fmt: skip
@@ -419,6 +431,7 @@ async def rank_main(
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip
     record["rejected"] = rejected
+    record["handoff"] = dict(coordinator.intake.handoff_totals)  # requests by outcome
     record["policy"] = policy.describe()
     record["pools_from"] = ("--capacity-blocks" if c.capacity_blocks.strip() not in ("", "0")
                             else "device memory" if pools else "workload")  # fmt: skip

@@ -108,6 +108,8 @@ def summarize(
                 else (r.done_at - r.released_at) / time_scale,
                 "status": getattr(r, "status", None),
                 "error": r.error,
+                **({"handoff": r.handoff_summary()}
+                   if getattr(getattr(r, "offer", None), "handoff", "") else {}),
             }
             for r in measured
         ],

@@ -31,6 +31,8 @@ class ChunkWork:
     snapshot_keys: tuple[BlockHash, ...] = ()  # hash of block k-1 for each snapshot point k
     prefix_key: BlockHash | None = None  # hash of block start/bs - 1: the snapshot to resume
     tokens: np.ndarray | None = None  # stage 0: token ids start..end-1
+    handoff: bool = False  # the request hands its cache on: on its last chunk, keep its
+    #                        final recurrent states for the band (TorchExecutor.take_final)
 
     @property
     def is_last(self) -> bool:

@@ -16,10 +16,18 @@ import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
+from wavepp.exec.handoff_send import BandJob, HandoffSender, HandoffSettings
 from wavepp.policy import DEFAULT, ChunkSpan, Policy
 from wavepp.rounds.admission import Offer, StageBook
 from wavepp.rounds.errors import ProtocolError
-from wavepp.rounds.messages import ChunkMsg, OracleAdmit, Span, WaveMsg, unpack_hashes
+from wavepp.rounds.messages import (
+    ChunkMsg,
+    HandoffOutcome,
+    OracleAdmit,
+    Span,
+    WaveMsg,
+    unpack_hashes,
+)
 from wavepp.state import RequestId, block_table, num_blocks_for, resume_slot
 
 
@@ -30,7 +38,8 @@ class Admitted:
 
 
 def offer_from_entry(entry) -> Offer:
-    return Offer(entry.request_id, entry.num_tokens, unpack_hashes(entry.hashes), entry.probe_limit)
+    return Offer(entry.request_id, entry.num_tokens, unpack_hashes(entry.hashes),
+                 entry.probe_limit, entry.handoff)
 
 
 class Stage:
@@ -44,6 +53,7 @@ class Stage:
         has_recurrent: bool,
         tokens_of: Callable[[RequestId], np.ndarray] | None = None,
         policy: Policy = DEFAULT,
+        handoff: HandoffSettings | None = None,
     ) -> None:
         self.index = index
         self.book = book
@@ -61,6 +71,11 @@ class Stage:
         self.num_waves = 0
         self.spans: list[Span] | None = None  # set to a list to record the timeline
         self.last_wave_s = 0.0  # wall seconds of the last wave executed here
+        # Requests that ended here and whose band is on its way: their claims stay held
+        # (blocks leased and referenced) until the sender settles them (docs/handoff.md).
+        self.handing_off: set[RequestId] = set()
+        self.handoffs = (None if handoff is None
+                         else HandoffSender(handoff, executor.band, self._handed_off))  # fmt: skip
 
     # -- admission side -----------------------------------------------------------
 
@@ -93,11 +108,39 @@ class Stage:
             self.register(Admitted(offer, got))
 
     def drop(self, rid: RequestId) -> None:
-        """Cancel whatever the request holds here: lease, escrow, slots, live state."""
+        """Cancel whatever the request holds here: lease, escrow, slots, live state, a
+        band on its way."""
         self.book.cache = self.policy.cancel(self.book.cache, rid)
         self.requests.pop(rid, None)
         self._arrivals.pop(rid, None)
         self.executor.cancel(rid)
+        if rid in self.handing_off:
+            self.handing_off.discard(rid)
+            self.handoffs.cancel(rid)
+
+    # -- handoff ------------------------------------------------------------------
+
+    def _hand_off(self, work: ChunkWork, admitted: Admitted, output: StageOutput) -> None:
+        rid = work.request_id
+        token, logit = output.results.get(rid, (-1, 0.0))
+        states = self.executor.take_final(rid) if self.has_recurrent else {}
+        self.handing_off.add(rid)
+        self.handoffs.submit(BandJob(
+            request_id=rid, target=admitted.offer.handoff, num_tokens=work.num_tokens,
+            block_table=work.block_table, states=states,
+            tokens=self.tokens_of(rid) if self.tokens_of is not None else None,
+            first_token=token, top_logit=logit,
+        ))  # fmt: skip
+
+    def _handed_off(self, rid: RequestId) -> None:
+        """Its band ended (acknowledged or not): release what it held, unless a cancel
+        already dropped it."""
+        if rid in self.handing_off:
+            self.handing_off.discard(rid)
+            self.book.cache = self.policy.release(self.book.cache, rid)
+
+    def take_handoff_outcomes(self) -> list[HandoffOutcome]:
+        return self.handoffs.take_outcomes() if self.handoffs is not None else []
 
     # -- execution side -----------------------------------------------------------
 
@@ -143,16 +186,21 @@ class Stage:
             snapshot_slots=snaps.slots,
             resume_slot=resume,
             tokens=tokens,
+            handoff=(self.handoffs is not None and bool(admitted.offer.handoff)
+                     and chunk.end == chunk.num_tokens),
         )
 
-    def _publish(self, work: ChunkWork) -> None:
+    def _publish(self, work: ChunkWork, output: StageOutput) -> None:
         admitted = self.requests[work.request_id]
         p = self.policy
         end_blocks = work.end // self.block_size
         self.book.cache = p.publish(self.book.cache, work.request_id, admitted.offer.hashes,
                                     end_blocks)  # fmt: skip
         if work.is_last:
-            self.book.cache = p.release(self.book.cache, work.request_id)
+            if work.handoff and self.handoffs is not None:
+                self._hand_off(work, admitted, output)  # released when its band has ended
+            else:
+                self.book.cache = p.release(self.book.cache, work.request_id)
             del self.requests[work.request_id]
             self._arrivals.pop(work.request_id, None)
 
@@ -190,7 +238,7 @@ class Stage:
                 ended.append(
                     (work.request_id, self.requests[work.request_id].point * self.block_size)
                 )
-            self._publish(work)
+            self._publish(work, output)
         for rid in wave.cancels:  # none of their chunks come after this wave
             self.drop(RequestId(rid))
         # This stage's whole time on the wave — cache effects, executor, publishing; not

@@ -35,9 +35,11 @@ import ctypes
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from functools import partial
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 from torch import nn
 
@@ -45,6 +47,7 @@ from wavepp.exec import cpu_kernel
 from wavepp.exec.attention import PagedBatch, paged_attention, to_queries
 from wavepp.exec.base import ChunkWork, StageOutput
 from wavepp.exec.fused import FusedLayer, fusable
+from wavepp.exec.handoff_send import BandTensor, dtype_name, pool_rows
 from wavepp.state import BlockHash, RequestId
 
 _HUGE = 2 << 20  # bytes in a transparent huge page on x86-64
@@ -120,6 +123,9 @@ class TorchExecutor:
                 }
         self.recurrent = list(self.snapshot_pools)
         self.live: dict[RequestId, dict[int, State]] = {}  # running requests' states
+        # ended requests that hand their cache on: their states after the last token,
+        # until the stage's sender takes them (take_final) or the request is cancelled
+        self.finals: dict[RequestId, dict[int, State]] = {}
         self._key_slots: dict[BlockHash, int] = {}  # block-hash key path: hash -> slot
         self._free_slots = list(range(self.snapshot_capacity - 1, -1, -1))
         self.last_logits: OrderedDict[RequestId, torch.Tensor] = OrderedDict()
@@ -162,7 +168,39 @@ class TorchExecutor:
 
     def cancel(self, rid: RequestId) -> None:
         self.live.pop(rid, None)
+        self.finals.pop(rid, None)
         self.last_logits.pop(rid, None)
+
+    # -- handoff --------------------------------------------------------------------
+
+    def take_final(self, rid: RequestId) -> dict[int, State]:
+        """The recurrent states after a handed-off request's last token, by layer."""
+        return self.finals.pop(rid, {})
+
+    def band(self, job) -> list[BandTensor]:
+        """This stage's band of an ended request's cache (``wavepp.exec.handoff_send``):
+        every paged entry's rows of tokens 0..T-1 read through its block table (reused
+        prefix blocks included), every recurrent layer's state after the last token, and
+        on stage 0 the token ids. Read lazily, one tensor at a time."""
+        n = job.num_tokens
+        rows = pool_rows(job.block_table, self.block_size, n).to(self.device)
+        out = []
+        if job.tokens is not None:
+            ids = np.asarray(job.tokens, dtype=np.int32)
+            out.append(BandTensor(-1, "tokens", "int32", (n,), lambda: torch.from_numpy(ids)))
+        for i in self.m.layer_ids:
+            if i in self.pools:
+                for name, pool in self.pools[i].items():
+                    out.append(BandTensor(i, name, dtype_name(pool.dtype), (n, *pool.shape[1:]),
+                                          partial(_gather, pool, rows)))  # fmt: skip
+            else:
+                states = job.states.get(i)
+                if states is None:
+                    raise RuntimeError(f"{job.request_id}: no final state of layer {i} to hand on")
+                for part, state in states.items():
+                    out.append(BandTensor(i, part, "float32", tuple(state.shape),
+                                          partial(_as_cpu_float, state)))  # fmt: skip
+        return out
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this stage holds, by kind; the pools are allocated up front."""
@@ -251,7 +289,9 @@ class TorchExecutor:
                 x = x + layer.ffn(layer.post_attention_layernorm(x))
         for c in chunks:
             if c.is_last:
-                self.live.pop(c.request_id, None)
+                states = self.live.pop(c.request_id, None)
+                if c.handoff:
+                    self.finals[c.request_id] = states or {}
         if not self.m.last:
             return x, {}
         results = {}
@@ -314,3 +354,12 @@ class TorchExecutor:
                 pools[part][slot] = tensor
         self.live[c.request_id][i] = after
         return out
+
+
+def _gather(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # pool: [rows, *entry] -> [tokens, *entry] on the CPU, contiguous
+    return pool.index_select(0, rows).cpu().contiguous()
+
+
+def _as_cpu_float(state: torch.Tensor) -> torch.Tensor:
+    return state.detach().to("cpu", torch.float32).contiguous()

@@ -65,6 +65,7 @@ class Offer:
     num_tokens: int
     hashes: tuple[BlockHash, ...]  # full blocks of the prompt
     probe_limit: int  # reuse point cap in blocks, so that ≥ 1 token is computed
+    handoff: str = ""  # where each stage sends its cache band when the request ends ("": none)
 
 
 @attrs.frozen

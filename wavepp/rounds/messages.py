@@ -19,6 +19,7 @@ MAX_STAGES = 4096  # pipeline stages
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 MAX_HASH_BYTES = 8 << 22  # 4M blocks: a 268M-token prompt at block 64
 MAX_ID_CHARS = 256
+MAX_ADDRESS_CHARS = 4096  # a handoff target: unix:/path, tcp://host:port, dir:/path
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -43,6 +44,8 @@ class AdmitEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_tokens: Annotated[int, msgspec.Meta(ge=1, le=2**40)]  # whole prompt length
     hashes: Annotated[bytes, msgspec.Meta(max_length=MAX_HASH_BYTES)]  # packed <u8 block hashes
     probe_limit: Count  # reuse point cap in blocks: leaves ≥ 1 token to compute
+    handoff: Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS_CHARS)] = ""
+    #  where every stage sends its band of the request's cache when it ends ("": nowhere)
 
 
 class AdmitRound(_Msg, frozen=True):
@@ -94,6 +97,18 @@ class OracleAdmit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     point: Count  # agreed reuse point in blocks
 
 
+class HandoffOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """How one stage's band of a request's cache went (``wavepp.exec.handoff_send``)."""
+
+    request_id: Id
+    stage: Count
+    ok: bool  # the receiver acknowledged the band (or its files were written)
+    reason: Annotated[str, msgspec.Meta(max_length=64)]  # "" when ok; else one of REASONS
+    detail: Annotated[str, msgspec.Meta(max_length=1024)]  # the error, for the result
+    num_bytes: Count  # tensor bytes sent
+    seconds: Seconds  # from the request's last chunk here to the acknowledgement
+
+
 class WaveMsg(_Msg, frozen=True):
     """A wave's descriptor; its activations follow as a tensor."""
 
@@ -106,6 +121,8 @@ class WaveMsg(_Msg, frozen=True):
     #  requests to drop on every stage after this wave's chunks (none of theirs follow)
     stage_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_STAGES)] = []
     #  wall seconds each stage so far spent on this wave: cache effects + executor
+    handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    #  bands that stages 1.. settled since their last wave, carried on to rank 0
 
 
 class Finished(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -124,6 +141,8 @@ class WaveDone(_Msg, frozen=True):
     cancelled: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)] = []
     stage_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_STAGES)] = []
     #  wall seconds every stage spent on the wave (the cost planner's measurements)
+    handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)] = []
+    #  settled bands of stages 1..P-1 (WaveMsg.handoffs plus the last stage's own)
 
 
 class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):

@@ -55,7 +55,7 @@ MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited
 
 def _entry(offer: Offer) -> AdmitEntry:
     return AdmitEntry(offer.request_id, offer.num_tokens, pack_hashes(offer.hashes),
-                      offer.probe_limit)  # fmt: skip
+                      offer.probe_limit, offer.handoff)  # fmt: skip
 
 
 class Admitter:

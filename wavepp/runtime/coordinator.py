@@ -27,6 +27,7 @@ from wavepp.runtime.planning import WavePlanner
 from wavepp.runtime.records import Signal
 from wavepp.runtime.stage_zero import StageZero
 from wavepp.state import RequestId
+from wavepp.workload import RequestSpec
 
 
 class Coordinator:
@@ -34,12 +35,14 @@ class Coordinator:
         self, rung: Rung, plane: HostRoundsPlane, stage: Stage, outbound: Link | None,
         done: Link | None, planner: WavePlanner, mode: RoundMode, *, min_capacity: int,
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
-        log: Callable[[str], None],
+        log: Callable[[str], None], num_stages: int = 1,
+        handoff_target: Callable[[RequestSpec], str] | None = None,
     ) -> None:  # fmt: skip
         self.rung = rung
         self.stage = stage
         self.log = log
-        self.intake = Intake(stage.block_size, min_capacity, vocab_size, Signal(), log)
+        self.intake = Intake(stage.block_size, min_capacity, vocab_size, Signal(), log,
+                             num_stages=num_stages, handoff_target=handoff_target)  # fmt: skip
         self.planner = planner
         self.admitter = Admitter(rung, plane, stage, self.intake, mode, max_batch,
                                  heartbeat_s, self._admitted)  # fmt: skip

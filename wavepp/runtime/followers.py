@@ -70,12 +70,15 @@ async def follow_waves(
                     return
                 output, ended = await stage.execute(wave, tensor)
                 times = [*wave.stage_s, stage.last_wave_s]
+                # bands this stage settled since its last wave ride on to rank 0
+                handoffs = [*wave.handoffs, *stage.take_handoff_outcomes()]
                 if outbound is not None:
-                    wave = msgspec.structs.replace(wave, stage_s=times)
+                    wave = msgspec.structs.replace(wave, stage_s=times, handoffs=handoffs)
                     await to_sender_send.send((encode(wave), output.activations, outbound))
                 else:
                     message = WaveDone(wave.wave_id, finished(output, ended),
-                                       cancelled=wave.cancels, stage_s=times)  # fmt: skip
+                                       cancelled=wave.cancels, stage_s=times,
+                                       handoffs=handoffs)  # fmt: skip
                     await to_sender_send.send((encode(message), None, done))
 
     async def sender() -> None:

@@ -26,8 +26,11 @@ from wavepp.workload import RequestSpec
 class Intake:
     def __init__(
         self, block_size: int, min_capacity: int, vocab_size: int | None,
-        changed: Signal, log: Callable[[str], None],
+        changed: Signal, log: Callable[[str], None], *, num_stages: int = 1,
+        handoff_target: Callable[[RequestSpec], str] | None = None,
     ) -> None:  # fmt: skip
+        """``handoff_target(spec)``: the address a request that asks for a handoff sends
+        its cache to (raises RequestRejected); None: this run hands nothing on."""
         self.block_size = block_size
         self.min_capacity = min_capacity
         self.vocab_size = vocab_size  # None: ids are not checked (the sim executor)
@@ -50,6 +53,10 @@ class Intake:
         self.tokens_cached = 0
         self.good_hits = 0  # done requests reusing ≥ 80% of their expected reuse
         self.expecting_reuse = 0
+        self.num_stages = num_stages  # bands that make a handed-off request's cache
+        self.handoff_target = handoff_target
+        self.awaiting_handoff: set[RequestId] = set()  # prefilled, bands still on their way
+        self.handoff_totals: dict[str, int] = {}  # "done" or a failure reason -> requests
 
     # -- entry --------------------------------------------------------------------
 
@@ -81,7 +88,13 @@ class Intake:
         now = time.time()
         hashes = block_hashes(spec.tokens, self.block_size) if spec.num_tokens else ()
         limit = max(spec.num_tokens - 1, 0) // self.block_size
-        record = Record(spec, Offer(rid, spec.num_tokens, hashes, limit), priority, now)
+        target = ""
+        if spec.handoff not in (None, False, ""):
+            if self.handoff_target is None:
+                raise RequestRejected("this run hands no cache on (handoff needs the torch "
+                                      "executor)", "invalid")  # fmt: skip
+            target = self.handoff_target(spec)
+        record = Record(spec, Offer(rid, spec.num_tokens, hashes, limit, target), priority, now)
         self.records[rid] = record
         problem = self.check(spec)
         if problem is not None:
@@ -101,6 +114,11 @@ class Intake:
         record.done_at = time.time()
         record.finished.set()
         self.totals[status] += 1
+        if record.offer.handoff and status in ("done", "cancelled"):
+            summary = record.handoff_summary()
+            key = summary["reason"] if summary["status"] == "failed" else (
+                "done" if status == "done" else "cancelled")
+            self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1
         if status == "done":
             self.tokens_done += record.spec.num_tokens
             self.tokens_cached += record.cached_tokens
@@ -134,11 +152,29 @@ class Intake:
         if record.cancelled:  # its last chunk ran before the cancel reached it
             record.cancelled, record.error = False, None
         record.cached_tokens, record.first_token, record.top_logit = cached, token, logit
+        record.prefilled = True
+        if record.offer.handoff and len(record.handoff_outcomes) < self.num_stages:
+            record.status = "handing_off"  # ends when every stage's band has
+            self.awaiting_handoff.add(rid)
+            return
         self.num_unfinished -= 1
         self._end(record, "done", held_room=True)
 
+    def handoff_settled(self, outcome) -> None:
+        """One stage's band of a request ended (a HandoffOutcome)."""
+        rid = RequestId(outcome.request_id)
+        record = self.records.get(rid)
+        if record is None or record.done_at is not None or not record.offer.handoff:
+            return  # cancelled (its cancel settled it) or a peer's stray outcome
+        record.handoff_outcomes[outcome.stage] = outcome
+        if record.prefilled and len(record.handoff_outcomes) >= self.num_stages:
+            self.awaiting_handoff.discard(rid)
+            self.num_unfinished -= 1
+            self._end(record, "done", held_room=True)
+
     def fail(self, rid: RequestId, error: str) -> None:
         record = self.records[rid]
+        self.awaiting_handoff.discard(rid)
         if record.done_at is None:
             record.error = error
             self.num_unfinished -= 1
@@ -147,6 +183,7 @@ class Intake:
     def settle_cancel(self, rid: RequestId) -> None:
         """Every stage dropped the request (or it never reached one)."""
         record = self.records[rid]
+        self.awaiting_handoff.discard(rid)
         if record.done_at is None:
             self.num_unfinished -= 1
             self._end(record, "cancelled", held_room=record.admitted_at is not None)

@@ -51,6 +51,9 @@ class Result:
     admitted_at: float | None
     first_chunk_at: float | None
     done_at: float
+    # A request that handed its cache on: where to, and how each stage's band went —
+    # {"target", "status": "done" | "failed", "reason", "error", "stages": [...]}.
+    handoff: dict | None = None
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -74,6 +77,8 @@ class Record:
     cancelled: bool = False  # a cancel was asked for; settled when every stage dropped it
     status: str = "queued"
     miss_reason: str | None = None  # why it reused < 80% of its expected reuse
+    prefilled: bool = False  # its first token came back (a handoff may still be under way)
+    handoff_outcomes: dict = attrs.field(factory=dict)  # stage -> HandoffOutcome
     finished: anyio.Event = attrs.field(factory=anyio.Event)
 
     def result(self) -> Result:
@@ -90,4 +95,27 @@ class Record:
             admitted_at=self.admitted_at,
             first_chunk_at=self.first_chunk_at,
             done_at=self.done_at or 0.0,
+            handoff=self.handoff_summary(),
         )
+
+    def handoff_summary(self) -> dict | None:
+        target = getattr(self.offer, "handoff", "")
+        if not target:
+            return None
+        stages = [self.handoff_outcomes[s] for s in sorted(self.handoff_outcomes)]
+        failed = [o for o in stages if not o.ok]
+        if failed:
+            status = "failed"
+        elif self.status == "done":
+            status = "done"
+        else:
+            status = "pending" if self.done_at is None else "not sent"
+        return {
+            "target": target,
+            "status": status,
+            "reason": failed[0].reason if failed else None,
+            "error": f"stage {failed[0].stage}: {failed[0].detail}" if failed else None,
+            "stages": [{"stage": o.stage, "ok": o.ok, "reason": o.reason or None,
+                        "bytes": o.num_bytes, "seconds": round(o.seconds, 6)}
+                       for o in stages],
+        }  # fmt: skip

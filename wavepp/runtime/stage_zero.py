@@ -19,6 +19,7 @@ from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
     ChunkMsg,
     Finished,
+    HandoffOutcome,
     WaveDone,
     WaveMsg,
     decode_untrusted,
@@ -29,6 +30,8 @@ from wavepp.runtime.followers import finished
 from wavepp.runtime.intake import Intake
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import RequestId
+
+CARRIER_S = 0.02  # while bands are awaited and no wave flows: an empty wave this often
 
 
 class StageZero:
@@ -51,16 +54,27 @@ class StageZero:
         self.passage_s: deque[float] = deque(maxlen=16)  # recent send -> back, seconds
         self.pace: deque[tuple[int, float]] = deque(maxlen=32)  # recent measured waves:
         #                                     (tokens, seconds of the slowest stage)
+        self._last_carrier = 0.0  # when the last empty wave left (_carrier_due)
         admitter.recompute_s = self._recompute_s
         admitter.work_ahead = self._work_ahead
 
-    def complete(self, results: Sequence[Finished], cancelled: Sequence[str] = ()) -> None:
+    def complete(self, results: Sequence[Finished], cancelled: Sequence[str] = (),
+                 handoffs: Sequence[HandoffOutcome] = ()) -> None:  # fmt: skip
         for rid in cancelled:
             self.intake.settle_cancel(RequestId(rid))
         for item in results:
             self.intake.finish(RequestId(item.request_id), item.cached_tokens,
                                item.first_token, item.top_logit)  # fmt: skip
+        for outcome in [*handoffs, *self.stage.take_handoff_outcomes()]:
+            self.intake.handoff_settled(outcome)
         self.intake.changed.notify()
+
+    def _carrier_due(self) -> bool:
+        """Bands of stages 1.. settle while no wave may be flowing; their outcomes ride
+        to rank 0 on waves, so an empty wave goes every CARRIER_S while some are awaited."""
+        if self.outbound is None or self.in_flight or not self.intake.awaiting_handoff:
+            return False
+        return time.monotonic() - self._last_carrier >= CARRIER_S
 
     def _next_wave(self) -> Wave | None:
         wave = None
@@ -68,8 +82,9 @@ class StageZero:
             budget = self.planner.ctx.budget * max(self.ring // 2, 1)  # enough to feed P
             wave = self.planner.next(self.in_flight, self.admitter.upcoming(budget),
                                      self.admitter.round_latency_s(), self._running())  # fmt: skip
-        if wave is None and self.pending_cancels:
-            wave = Wave(self.planner.take_wave_id(), 0, ())  # carries only the cancels
+        if wave is None and (self.pending_cancels or self._carrier_due()):
+            wave = Wave(self.planner.take_wave_id(), 0, ())  # carries cancels / outcomes
+            self._last_carrier = time.monotonic()
         return wave
 
     def _message(self, wave: Wave) -> WaveMsg:
@@ -104,9 +119,13 @@ class StageZero:
                     await self.admitter.admit_on_path()
                     wave = self._next_wave()
                     if wave is None:
+                        own = self.stage.take_handoff_outcomes()
+                        if own:  # stage 0's bands that settled while nothing else ran
+                            self.complete((), (), own)
                         if finished_all():
                             break
-                        await self.intake.changed.wait()
+                        awaiting = self.intake.awaiting_handoff or self.stage.handing_off
+                        await self.intake.changed.wait(CARRIER_S if awaiting else None)
                         continue
                     message = self._message(wave)
                     self.in_flight += 1
@@ -137,7 +156,7 @@ class StageZero:
             self.in_flight -= 1
             self._observe(message.wave_id, message.stage_s)
             self._published(message.wave_id)
-            self.complete(message.finished, message.cancelled)
+            self.complete(message.finished, message.cancelled, message.handoffs)
 
     def _published(self, wave_id: int) -> None:
         """A wave left the last stage: every stage ran it (waves run in the same order

@@ -20,6 +20,8 @@ class RequestSpec:
     warmup: bool  # run before measurement, not measured
     expected_reuse: int  # tokens a perfect cache would reuse (0: none expected)
     arrival_s: float | None = None  # open-loop arrival after the start; None: closed loop
+    handoff: str | bool | None = None  # hand the cache on: an address, or True for the
+    #                                    run's default target (--handoff-to / --handoff-dir)
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """Requests from a JSONL file: one ``{"id": ..., "tokens": [...]}`` per line.
 
 A line may say ``"warmup": true``: it runs before measurement starts and is not timed
-(how a benchmark seeds shared prefixes).
+(how a benchmark seeds shared prefixes). ``"handoff": "unix:/path"`` (or ``true``, the
+run's default target) hands the prompt's cache on when it ends (``docs/handoff.md``).
 
 A line ``{"cancel": "<id>", "after_s": 0.5}`` cancels an earlier line's request that
 long after measurement starts (queued, admitted or running). A bad line — not JSON, no
@@ -63,9 +64,13 @@ def read_requests_file(
                 warmup = row.get("warmup", False)
                 if not isinstance(warmup, bool):
                     raise ValueError(f"'warmup' must be true or false, got {warmup!r}")
+                handoff = row.get("handoff")
+                if handoff is not None and not isinstance(handoff, bool | str):
+                    raise ValueError(f"'handoff' must be true or an address, got {handoff!r}")
             except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
                 rejected.append({"line": number, "id": rid, "error": f"{path}:{number}: {error}"})
                 continue
             seen.add(rid)
-            specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), warmup, 0))
+            specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), warmup, 0,
+                                     handoff=handoff))  # fmt: skip
     return specs, rejected, cancels

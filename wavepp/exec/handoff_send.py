@@ -1,0 +1,282 @@
+"""Each stage hands its band of a finished request's cache to a receiver (docs/handoff.md).
+
+When a request that asked for a handoff ends on a stage, the stage keeps its blocks
+leased — they stay protected in the pool, nothing is copied — and gives a
+:class:`BandJob` to its :class:`HandoffSender`, a task beside the stage's LOOP. The
+sender reads the band's tensors from the pool one at a time (in a worker thread),
+streams them to the receiver in WavePP's wire format (``wavepp.handoff.wire``), waits
+for the receiver's acknowledgement and then releases the blocks through the stage's
+callback — however the band ends: acknowledged, refused, timed out, disconnected or
+cancelled. Its :class:`~wavepp.rounds.messages.HandoffOutcome` goes to rank 0 with the
+stage's next wave.
+
+Memory: at most ``budget_bytes`` of bands are on their way at once per stage; a band
+that does not fit waits its turn (its blocks stay in the pool) and one larger than the
+whole budget goes alone. What is copied out of the pool at a time is one tensor (one
+layer's keys, values, latents or state). ``timeout_s`` bounds a band from the request's
+last chunk to the acknowledgement, the wait for the budget included.
+
+A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
+(``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
+band counts as delivered when its files are in place.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import attrs
+import numpy as np
+import torch
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from wavepp.handoff import wire
+from wavepp.rounds.messages import HandoffOutcome
+from wavepp.state import RequestId, SlotId
+
+# Why a band failed, as the record and /metrics count them.
+REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+               torch.float16: "float16", torch.int32: "int32"}  # fmt: skip
+
+
+class BandFailed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@attrs.frozen
+class BandTensor:
+    """One tensor of a band: its place and shape now, its bytes when read."""
+
+    layer: int  # global layer index; -1 for the request's token ids
+    name: str  # "k", "v", "latent", "delta", "conv", "state", "tokens"
+    dtype: str  # a wire dtype name
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]  # a contiguous CPU tensor; runs in a worker thread
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * wire.DTYPES[self.dtype]
+
+
+@attrs.frozen
+class BandJob:
+    """What a stage hands its sender when a request that hands off ends there."""
+
+    request_id: RequestId
+    target: str  # unix:/path, tcp://host:port or dir:/path (a peer's string: parsed here)
+    num_tokens: int  # the whole prompt
+    block_table: tuple[SlotId, ...]  # every block of the prompt, full or partial
+    states: dict  # recurrent layer -> {part: state after the prompt's last token}
+    tokens: np.ndarray | None  # stage 0: the prompt's token ids
+    first_token: int = -1  # last stage: the first generated token
+    top_logit: float = 0.0
+    ended_at: float = attrs.field(factory=time.monotonic)
+
+
+@attrs.frozen
+class HandoffSettings:
+    """One stage's handoff side, fixed for the run."""
+
+    stage: int
+    num_stages: int
+    fingerprint: wire.Fingerprint  # the model this stage computes with
+    timeout_s: float  # last chunk -> acknowledgement, per band
+    budget_bytes: int  # bands on their way at once, bytes
+    vllm_block_size: int = 16  # dir: targets, vLLM's block size (ExampleConnector layout)
+
+
+class HandoffSender:
+    def __init__(
+        self, settings: HandoffSettings, band: Callable[[BandJob], Sequence[BandTensor]],
+        release: Callable[[RequestId], None],
+    ) -> None:  # fmt: skip
+        """``band(job)``: the job's tensors, from the stage's executor. ``release(rid)``:
+        called once per job when its band has ended, however it ended."""
+        if sys.byteorder != "little":
+            raise RuntimeError("the handoff wire format is little-endian; this host is not")
+        self.settings = settings
+        self._band = band
+        self._release = release
+        self._send_jobs, self._jobs = anyio.create_memory_object_stream[BandJob](math.inf)
+        self._scopes: dict[RequestId, anyio.CancelScope] = {}
+        self._cancelled: set[RequestId] = set()  # cancelled before their task started
+        self._in_use = 0  # budget bytes held by bands on their way
+        self._budget_freed = anyio.Event()
+        self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
+        self.num_pending = 0  # jobs submitted and not settled
+
+    def submit(self, job: BandJob) -> None:
+        self.num_pending += 1
+        self._send_jobs.send_nowait(job)
+
+    def cancel(self, rid: RequestId) -> None:
+        """The request was cancelled: stop its band wherever it is (its blocks were
+        released by the stage already)."""
+        scope = self._scopes.get(rid)
+        if scope is not None:
+            scope.cancel()
+        else:
+            self._cancelled.add(rid)
+
+    def take_outcomes(self) -> list[HandoffOutcome]:
+        out, self.outcomes = self.outcomes, []
+        return out
+
+    async def run(self) -> None:
+        """Serve jobs until cancelled (the run is over)."""
+        async with anyio.create_task_group() as tg, self._jobs:
+            async for job in self._jobs:
+                if job.request_id in self._cancelled:
+                    self._cancelled.discard(job.request_id)
+                    self._settle(job, "cancelled", "cancelled before its band left", 0)
+                    continue
+                scope = anyio.CancelScope()
+                self._scopes[job.request_id] = scope
+                tg.start_soon(self._one, job, scope)
+
+    async def _one(self, job: BandJob, scope: anyio.CancelScope) -> None:
+        reason, detail, sent = "", "", 0
+        with scope:
+            try:
+                remaining = self.settings.timeout_s - (time.monotonic() - job.ended_at)
+                with anyio.fail_after(max(remaining, 0.0)):
+                    tensors = self._band(job)
+                    size = sum(t.num_bytes for t in tensors)
+                    held = min(size, self.settings.budget_bytes)
+                    await self._acquire(held)
+                    try:
+                        sent = await self._deliver(job, tensors)
+                    finally:
+                        self._in_use -= held
+                        self._budget_freed.set()
+            except TimeoutError:
+                reason = "timeout"
+                detail = f"not acknowledged within {self.settings.timeout_s:g} s"
+            except BandFailed as failure:
+                reason, detail = failure.reason, failure.detail
+            except Exception as error:
+                reason, detail = "error", f"{type(error).__name__}: {error}"
+        if scope.cancelled_caught:
+            reason, detail = "cancelled", "the request was cancelled during its handoff"
+        self._scopes.pop(job.request_id, None)
+        self._settle(job, reason, detail, sent)
+
+    def _settle(self, job: BandJob, reason: str, detail: str, sent: int) -> None:
+        self.num_pending -= 1
+        self._release(job.request_id)
+        seconds = max(time.monotonic() - job.ended_at, 0.0)
+        self.outcomes.append(HandoffOutcome(job.request_id, self.settings.stage, not reason,
+                                            reason, detail[:1024], sent, seconds))  # fmt: skip
+
+    async def _acquire(self, num_bytes: int) -> None:
+        while self._in_use and self._in_use + num_bytes > self.settings.budget_bytes:
+            self._budget_freed = anyio.Event()
+            await self._budget_freed.wait()
+        self._in_use += num_bytes
+
+    async def _deliver(self, job: BandJob, tensors: Sequence[BandTensor]) -> int:
+        try:
+            address = wire.parse_address(job.target)
+        except ValueError as error:
+            raise BandFailed("error", str(error)) from None
+        if address.kind == "dir":
+            return await self._write_files(job, Path(address.path), tensors)
+        header = wire.BandHeader(
+            request_id=job.request_id, stage=self.settings.stage,
+            num_stages=self.settings.num_stages, fingerprint=self.settings.fingerprint,
+            layers=sorted({t.layer for t in tensors if t.layer >= 0}),
+            num_tokens=job.num_tokens,
+            tensors=[wire.TensorSpec(t.layer, t.name, t.dtype, list(t.shape), t.num_bytes)
+                     for t in tensors],
+            first_token=job.first_token, top_logit=job.top_logit,
+        )  # fmt: skip
+        try:
+            if address.kind == "unix":
+                stream = await anyio.connect_unix(address.path)
+            else:
+                stream = await anyio.connect_tcp(address.host, address.port)
+        except OSError as error:
+            raise BandFailed("connect", f"cannot connect to {job.target}: {error}") from None
+        async with stream:
+            reader = BufferedByteReceiveStream(stream)
+            try:
+                await stream.send(wire.encode_band_prefix(header))
+                for tensor in tensors:
+                    data = await anyio.to_thread.run_sync(tensor.read)
+                    await stream.send(data.view(torch.uint8).numpy().data)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
+                # A receiver that refuses a band may answer and close before reading it
+                # all: its answer says why.
+                ack = None
+                with anyio.move_on_after(1.0):
+                    ack = await self._read_ack(reader, job)
+                if ack is not None and not ack.ok:
+                    raise BandFailed("refused", ack.error) from None
+                raise BandFailed("disconnected", f"{job.target} closed the connection "
+                                 f"while the band was sent ({error or type(error).__name__})"
+                                 ) from None  # fmt: skip
+            ack = await self._read_ack(reader, job)
+        if not ack.ok:
+            raise BandFailed("refused", ack.error or "the receiver refused the band")
+        return sum(t.num_bytes for t in tensors)
+
+    async def _read_ack(self, reader: BufferedByteReceiveStream, job: BandJob) -> wire.Ack:
+        try:
+            length = wire.ack_length(await reader.receive_exactly(wire.ACK_PREFIX_BYTES))
+            ack = wire.decode_ack(await reader.receive_exactly(length))
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                OSError) as error:  # fmt: skip
+            raise BandFailed("disconnected", f"{job.target} closed the connection before "
+                             f"acknowledging ({type(error).__name__})") from None  # fmt: skip
+        except wire.WireError as error:
+            raise BandFailed("bad ack", f"{job.target} answered garbage: {error}") from None
+        if ack.request_id != job.request_id or ack.stage != self.settings.stage:
+            raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
+                             f"{ack.stage}, not {job.request_id!r} stage "
+                             f"{self.settings.stage}")  # fmt: skip
+        return ack
+
+    async def _write_files(self, job: BandJob, folder: Path,
+                           tensors: Sequence[BandTensor]) -> int:  # fmt: skip
+        from wavepp.handoff import vllm_example
+
+        by_layer: dict[int, dict[str, BandTensor]] = {}
+        for tensor in tensors:
+            if tensor.layer >= 0:
+                by_layer.setdefault(tensor.layer, {})[tensor.name] = tensor
+        written = 0
+        for layer, parts in sorted(by_layer.items()):
+            if set(parts) != {"k", "v"}:
+                raise BandFailed("error", f"layer {layer} holds {sorted(parts)}: the vLLM "
+                                 "example layout takes attention layers' keys and values only")
+            k = await anyio.to_thread.run_sync(parts["k"].read)
+            v = await anyio.to_thread.run_sync(parts["v"].read)
+            await anyio.to_thread.run_sync(vllm_example.write_layer, folder, layer, k, v,
+                                           self.settings.vllm_block_size)  # fmt: skip
+            written += parts["k"].num_bytes + parts["v"].num_bytes
+        return written
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{dtype} has no handoff wire name")
+    return DTYPE_NAMES[dtype]
+
+
+def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """The pool rows of tokens 0..num_tokens-1 of a request with this block table."""
+    num_blocks = -(-num_tokens // block_size)
+    if len(block_table) < num_blocks:
+        raise ValueError(f"block table of {len(block_table)} blocks for {num_tokens} tokens")
+    slots = torch.as_tensor(list(block_table[:num_blocks]), dtype=torch.long)
+    rows = slots[:, None] * block_size + torch.arange(block_size)
+    return rows.reshape(-1)[:num_tokens]
