@@ -1,0 +1,158 @@
+"""One connection's bytes: exact reads straight into caller memory, each wait bounded.
+
+Reads and writes go to the raw non-blocking socket (no intermediate buffer), so a
+band's payload lands directly in the tensors allocated for it. Every wait for the peer
+is bounded by ``timeout_s``: a peer that stops sending half way costs that timeout, no
+more. Errors: ``TimeoutError`` (no progress in time), ``ConnectionError`` (closed early).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+
+import anyio
+
+from wavepp.handoff.wire import Address
+
+DRAIN_CHUNK = 1 << 20
+
+
+class Connection:
+    """A connected non-blocking socket with bounded, exact reads. (Raw sockets, not
+    anyio streams: anyio's TCP stream reads through an asyncio transport, which would
+    race reads made straight into the socket.)"""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.timeout_s = timeout_s
+
+    async def read_into(self, view: memoryview) -> None:
+        """Fill ``view``; ``TimeoutError`` after ``timeout_s`` without a byte."""
+        got = 0
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except BlockingIOError:
+                with anyio.fail_after(self.timeout_s):
+                    await anyio.wait_readable(self.sock)
+                continue
+            if n == 0:
+                raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+            got += n
+
+    async def read_exactly(self, n: int) -> bytes:
+        """The next ``n`` bytes (the caller bounds ``n`` before asking)."""
+        buf = bytearray(n)
+        await self.read_into(memoryview(buf))
+        return bytes(buf)
+
+    async def send(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                with anyio.fail_after(self.timeout_s):
+                    await anyio.wait_writable(self.sock)
+
+    async def drain(self, n: int) -> None:
+        """Read and drop up to ``n`` bytes (a refused band's payload), so that closing
+        does not reset a sender still writing; stops early if the peer closes."""
+        buf = memoryview(bytearray(min(n, DRAIN_CHUNK)))
+        left = n
+        while left > 0:
+            try:
+                got = self.sock.recv_into(buf[: min(left, len(buf))])
+            except BlockingIOError:
+                with anyio.fail_after(self.timeout_s):
+                    await anyio.wait_readable(self.sock)
+                continue
+            if got == 0:
+                return
+            left -= got
+
+    def shutdown_write(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        close_socket(self.sock)
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Close a socket other tasks may be waiting on (they see ClosedResourceError)."""
+    if sock.fileno() >= 0:
+        anyio.notify_closing(sock)
+        sock.close()
+
+
+async def connect(address: Address, timeout_s: float) -> Connection:
+    """Connect to a ``unix`` or ``tcp`` address within ``timeout_s``."""
+    if address.kind not in ("unix", "tcp"):
+        raise ValueError(f"{address} is not a socket address (unix: or tcp://)")
+    with anyio.fail_after(timeout_s):
+        if address.kind == "unix":
+            family, target = socket.AF_UNIX, address.path
+        else:
+            infos = await anyio.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+            if not infos:
+                raise ConnectionError(f"{address}: the host does not resolve")
+            family, _, _, _, target = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            if sock.connect_ex(target) not in (0, errno.EINPROGRESS, errno.EAGAIN):
+                sock.connect(target)  # raises the real error
+            await anyio.wait_writable(sock)
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                raise ConnectionError(f"{address}: {os.strerror(error)}")
+        except BaseException:
+            close_socket(sock)
+            raise
+    return Connection(sock, timeout_s)
+
+
+def listen(address: Address, backlog: int = 128) -> tuple[socket.socket, Address]:
+    """A listening non-blocking socket at ``address`` and the address it got (a tcp
+    port 0 becomes the port the kernel chose). A stale Unix socket file is replaced;
+    any other file at that path is an error."""
+    if address.kind == "unix":
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(os.lstat(address.path).st_mode):
+                raise FileExistsError(f"{address.path} exists and is not a socket")
+            os.unlink(address.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        target: object = address.path
+        bound = address
+    elif address.kind == "tcp":
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        target = (address.host, address.port)
+    else:
+        raise ValueError(f"{address} is not a socket address (unix: or tcp://)")
+    try:
+        sock.bind(target)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    if address.kind == "tcp":
+        bound = Address("tcp", host=address.host, port=sock.getsockname()[1])
+    return sock, bound
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    while True:
+        try:
+            sock, _ = listener.accept()
+            return sock
+        except BlockingIOError:
+            await anyio.wait_readable(listener)

@@ -1,0 +1,459 @@
+"""The receiving side: a server that takes a request's P bands, checks each against the
+model it decodes with, and assembles them into a :class:`Handoff`.
+
+One connection carries one band (``wavepp.handoff.wire``). For each, in order: the
+prefix and the header are read and checked (bounds, internal consistency, the model's
+fingerprint field by field, each layer's tensors by name, dtype and shape, the byte
+budget, duplicates); only then are the band's tensors allocated and the payload read
+straight into them. The receiver answers every band with one ack — ok, or the reason —
+and closes. A refused band's payload is drained (up to ``max_band_bytes``) so the sender
+reads its ack instead of a reset. A peer that stops half way or sends garbage costs that
+band only: each read waits at most ``read_timeout_s``. Memory is bounded: bytes held
+(incomplete and uncollected requests) stay under ``max_held_bytes``, and a request not
+complete — or not taken — within ``request_timeout_s`` is dropped.
+
+A complete request goes to ``on_complete`` when one is given, else it waits for
+``await receiver.wait(request_id, timeout_s)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import sys
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+
+import anyio
+import attrs
+import torch
+
+from wavepp.handoff import _io
+from wavepp.handoff.wire import (
+    BAND_MAGIC,
+    PREFIX_BYTES,
+    Ack,
+    Address,
+    BandHeader,
+    Fingerprint,
+    WireError,
+    band_bytes,
+    decode_header,
+    encode_ack,
+    expected_tensors,
+    fingerprint_from_hf_config,
+    header_length,
+    parse_address,
+)
+
+log = logging.getLogger("wavepp.handoff")
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+}
+LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
+MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
+
+
+class HandoffError(RuntimeError):
+    """A request's handoff failed as a whole (expired, or its bands do not fit together)."""
+
+
+@attrs.frozen(eq=False)
+class Handoff:
+    """One request's whole cache, in WavePP's native layout (``docs/handoff.md``)."""
+
+    request_id: str
+    tokens: torch.Tensor  # int64 [T]: the prompt
+    first_token: int  # argmax of the prompt's last logits
+    top_logit: float  # its logit
+    layers: dict[int, dict[str, torch.Tensor]]  # global layer -> {k, v | latent | delta, conv}
+    fingerprint: Fingerprint  # the model the cache was computed with
+    num_stages: int  # bands it came in
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+Handler = Callable[[_io.Connection], Awaitable[None]]
+OnComplete = Callable[[Handoff], Awaitable[None] | None]
+
+
+@attrs.define
+class _Pending:
+    """A request with some bands in: what they claim and what has arrived."""
+
+    num_stages: int
+    num_tokens: int
+    since: float  # monotonic time of its first band
+    stages: set[int] = attrs.Factory(set)  # claimed: stored or being read
+    layers: set[int] = attrs.Factory(set)  # claimed by those stages
+    held: int = 0  # payload bytes claimed
+    bands: dict[int, dict[tuple[int, str], torch.Tensor]] = attrs.Factory(dict)
+    first_token: int = -1
+    top_logit: float = 0.0
+
+
+class Receiver:
+    """Receives bands for one model (its Hugging Face ``config.json`` dict and the
+    attention tensors' ``dtype``). ``handlers`` maps other 4-byte magics to coroutines
+    that serve such connections on the same address (the decode worker's requests)."""
+
+    def __init__(
+        self,
+        config: dict,
+        dtype: str,
+        *,
+        max_band_bytes: int = 4 << 30,
+        max_held_bytes: int | None = None,
+        read_timeout_s: float = 30.0,
+        request_timeout_s: float = 300.0,
+        max_requests: int = 4096,
+        max_connections: int = 256,
+        on_complete: OnComplete | None = None,
+        handlers: Mapping[bytes, Handler] | None = None,
+    ) -> None:
+        if sys.byteorder != "little":
+            raise RuntimeError("the handoff payload is little-endian; this host is not")
+        self.config, self.dtype = config, dtype
+        self.fingerprint = fingerprint_from_hf_config(config, dtype)
+        self.max_band_bytes = max_band_bytes
+        self.max_held_bytes = max_held_bytes if max_held_bytes is not None else 4 * max_band_bytes
+        self.read_timeout_s, self.request_timeout_s = read_timeout_s, request_timeout_s
+        self.max_requests = max_requests
+        self.on_complete = on_complete
+        self.handlers = dict(handlers or {})
+        self.counts: Counter[str] = Counter()  # bands_ok, bands_refused, bands_broken, ...
+        self.held_bytes = 0
+        self._pending: dict[str, _Pending] = {}
+        self._ready: dict[str, tuple[Handoff, float, int]] = {}  # id -> (it, since, bytes)
+        self._done: OrderedDict[str, str] = OrderedDict()  # id -> "" (taken) or why it failed
+        self._events: dict[str, anyio.Event] = {}
+        self._slots = anyio.Semaphore(max_connections)
+
+    # -- serving -----------------------------------------------------------------
+
+    async def serve(self, address: str | Address, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen at ``address`` until cancelled; ``task_status.started`` gets the bound
+        address (a tcp port 0 becomes the real port)."""
+        where = parse_address(address) if isinstance(address, str) else address
+        listener, bound = _io.listen(where)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._expire_loop)
+                task_status.started(bound)
+                while True:
+                    await self._slots.acquire()
+                    try:
+                        sock = await _io.accept(listener)
+                    except BaseException:
+                        self._slots.release()
+                        raise
+                    tg.start_soon(self._connection, sock)
+        finally:
+            _io.close_socket(listener)
+            if bound.kind == "unix":
+                _unlink_quietly(bound.path)
+
+    async def _connection(self, sock) -> None:
+        conn = _io.Connection(sock, self.read_timeout_s)
+        try:
+            try:
+                magic = await conn.read_exactly(4)
+            except (TimeoutError, OSError):
+                return
+            if magic == BAND_MAGIC:
+                await self._band(conn)
+            elif magic in self.handlers:
+                await self.handlers[magic](conn)
+            else:
+                self.counts["bands_refused"] += 1
+                why = f"unknown magic {magic!r}; expected one of {[BAND_MAGIC, *self.handlers]}"
+                await self._answer(conn, Ack("", -1, False, why))
+                await _linger(conn, LINGER_BYTES)
+        except Exception:  # a bug serving one connection must not stop the server
+            log.exception("handoff connection failed")
+        finally:
+            conn.close()
+            self._slots.release()
+
+    async def _answer(self, conn: _io.Connection, ack: Ack) -> None:
+        try:
+            await conn.send(encode_ack(ack))
+        except (TimeoutError, OSError) as error:
+            log.info("ack for %r stage %d not delivered: %r", ack.request_id, ack.stage, error)
+
+    # -- one band ----------------------------------------------------------------
+
+    async def _band(self, conn: _io.Connection) -> None:
+        header: BandHeader | None = None
+        try:
+            length = header_length(BAND_MAGIC + await conn.read_exactly(PREFIX_BYTES - 4))
+            header = decode_header(await conn.read_exactly(length))
+            self.check(header)
+            entry = self._claim(header)
+            try:
+                tensors = await self._read_payload(conn, header)
+                complete = self._store(entry, header, tensors)
+            except BaseException:
+                self._release(entry, header)
+                raise
+        except WireError as error:
+            self.counts["bands_refused"] += 1
+            rid, stage = (header.request_id, header.stage) if header else ("", -1)
+            log.info("band refused (%r stage %d): %s", rid, stage, error)
+            await self._answer(conn, Ack(rid, stage, False, str(error)))
+            if header is None:
+                await _linger(conn, LINGER_BYTES)
+            elif band_bytes(header) <= self.max_band_bytes:
+                await _linger(conn, band_bytes(header))
+            return
+        except (TimeoutError, OSError) as error:
+            self.counts["bands_broken"] += 1
+            what = "stopped sending" if isinstance(error, TimeoutError) else "went away"
+            rid, stage = (header.request_id, header.stage) if header else ("", -1)
+            log.info("band (%r stage %d): the sender %s: %r", rid, stage, what, error)
+            await self._answer(conn, Ack(rid, stage, False, f"the sender {what} mid-band"))
+            return
+        self.counts["bands_ok"] += 1
+        await self._answer(conn, Ack(header.request_id, header.stage, True))
+        if complete is not None:
+            await self._deliver(complete)
+
+    def check(self, header: BandHeader) -> None:
+        """A decoded header against this receiver's model; ``WireError`` naming what
+        differs. (Pure: nothing is claimed or allocated.)"""
+        mine, theirs = self.fingerprint, header.fingerprint
+        for field in mine.__struct_fields__:
+            a, b = getattr(theirs, field), getattr(mine, field)
+            if a != b:
+                raise WireError(f"fingerprint {field}: the band has {a!r}, this model has {b!r}")
+        if header.first_token >= mine.vocab_size:
+            raise WireError(f"first_token {header.first_token} >= vocab_size {mine.vocab_size}")
+        t = header.num_tokens
+        expected: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
+        for layer in [-1] * (header.stage == 0) + header.layers:
+            for name, spec in expected_tensors(self.config, self.dtype, layer, t).items():
+                expected[(layer, name)] = spec
+        for spec in header.tensors:
+            key = (spec.layer, spec.name)
+            kind = "per-request" if spec.layer == -1 else mine.layer_kinds[spec.layer]
+            if key not in expected:
+                names = sorted(n for (la, n) in expected if la == spec.layer)
+                raise WireError(f"layer {spec.layer} ({kind}, stage {header.stage}) has no "
+                                f"tensor {spec.name!r}; expected {names}")  # fmt: skip
+            dtype, shape = expected.pop(key)
+            if (spec.dtype, tuple(spec.shape)) != (dtype, shape):
+                raise WireError(
+                    f"layer {spec.layer} ({kind}) tensor {spec.name!r}: the band has "
+                    f"{spec.dtype} {list(spec.shape)}, expected {dtype} {list(shape)} "
+                    f"for {t} tokens"
+                )
+        if expected:
+            missing = [f"{name} of layer {layer}" for layer, name in sorted(expected)]
+            raise WireError(f"stage {header.stage}'s band lacks {', '.join(missing[:8])}")
+        size = band_bytes(header)
+        if size > self.max_band_bytes:
+            raise WireError(
+                f"band of {size:,} bytes exceeds max_band_bytes {self.max_band_bytes:,}"
+            )
+
+    def _claim(self, header: BandHeader) -> _Pending:
+        """Reserve the band's stage, layers and bytes in its request (WireError if the
+        band cannot be part of it), before anything is allocated."""
+        rid, stage, size = header.request_id, header.stage, band_bytes(header)
+        if rid in self._ready or self._done.get(rid) == "":
+            raise WireError(f"request {rid!r} is already complete")
+        entry = self._pending.get(rid)
+        if entry is None:
+            if len(self._pending) >= self.max_requests:
+                raise WireError(f"{len(self._pending)} requests are incomplete; at most "
+                                f"{self.max_requests}")  # fmt: skip
+            entry = _Pending(header.num_stages, header.num_tokens, time.monotonic())
+        if (entry.num_stages, entry.num_tokens) != (header.num_stages, header.num_tokens):
+            raise WireError(
+                f"request {rid!r}: this band says {header.num_stages} stages and "
+                f"{header.num_tokens} tokens, earlier bands {entry.num_stages} and "
+                f"{entry.num_tokens}"
+            )
+        if stage in entry.stages:
+            raise WireError(f"request {rid!r}: stage {stage}'s band was already received")
+        twice = sorted(entry.layers.intersection(header.layers))
+        if twice:
+            raise WireError(f"request {rid!r}: layers {twice} already came from another stage")
+        if len(entry.stages) + 1 == entry.num_stages:
+            covered = entry.layers.union(header.layers)
+            missing = sorted(set(range(self.fingerprint.num_layers)) - covered)
+            if missing:
+                raise WireError(f"request {rid!r}: its {entry.num_stages} bands leave layers "
+                                f"{missing[:16]} uncovered")  # fmt: skip
+        if self.held_bytes + size > self.max_held_bytes:
+            raise WireError(f"receiver holds {self.held_bytes:,} bytes; a band of {size:,} "
+                            f"exceeds max_held_bytes {self.max_held_bytes:,}")  # fmt: skip
+        self._pending[rid] = entry
+        entry.stages.add(stage)
+        entry.layers.update(header.layers)
+        entry.held += size
+        self.held_bytes += size
+        return entry
+
+    def _release(self, entry: _Pending, header: BandHeader) -> None:
+        """Undo a claim whose band did not arrive (unless its request is gone already)."""
+        if self._pending.get(header.request_id) is not entry:
+            return
+        size = band_bytes(header)
+        entry.stages.discard(header.stage)
+        entry.layers.difference_update(header.layers)
+        entry.held -= size
+        self.held_bytes -= size
+        if not entry.stages:
+            del self._pending[header.request_id]
+
+    async def _read_payload(self, conn: _io.Connection, header: BandHeader):
+        tensors: dict[tuple[int, str], torch.Tensor] = {}
+        for spec in header.tensors:
+            raw = torch.empty(spec.nbytes, dtype=torch.uint8)  # checked: within the budget
+            if spec.nbytes:
+                await conn.read_into(memoryview(raw.numpy()))
+            tensors[(spec.layer, spec.name)] = raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+        tokens = tensors.get((-1, "tokens"))
+        if tokens is not None and tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.fingerprint.vocab_size:
+                raise WireError(f"token ids span {low}..{high}, outside the vocabulary of "
+                                f"{self.fingerprint.vocab_size}")  # fmt: skip
+        return tensors
+
+    def _store(self, entry: _Pending, header: BandHeader, tensors) -> Handoff | None:
+        """Keep a band that arrived whole; the request's Handoff once all P are in."""
+        rid = header.request_id
+        if self._pending.get(rid) is not entry:
+            raise WireError(f"request {rid!r} expired while this band was read")
+        entry.bands[header.stage] = tensors
+        if header.stage == header.num_stages - 1:
+            entry.first_token, entry.top_logit = header.first_token, header.top_logit
+        if len(entry.bands) < entry.num_stages:
+            return None
+        del self._pending[rid]
+        layers: dict[int, dict[str, torch.Tensor]] = {}
+        tokens = None
+        for band in entry.bands.values():
+            for (layer, name), tensor in band.items():
+                if layer == -1:
+                    tokens = tensor.to(torch.int64)
+                else:
+                    layers.setdefault(layer, {})[name] = tensor
+        handoff = Handoff(
+            request_id=rid, tokens=tokens, first_token=entry.first_token,
+            top_logit=entry.top_logit, layers=dict(sorted(layers.items())),
+            fingerprint=self.fingerprint, num_stages=entry.num_stages,
+        )  # fmt: skip
+        self._ready[rid] = (handoff, time.monotonic(), entry.held)
+        return handoff
+
+    async def _deliver(self, handoff: Handoff) -> None:
+        self.counts["requests_complete"] += 1
+        if self.on_complete is None:
+            self._notify(handoff.request_id)
+            return
+        _, _, size = self._ready.pop(handoff.request_id)
+        self.held_bytes -= size
+        self._finish(handoff.request_id, "")
+        result = self.on_complete(handoff)
+        if inspect.isawaitable(result):
+            await result
+
+    # -- lookups and expiry ------------------------------------------------------
+
+    async def wait(self, request_id: str, timeout_s: float) -> Handoff:
+        """The request's Handoff once all its bands are in (taken: a second wait for it
+        fails); ``TimeoutError`` after ``timeout_s``; ``HandoffError`` if it failed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if request_id in self._ready:
+                handoff, _, size = self._ready.pop(request_id)
+                self.held_bytes -= size
+                self._finish(request_id, "")
+                return handoff
+            reason = self._done.get(request_id)
+            if reason is not None:
+                raise HandoffError(
+                    f"request {request_id!r}: " + (reason or "its handoff was already taken")
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                entry = self._pending.get(request_id)
+                got = f"stages {sorted(entry.bands)} of {entry.num_stages}" if entry else "no band"
+                raise TimeoutError(f"request {request_id!r}: {got} arrived in {timeout_s:g} s")
+            event = self._events.setdefault(request_id, anyio.Event())
+            with anyio.move_on_after(left):
+                await event.wait()
+            if self._events.get(request_id) is event and event.is_set():
+                del self._events[request_id]
+
+    def pending(self) -> dict[str, tuple[list[int], int]]:
+        """Incomplete requests: id -> (stages stored, num_stages)."""
+        return {rid: (sorted(e.bands), e.num_stages) for rid, e in self._pending.items()}
+
+    def _notify(self, request_id: str) -> None:
+        event = self._events.pop(request_id, None)
+        if event is not None:
+            event.set()
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        self._done[request_id] = reason
+        self._done.move_to_end(request_id)
+        while len(self._done) > MAX_DONE:
+            self._done.popitem(last=False)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop requests incomplete, or complete but not taken, for longer than
+        ``request_timeout_s``; returns their ids."""
+        now = time.monotonic() if now is None else now
+        cutoff = now - self.request_timeout_s
+        gone = []
+        for rid, entry in list(self._pending.items()):
+            if entry.since <= cutoff:
+                del self._pending[rid]
+                self.held_bytes -= entry.held
+                self._fail(rid, f"expired: stages {sorted(entry.bands)} of {entry.num_stages} "
+                                f"arrived in {self.request_timeout_s:g} s")  # fmt: skip
+                gone.append(rid)
+        for rid, (_, since, size) in list(self._ready.items()):
+            if since <= cutoff:
+                del self._ready[rid]
+                self.held_bytes -= size
+                self._fail(rid, f"expired: complete but not taken in {self.request_timeout_s:g} s")
+                gone.append(rid)
+        return gone
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        self.counts["requests_expired"] += 1
+        log.info("handoff %r %s", request_id, reason)
+        self._finish(request_id, reason)
+        self._notify(request_id)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await anyio.sleep(min(1.0, self.request_timeout_s / 4))
+            self.expire()
+
+
+async def _linger(conn: _io.Connection, num_bytes: int) -> None:
+    """After an error ack: read and drop what the peer still sends (up to num_bytes),
+    so that closing does not reset the connection before the peer reads the ack."""
+    conn.shutdown_write()
+    with contextlib.suppress(TimeoutError, OSError):
+        await conn.drain(num_bytes)
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
