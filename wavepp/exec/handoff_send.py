@@ -157,7 +157,8 @@ class HandoffSender:
                         sent = await self._deliver(job, tensors)
                     finally:
                         self._in_use -= held
-                        self._budget_freed.set()
+                        self._budget_freed.set()  # every waiter looks again
+                        self._budget_freed = anyio.Event()
             except TimeoutError:
                 reason = "timeout"
                 detail = f"not acknowledged within {self.settings.timeout_s:g} s"
@@ -179,7 +180,6 @@ class HandoffSender:
 
     async def _acquire(self, num_bytes: int) -> None:
         while self._in_use and self._in_use + num_bytes > self.settings.budget_bytes:
-            self._budget_freed = anyio.Event()
             await self._budget_freed.wait()
         self._in_use += num_bytes
 

@@ -169,6 +169,8 @@ class Intake:
         record.handoff_outcomes[outcome.stage] = outcome
         if record.prefilled and len(record.handoff_outcomes) >= self.num_stages:
             self.awaiting_handoff.discard(rid)
+            if record.cancelled:  # every band ended before the cancel reached a stage
+                record.cancelled, record.error = False, None
             self.num_unfinished -= 1
             self._end(record, "done", held_room=True)
 

@@ -1,0 +1,206 @@
+"""A stage's handoff sender against real receivers on Unix sockets, well and badly behaved:
+every band ends with exactly one outcome and one release, whatever the receiver does."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from wavepp.exec.handoff_send import BandJob, BandTensor, HandoffSender, HandoffSettings, pool_rows
+from wavepp.handoff import wire
+
+FP = wire.Fingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_size=8,
+                      vocab_size=64, layer_kinds="AA", num_heads=2, num_kv_heads=1,
+                      head_dim=4, kv_lora_rank=0, rope_dim=0, dtype="float32")  # fmt: skip
+
+
+def band_of(job: BandJob) -> list[BandTensor]:
+    """Two layers of k/v rows, 1 x 4 per token, with values that say where they are."""
+    n = job.num_tokens
+    out = []
+    for layer in (0, 1):
+        for j, name in enumerate(("k", "v")):
+            value = torch.arange(n * 4, dtype=torch.float32).reshape(n, 1, 4) + 1000 * layer + j
+
+            out.append(BandTensor(layer, name, "float32", (n, 1, 4), lambda v=value: v))
+    return out
+
+
+def job(rid: str, target: str, n: int = 10) -> BandJob:
+    return BandJob(rid, target, n, (0,), {}, None, first_token=3, top_logit=1.5)
+
+
+class Receiver(threading.Thread):
+    """A receiver on a Unix socket; ``mode`` says how it behaves for every band."""
+
+    def __init__(self, path: str, mode: str = "ok") -> None:
+        super().__init__(daemon=True)
+        self.path, self.mode = path, mode
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(path)
+        self.sock.listen(64)
+        self.bands: list[tuple[wire.BandHeader, bytes]] = []
+        self.stop = threading.Event()
+
+    def _exactly(self, conn: socket.socket, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            part = conn.recv(n - len(data))
+            if not part:
+                raise EOFError
+            data += part
+        return bytes(data)
+
+    def run(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            with conn, contextlib.suppress(EOFError, OSError):  # a hung-up sender
+                self._serve(conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        if self.mode == "close":  # accepts, then hangs up at once
+            return
+        header = wire.decode_header(self._exactly(conn, wire.header_length(
+            self._exactly(conn, wire.PREFIX_BYTES))))  # fmt: skip
+        if self.mode == "refuse":  # answers after the header, never reads the payload
+            conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, False,
+                                                  "fingerprint differs: num_layers")))  # fmt: skip
+            return
+        if self.mode == "half":  # reads part of the payload, then hangs up
+            self._exactly(conn, 16)
+            return
+        if self.mode == "silent":  # reads everything, never answers
+            self._exactly(conn, wire.band_bytes(header))
+            self.stop.wait(30)
+            return
+        payload = self._exactly(conn, wire.band_bytes(header))
+        if self.mode == "garbage":
+            conn.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+            return
+        if self.mode == "wrong-id":
+            conn.sendall(wire.encode_ack(wire.Ack("someone-else", header.stage, True)))
+            return
+        self.bands.append((header, payload))
+        conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, True)))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.join(5)
+        self.sock.close()
+
+
+def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.05, peak=None):
+    released: list[str] = []
+    settings = HandoffSettings(1, 2, FP, timeout_s, budget)
+    sender = HandoffSender(settings, band_of, released.append)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            for j in jobs:
+                sender.submit(j)
+            if cancel:
+                await anyio.sleep(cancel_after)
+                for rid in cancel:
+                    sender.cancel(rid)
+            with anyio.fail_after(60):  # hang guard
+                while sender.num_pending:
+                    if peak is not None:
+                        peak.append(sender._in_use)
+                    await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return {o.request_id: o for o in sender.take_outcomes()}, released
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    return str(tmp_path / "r.sock")
+
+
+def test_an_acknowledged_band_carries_its_header_and_bytes_in_order(sock_path):
+    receiver = Receiver(sock_path)
+    receiver.start()
+    try:
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=7)])
+    finally:
+        receiver.close()
+    assert outcomes["a"].ok and outcomes["a"].reason == "" and released == ["a"]
+    ((header, payload),) = receiver.bands
+    assert (header.request_id, header.stage, header.num_stages) == ("a", 1, 2)
+    assert header.layers == [0, 1] and header.num_tokens == 7 and header.fingerprint == FP
+    assert (header.first_token, header.top_logit) == (3, 1.5)
+    assert [(t.layer, t.name) for t in header.tensors] == [(0, "k"), (0, "v"), (1, "k"), (1, "v")]
+    tensors = np.frombuffer(payload, dtype=np.float32).reshape(4, 7, 4)
+    assert tensors[3, 0, 0] == 1001 and tensors[2, 6, 3] == 1000 + 27
+    assert outcomes["a"].num_bytes == len(payload) == 4 * 7 * 4 * 4
+
+
+@pytest.mark.parametrize(("mode", "reason"), [
+    ("refuse", "refused"), ("half", "disconnected"), ("close", "disconnected"),
+    ("garbage", "bad ack"), ("wrong-id", "bad ack"), ("silent", "timeout"),
+])  # fmt: skip
+def test_a_misbehaving_receiver_fails_only_that_band_and_releases_it(sock_path, mode, reason):
+    receiver = Receiver(sock_path, mode)
+    receiver.start()
+    try:
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=2000)], timeout_s=1.0)
+    finally:
+        receiver.close()
+    assert not outcomes["a"].ok and outcomes["a"].reason == reason, outcomes["a"]
+    assert released == ["a"]
+    if mode == "refuse":
+        assert "fingerprint differs" in outcomes["a"].detail
+
+
+def test_no_receiver_and_a_bad_address_are_failures_not_crashes(tmp_path):
+    outcomes, released = run_jobs([job("a", f"unix:{tmp_path}/nobody.sock"),
+                                   job("b", "carrier-pigeon:home")])  # fmt: skip
+    assert outcomes["a"].reason == "connect" and outcomes["b"].reason == "error"
+    assert sorted(released) == ["a", "b"]
+
+
+def test_a_cancel_stops_a_band_on_the_wire_and_releases_it_once(sock_path):
+    receiver = Receiver(sock_path, "silent")
+    receiver.start()
+    try:
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}"), job("b", f"unix:{sock_path}")],
+                                      timeout_s=3.0, cancel=["a"], cancel_after=0.3)  # fmt: skip
+    finally:
+        receiver.close()
+    assert outcomes["a"].reason == "cancelled"
+    assert outcomes["b"].reason == "timeout"  # the receiver never answers
+    assert sorted(released) == ["a", "b"]
+
+
+def test_the_byte_budget_sends_bands_one_at_a_time_when_each_fills_it(sock_path):
+    receiver = Receiver(sock_path)
+    receiver.start()
+    try:
+        # each band is 4 x 10 x 4 x 4 = 640 bytes; a budget of 700 lets one go at a time
+        peak: list[int] = []
+        outcomes, released = run_jobs([job(f"r{i}", f"unix:{sock_path}") for i in range(5)],
+                                      budget=700, peak=peak)  # fmt: skip
+    finally:
+        receiver.close()
+    assert max(peak) == 640  # one band's bytes at a time, never two
+    assert all(o.ok for o in outcomes.values()) and sorted(released) == [f"r{i}" for i in range(5)]
+    assert sorted(h.request_id for h, _ in receiver.bands) == [f"r{i}" for i in range(5)]
+
+
+def test_pool_rows_read_a_request_through_its_block_table():
+    rows = pool_rows((5, 2, 7), block_size=4, num_tokens=10)
+    assert rows.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 28, 29]
+    with pytest.raises(ValueError, match="block table of 2 blocks for 10 tokens"):
+        pool_rows((5, 2), block_size=4, num_tokens=10)
