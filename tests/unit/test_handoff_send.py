@@ -175,8 +175,8 @@ def test_a_cancel_stops_a_band_on_the_wire_and_releases_it_once(sock_path):
     receiver = Receiver(sock_path, "silent")
     receiver.start()
     try:
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}"), job("b", f"unix:{sock_path}")],
-                                      timeout_s=3.0, cancel=["a"], cancel_after=0.3)  # fmt: skip
+        jobs = [job("a", f"unix:{sock_path}"), job("b", f"unix:{sock_path}")]
+        outcomes, released = run_jobs(jobs, timeout_s=3.0, cancel=["a"], cancel_after=0.3)
     finally:
         receiver.close()
     assert outcomes["a"].reason == "cancelled"
