@@ -79,7 +79,8 @@ class BandJob:
     tokens: np.ndarray | None  # stage 0: the prompt's token ids
     first_token: int = -1  # last stage: the first generated token
     top_logit: float = 0.0
-    ended_at: float = attrs.field(factory=time.monotonic)
+    ended_at: float = attrs.field(factory=time.monotonic)  # the last chunk here, for timeouts
+    ended_wall: float = attrs.field(factory=time.time)  # the same, wall clock (the record)
 
 
 @attrs.frozen
@@ -176,7 +177,8 @@ class HandoffSender:
         self._release(job.request_id)
         seconds = max(time.monotonic() - job.ended_at, 0.0)
         self.outcomes.append(HandoffOutcome(job.request_id, self.settings.stage, not reason,
-                                            reason, detail[:1024], sent, seconds))  # fmt: skip
+                                            reason, detail[:1024], sent, seconds,
+                                            job.ended_wall))  # fmt: skip
 
     async def _acquire(self, num_bytes: int) -> None:
         while self._in_use and self._in_use + num_bytes > self.settings.budget_bytes:

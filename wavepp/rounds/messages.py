@@ -107,6 +107,7 @@ class HandoffOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ar
     detail: Annotated[str, msgspec.Meta(max_length=1024)]  # the error, for the result
     num_bytes: Count  # tensor bytes sent
     seconds: Seconds  # from the request's last chunk here to the acknowledgement
+    ended_at: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # wall clock of that last chunk
 
 
 class WaveMsg(_Msg, frozen=True):

@@ -116,6 +116,7 @@ class Record:
             "reason": failed[0].reason if failed else None,
             "error": f"stage {failed[0].stage}: {failed[0].detail}" if failed else None,
             "stages": [{"stage": o.stage, "ok": o.ok, "reason": o.reason or None,
-                        "bytes": o.num_bytes, "seconds": round(o.seconds, 6)}
+                        "bytes": o.num_bytes, "seconds": round(o.seconds, 6),
+                        "ended_at": o.ended_at}
                        for o in stages],
         }  # fmt: skip
