@@ -263,9 +263,10 @@ def test_the_library_imports_nothing_of_the_runtime():
     import sys
 
     code = (
-        "import json, sys, wavepp.handoff.receive, wavepp.handoff.client\n"
+        "import json, sys, wavepp.handoff.receive, wavepp.handoff.client, wavepp.handoff.hf\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('wavepp'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = json.loads(out.stdout)
     assert not [m for m in loaded if not m.startswith("wavepp.handoff") and m != "wavepp"]
+    assert "wavepp.handoff.hf" in loaded
