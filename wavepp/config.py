@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,7 @@ class RunConfig:
     handoff_block_size: int = 16
     handoff_timeout_s: float = 30.0
     handoff_budget_mib: int = 256
+    handoff_all: bool = False
     layers_per_stage: str | None = None
     time_scale: float = 1.0
     seed: int = 0
@@ -145,6 +148,8 @@ HELP: dict[str, str] = {
     "handoff fails (reason timeout)",
     "handoff_budget_mib": "bytes of bands on their way at once, per stage; a band over it "
     "waits its turn (its blocks stay in the pool)",
+    "handoff_all": "every measured request of the workload (or requests file) hands its cache "
+    "to the default target, as if each asked for handoff: true",
     "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
@@ -164,7 +169,93 @@ HELP: dict[str, str] = {
 }
 
 
+CHOICES: dict[str, tuple[str, ...]] = {
+    "executor": ("sim", "torch"), "workload": (*WORKLOADS, "file"), "rung": RUNGS,
+    "device": ("auto", "cpu", "cuda"), "rounds_plane": ("auto", "local", "gloo"),
+    "data_plane": ("auto", "local", "gloo"),
+    "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
+    "weight_format": ("bf16", "fp8", "nvfp4"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "handoff_format": ("wavepp", "vllm-example"),
+}  # fmt: skip
+"""Options that take one of a few names (checked for every source, like the types)."""
+
+_AT_LEAST_1 = (lambda v: v >= 1, "≥ 1")
+_AT_LEAST_0 = (lambda v: v >= 0, "≥ 0")
+_POSITIVE = (lambda v: v > 0, "positive")
+LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "requests": _AT_LEAST_1, "prompt_tokens": _AT_LEAST_1, "cold_tokens": _AT_LEAST_1,
+    "suffix_tokens": _AT_LEAST_1, "concurrency": _AT_LEAST_1, "block_size": _AT_LEAST_1,
+    "snapshot_interval": _AT_LEAST_1, "snapshot_capacity": _AT_LEAST_1, "budget": _AT_LEAST_1,
+    "min_budget": _AT_LEAST_1, "ring": _AT_LEAST_0, "max_batch": _AT_LEAST_1,
+    "threads": _AT_LEAST_0, "time_scale": _POSITIVE, "seed": _AT_LEAST_0,
+    "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
+    "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
+    "handoff_budget_mib": _AT_LEAST_1,
+}  # fmt: skip
+"""Per-option bounds beyond the type (an option not listed takes any value of its type)."""
+
+_KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _kind(name: str) -> tuple[str, bool]:
+    """(base type name, whether None is allowed) of a RunConfig field, from its annotation."""
+    text = str(attrs.fields_dict(RunConfig)[name].type).replace(" ", "")
+    optional = text.endswith("|None")
+    base = text.removesuffix("|None")
+    return ("str" if name == "capacity_blocks" else base), optional
+
+
+class OptionError(ValueError):
+    """A run option's value is refused; the message names the option (and its source)."""
+
+
+def check_option(name: str, value: Any, source: str | None = None) -> Any:
+    """The value of option ``name`` if it has the field's type, choices and bounds, else
+    :class:`OptionError` naming the option and ``source`` (a TOML file, "RunConfig", or
+    None for the command line, whose text is converted first). The one check every source
+    of options goes through: the command line, ``--config`` files and the Python API."""
+    base, optional = _kind(name)
+    where = f" (in {source})" if source else ""
+    given = value
+
+    def refuse(what: str) -> OptionError:
+        return OptionError(f"{flag(name)} must be {what}, got {given!r}{where}")
+
+    if value is None and optional:
+        return None
+    if source is None and isinstance(value, str) and base in ("int", "float"):
+        try:  # the command line's text
+            value = int(value) if base == "int" else float(value)
+        except ValueError:
+            raise refuse(_KINDS[base]) from None
+    if name == "capacity_blocks" and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # TOML's capacity_blocks = 2048
+    if base == "bool":
+        ok = isinstance(value, bool)
+    elif base == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base == "float":
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+        ok = ok and math.isfinite(value)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise refuse(_KINDS.get(base, base))
+    if name in CHOICES and value not in CHOICES[name]:
+        raise refuse("one of " + ", ".join(CHOICES[name]))
+    if name in LIMITS and not LIMITS[name][0](value):
+        raise refuse(LIMITS[name][1])
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
+    """Every option is parsed as text (or a flag) and checked by :func:`check_option`."""
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node P -m wavepp.main",
         description="WavePP: pipeline-parallel prefill with asynchronous admission. One rank "
@@ -173,43 +264,39 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
     for field in attrs.fields(RunConfig):
-        flag = "--" + field.name.replace("_", "-")
         default = field.default
         if default is None and field.name in EXECUTOR_DEFAULTS["sim"]:
             default = " / ".join(f"{k}: {v[field.name]}" for k, v in EXECUTOR_DEFAULTS.items())
         text = f"{HELP[field.name]} [default: {default}]"
-        if field.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        if _kind(field.name)[0] == "bool":
+            p.add_argument(flag(field.name), action=argparse.BooleanOptionalAction, help=text)
             continue
-        kind = {"int": int, "float": float}.get(str(field.type), str)
-        if str(field.type).startswith("int |"):
-            kind = int
-        choices = {"executor": ("sim", "torch"), "workload": WORKLOADS, "rung": RUNGS,
-                   "device": ("auto", "cpu", "cuda"), "rounds_plane": ("auto", "local", "gloo"),
-                   "data_plane": ("auto", "local", "gloo"),
-                   "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
-                   "weight_format": ("bf16", "fp8", "nvfp4"),
-                   "dtype": ("float32", "bfloat16", "float16"),
-                   "handoff_format": ("wavepp", "vllm-example")}  # fmt: skip
-        if field.name == "workload":
-            kind = str
-        p.add_argument(flag, type=kind, choices=choices.get(field.name), help=text)
+        names = [c for c in CHOICES.get(field.name, ()) if c != "file"]
+        metavar = "{" + ",".join(names) + "}" if names else None
+        p.add_argument(flag(field.name), metavar=metavar, help=text)
     return p
 
 
 def load(argv: list[str] | None = None) -> RunConfig:
+    """Defaults, then the ``--config`` file, then the command line; every value checked."""
     args = vars(parser().parse_args(argv))
     values: dict[str, Any] = {}
-    if "config" in args:
-        path = Path(args.pop("config"))
-        data = tomllib.loads(path.read_text())
-        known = {f.name for f in attrs.fields(RunConfig)}
-        for key, value in data.items():
-            name = key.replace("-", "_")
-            if name not in known:
-                raise SystemExit(f"{path}: unknown option {key!r}")
-            values[name] = value
-    values.update(args)
+    try:
+        if "config" in args:
+            path = Path(args.pop("config"))
+            try:
+                data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+            except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+                raise OptionError(f"--config {path}: {error}") from None
+            known = {f.name for f in attrs.fields(RunConfig)}
+            for key, value in data.items():
+                name = key.replace("-", "_")
+                if name not in known:
+                    raise OptionError(f"{path}: unknown option {key!r}")
+                values[name] = check_option(name, value, str(path))
+        values.update({name: check_option(name, value) for name, value in args.items()})
+    except OptionError as error:
+        raise SystemExit(f"wavepp: {error}") from None
     executor = values.get("executor", attrs.fields(RunConfig).executor.default)
     for key, value in EXECUTOR_DEFAULTS.get(executor, {}).items():
         if values.get(key) is None:
@@ -222,37 +309,35 @@ def load(argv: list[str] | None = None) -> RunConfig:
 
 
 def validate(c: RunConfig) -> None:
+    """Every option's type, choices and bounds (a RunConfig built in Python included), then
+    the checks across options. Raises SystemExit with one line naming the option."""
+    try:
+        for field in attrs.fields(RunConfig):
+            check_option(field.name, getattr(c, field.name), "RunConfig")
+        capacity_list(c.capacity_blocks)
+        layer_counts(c.layers_per_stage)
+    except OptionError as error:
+        raise SystemExit(f"wavepp: {error}") from None
+
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise SystemExit(f"wavepp: {message}")
 
-    need(c.requests >= 1, f"--requests must be ≥ 1, got {c.requests}")
-    need(c.prompt_tokens >= 1, f"--prompt-tokens must be ≥ 1, got {c.prompt_tokens}")
-    need(c.concurrency >= 1, f"--concurrency must be ≥ 1, got {c.concurrency}")
-    need(c.block_size >= 1, f"--block-size must be ≥ 1, got {c.block_size}")
     need(
         c.budget >= c.min_budget >= 1,
         f"need --budget ≥ --min-budget ≥ 1, got {c.budget}, {c.min_budget}",
     )
     need(c.workload != "trace" or c.trace, "--workload trace needs --trace PATH")
-    need(c.workload in (*WORKLOADS, "file"), f"--workload {c.workload!r} unknown")
-    need(c.time_scale > 0, f"--time-scale must be positive, got {c.time_scale}")
-    need(c.threads >= 0, f"--threads must be ≥ 0 (0: automatic), got {c.threads}")
     need(not c.compile or c.executor == "torch", "--compile applies to --executor torch only")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
-    need(c.handoff_format in ("wavepp", "vllm-example"),
-         f"--handoff-format must be wavepp or vllm-example, got {c.handoff_format!r}")
     need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),
          "--handoff-format vllm-example needs --handoff-dir DIR")
+    need(not c.handoff_all or bool(c.handoff_to or c.handoff_format == "vllm-example"),
+         "--handoff-all needs a default target: --handoff-to ADDRESS, or --handoff-format "
+         "vllm-example --handoff-dir DIR")
     need(not (c.handoff_to or c.handoff_dir) or c.executor == "torch",
          "--handoff-to / --handoff-dir apply to --executor torch only")
-    need(c.handoff_block_size >= 1, f"--handoff-block-size must be ≥ 1, got "
-         f"{c.handoff_block_size}")
-    need(c.handoff_timeout_s > 0, f"--handoff-timeout-s must be positive, got "
-         f"{c.handoff_timeout_s}")
-    need(c.handoff_budget_mib >= 1, f"--handoff-budget-mib must be ≥ 1, got "
-         f"{c.handoff_budget_mib}")
     if c.handoff_to:
         from wavepp.handoff.wire import parse_address
 
@@ -264,24 +349,62 @@ def validate(c: RunConfig) -> None:
              "vLLM is --handoff-format vllm-example --handoff-dir DIR")
 
 
+def capacity_list(text: str) -> list[int]:
+    """``--capacity-blocks`` as block counts (``[0]``: size the pools automatically)."""
+    try:
+        values = [int(part.strip()) for part in text.split(",")]
+    except ValueError:
+        raise OptionError(f"--capacity-blocks {text!r} is not a block count or a "
+                          "comma-separated list of them") from None  # fmt: skip
+    if values != [0] and min(values) < 1:
+        raise OptionError(f"--capacity-blocks: every stage needs a pool of ≥ 1 block, got "
+                          f"{text!r} (0 alone: sized automatically)")  # fmt: skip
+    return values
+
+
+def layer_counts(text: str | None) -> list[int] | None:
+    """``--layers-per-stage`` as layer counts, each ≥ 1 (None: an even split)."""
+    if text is None:
+        return None
+    try:
+        counts = [int(part.strip()) for part in text.split(",")]
+    except ValueError:
+        raise OptionError(f"--layers-per-stage {text!r} is not a comma-separated list of "
+                          "layer counts") from None  # fmt: skip
+    if min(counts) < 1:
+        raise OptionError(f"--layers-per-stage {text!r}: every stage needs ≥ 1 layer")
+    return counts
+
+
+def check_for_world(c: RunConfig, world: int, num_layers: int | None = None) -> None:
+    """The checks that need the number of stages (and the model's layer count, when known):
+    run before the ranks start (the launcher, or each rank before its process groups)."""
+    try:
+        counts = layer_counts(c.layers_per_stage)
+        pools = capacity_list(c.capacity_blocks)
+    except OptionError as error:
+        raise SystemExit(f"wavepp: {error}") from None
+    if counts is not None and len(counts) != world:
+        raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage} gives {len(counts)} "
+                         f"stages for {world} ranks; give one count per rank")  # fmt: skip
+    if counts is not None and num_layers is not None and sum(counts) != num_layers:
+        raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage} sums to "
+                         f"{sum(counts)} layers; the model has {num_layers}")  # fmt: skip
+    if num_layers is not None and counts is None and num_layers < world:
+        raise SystemExit(f"wavepp: the model has {num_layers} layers, fewer than the {world} "
+                         "stages")  # fmt: skip
+    if len(pools) not in (1, world):
+        raise SystemExit(f"wavepp: --capacity-blocks gives {len(pools)} pools for {world} "
+                         "stages; give one value, or one per stage")  # fmt: skip
+
+
 def stage_capacities(c: RunConfig, world: int) -> list[int] | None:
     """``--capacity-blocks`` per stage, or None to size the pools from the workload."""
-    parts = [p.strip() for p in c.capacity_blocks.split(",")]
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise SystemExit(f"wavepp: --capacity-blocks {c.capacity_blocks!r} is not a block "
-                         "count or a comma-separated list of them") from None  # fmt: skip
+    check_for_world(c, world)
+    values = capacity_list(c.capacity_blocks)
     if values == [0]:
         return None
-    if len(values) == 1:
-        values = values * world
-    if len(values) != world:
-        raise SystemExit(f"wavepp: --capacity-blocks gives {len(values)} pools for {world} "
-                         "stages; give one value, or one per stage")  # fmt: skip
-    if min(values) < 1:
-        raise SystemExit(f"wavepp: every stage needs a pool of ≥ 1 block, got {values}")
-    return values
+    return values * world if len(values) == 1 else values
 
 
 def resolve(dotted: str) -> Any:

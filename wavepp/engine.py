@@ -110,9 +110,10 @@ class Engine:
                                   f"e.g. {int(bad[0])}")  # fmt: skip
         return array.astype(np.int32)
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel wherever it is; False if the id is unknown or already over."""
-        return self._c.cancel(RequestId(request_id))
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Cancel wherever it is (its result's error says ``reason``); False if the id is
+        unknown or already over."""
+        return self._c.cancel(RequestId(request_id), reason)
 
     async def results(self) -> AsyncIterator[Result]:
         """Every result from now on, as requests end."""
@@ -141,6 +142,10 @@ class Engine:
             if problem:
                 return False, problem
         return True, "ok"
+
+    def fault(self) -> str | None:
+        """Why the runtime can no longer answer (a rank dead or hung), or None."""
+        return self._watchdog.fatal if self._watchdog is not None else None
 
     def stats(self) -> dict:
         """A snapshot for metrics: counts, tokens, queue, reuse, every stage, rounds."""

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from wavepp.config import RunConfig, load, stage_capacities
+from wavepp.config import RunConfig, check_for_world, load, stage_capacities, validate
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
@@ -70,7 +70,30 @@ from wavepp.workload.generators import VOCAB
 
 
 def log(message: str) -> None:
-    print(f"[wavepp rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
+    # one write per line: two ranks' lines never share one
+    sys.stderr.write(f"[wavepp rank {os.environ.get('RANK', '0')}] {message}\n")
+    sys.stderr.flush()
+
+
+def preflight(c: RunConfig, world: int) -> None:
+    """Every check that does not need the ranks, run before any process group: each option
+    (whatever its source), the model's name, the split of layers and pools over ``world``
+    stages, the input files. Raises SystemExit with one line."""
+    validate(c)
+    num_layers = None
+    if c.executor == "sim":
+        if c.model not in MODELS:
+            raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
+        num_layers = MODELS[c.model].num_layers
+    elif c.model in BUILTIN:
+        num_layers = BUILTIN[c.model].num_layers
+    elif not Path(c.model).is_dir():
+        raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
+                         f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
+    check_for_world(c, world, num_layers)
+    for option, path in (("--requests-file", c.requests_file), ("--trace", c.trace)):
+        if path and not Path(path).is_file():
+            raise SystemExit(f"wavepp: {option} {path}: no such file")
 
 
 def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
@@ -241,11 +264,12 @@ async def _watch_signals(watchdog: Watchdog | None, on_signal, scope: anyio.Canc
     """SIGINT / SIGTERM: a peer's failure (torchrun stops the rest) or the user's."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
+            stop = on_signal(signum)  # a drain starts at once, before the peers are checked
             if watchdog is not None:  # torchrun stops everyone when one rank dies
                 peers = await anyio.to_thread.run_sync(watchdog.suspects)
                 if peers:
                     raise PlaneError(f"stopped by the launcher; {peers}")
-            if on_signal(signum):
+            if stop:
                 scope.cancel()
                 return
 
@@ -269,6 +293,8 @@ async def rank_main(
     specs, rejected, cancels = [], [], []
     if rank == 0 and client is None:
         specs, rejected, cancels = build_workload(c, vocab or VOCAB)
+        if c.handoff_all:  # every measured request hands its cache to the default target
+            specs = [s if s.warmup else attrs.evolve(s, handoff=True) for s in specs]
     # Every rank needs the pool size; rank 0 derives it from the workload. A requests
     # file with no runnable line ends the run on every rank (runnable = 0).
     given = stage_capacities(c, world)
@@ -340,7 +366,7 @@ async def rank_main(
 
     def on_signal(signum: int) -> bool:
         if sigterm_drains and signum == signal.SIGTERM:
-            if engine is not None:
+            if engine is not None and not (watchdog is not None and watchdog.fatal):
                 log("SIGTERM: draining (no new requests; the running ones finish)")
                 engine.drain()
             return False
@@ -368,7 +394,7 @@ async def rank_main(
                                 log=log)  # fmt: skip
                     await coordinator.run(feed)
                 else:
-                    await coordinator.run(lambda: client(engine))
+                    await _beside_the_runtime(coordinator, client, engine, watchdog)
             else:
                 async with anyio.create_task_group() as inner:
                     inner.start_soon(follow_rounds, plane, stage, mode)
@@ -450,6 +476,42 @@ async def rank_main(
     return record, status
 
 
+FAULT_GRACE_S = 2.0  # how long a client may answer its callers once the runtime failed
+
+
+async def _beside_the_runtime(coordinator: Coordinator, client, engine: Engine,
+                              watchdog: Watchdog | None) -> None:  # fmt: skip
+    """Run ``client(engine)`` next to the runtime rather than inside it: when the runtime
+    fails (a peer dead), the watchdog records why and the client (the HTTP server) gets up
+    to FAULT_GRACE_S to answer every caller in its own shape, naming the cause, before the
+    failure ends this rank."""
+    client_done = anyio.Event()
+
+    async def run_client() -> None:
+        try:
+            await client(engine)
+        finally:
+            client_done.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_client)
+        try:
+            await coordinator.run(client_done.wait)
+        except Exception as error:
+            if watchdog is not None:
+                watchdog.declare(_reason(error))
+                with anyio.move_on_after(FAULT_GRACE_S, shield=True):
+                    await client_done.wait()
+            raise
+
+
+def _reason(error: BaseException) -> str:
+    leaves = [error]
+    while leaves and isinstance(leaves[0], BaseExceptionGroup):
+        leaves = list(leaves[0].exceptions)
+    return "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(error)
+
+
 def _stage_figures(stage: Stage) -> dict[str, float]:
     use = usage(stage.book.cache)  # a value: safe to read from the watchdog's thread
     return {"busy_s": stage.busy_s, "cached": use.num_cached, "free": use.num_free,
@@ -483,10 +545,11 @@ def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
         reason = error.code
     peers = ""
     if watchdog is not None:
-        peers = watchdog.suspects()  # let a dead peer's heartbeat go stale
+        # the cause already found (watchdog.declare), or let a dead peer's heartbeat go stale
+        peers = watchdog.fatal or watchdog.suspects()
         # the peers learn why, and whom this rank suspects, so they can name the cause too
         watchdog.finish(failure=(reason + (f" — {peers}" if peers else ""))[:2000])
-    log(f"failed: {reason}" + (f" — {peers}" if peers else ""))
+    log(f"failed: {reason}" + (f" — {peers}" if peers and peers not in reason else ""))
     if not any(isinstance(e, SystemExit | PlaneError | KeyboardInterrupt) for e in leaves):
         traceback.print_exception(error)
     sys.stderr.flush()
@@ -502,6 +565,10 @@ def run_ranks(
     ``client`` None runs the configured workload; otherwise rank 0 calls
     ``client(engine)`` (see :mod:`wavepp.engine`) and ranks > 0 serve their stage.
     """
+    try:
+        preflight(config, int(os.environ.get("WORLD_SIZE", "1")))
+    except SystemExit as error:
+        _refuse_once(error)
     set_threads(config.threads)
     if "RANK" not in os.environ:  # plain `python -m wavepp.main`: a one-stage run
         with socket.socket() as probe:  # a free port for the one-rank store
@@ -512,7 +579,8 @@ def run_ranks(
     rank, world = dist.get_rank(), dist.get_world_size()
     watchdog = None
     if world > 1:
-        watchdog = Watchdog(rank, world, log, dead_after_s=config.dead_after_s).start()
+        watchdog = Watchdog(rank, world, log, dead_after_s=config.dead_after_s,
+                            fault_grace_s=FAULT_GRACE_S if client else 0.0).start()
 
     def outside_the_run(signum, frame) -> None:
         # While the run goes, rank_main watches the signals itself. Before it, or while a
@@ -547,8 +615,20 @@ def run_ranks(
     return status
 
 
+def _refuse_once(error: SystemExit) -> None:
+    """A refused option: rank 0 says why in one line, the other ranks exit quietly (each
+    would say the same)."""
+    if int(os.environ.get("RANK", "0") or 0) and isinstance(error.code, str):
+        raise SystemExit(2) from None
+    raise error
+
+
 def main(argv: list[str] | None = None) -> None:
-    sys.exit(run_ranks(load(argv)))
+    try:
+        config = load(argv)
+    except SystemExit as error:
+        _refuse_once(error)
+    sys.exit(run_ranks(config))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,14 @@ _STATS = "wavepp/stats/"
 class Watchdog:
     def __init__(
         self, rank: int, world: int, log: Callable[[str], None],
-        interval_s: float = 1.0, dead_after_s: float = 10.0,
+        interval_s: float = 1.0, dead_after_s: float = 10.0, fault_grace_s: float = 0.0,
     ) -> None:  # fmt: skip
+        """``fault_grace_s``: once a peer is found dead or hung, how long this rank lives on
+        (its :attr:`fatal` set) so that a server can answer its callers before it exits."""
         self.rank, self.world, self.log = rank, world, log
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
+        self.fault_grace_s = fault_grace_s
+        self.fatal: str | None = None  # why this run can no longer answer (set once)
         self.status = "starting"
         self._stop = threading.Event()
         self._store = dist.TCPStore(
@@ -76,7 +80,9 @@ class Watchdog:
             except Exception as error:  # the store itself is gone: the launcher died
                 problem = f"lost the rendezvous store ({error})"
             if problem:
+                self.declare(problem)
                 self.log(f"rank {self.rank}: {problem}; this rank was {self.status}")
+                time.sleep(self.fault_grace_s)
                 os._exit(1)
             self._stop.wait(self.interval_s)
 
@@ -104,6 +110,12 @@ class Watchdog:
                     f"(dead or hung; it was {status})"
                 )
         return None
+
+    def declare(self, problem: str) -> None:
+        """The run has failed (a peer dead, hung or gone): :attr:`fatal` says why, first
+        cause kept, and :meth:`peer_report` leads with it."""
+        if self.fatal is None:
+            self.fatal = problem[:2000]
 
     def peer_stats(self) -> dict[int, dict[str, float]]:
         """The other ranks' latest published figures (untrusted: numbers only, bounded)."""
@@ -139,7 +151,7 @@ class Watchdog:
             try:
                 value = self._read(rank) or ""
             except Exception:
-                return ""
+                return self.fatal or ""
             counter, _, status = value.partition("|")
             if counter == "failed":
                 failed.append(f"rank {rank} failed: {status}")
@@ -148,7 +160,8 @@ class Watchdog:
                 silent.append((quiet, f"rank {rank} stopped beating {quiet:.1f} s ago "
                                       f"(it was {status})"))  # fmt: skip
         silent.sort(key=lambda item: -item[0])
-        return "; ".join([note for _, note in silent] + failed)
+        first = [self.fatal] if self.fatal else []
+        return "; ".join(first + [note for _, note in silent] + failed)
 
     def suspects(self, window_s: float = 4.0) -> str:
         """``peer_report`` after a window long enough for a just-killed peer to go quiet.

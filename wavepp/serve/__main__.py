@@ -37,6 +37,19 @@ def parser() -> argparse.ArgumentParser:
         "--max-in-flight", type=int, default=0,
         help="prefill requests awaiting results at once; more get 429 [0: no limit]",
     )  # fmt: skip
+    p.add_argument(
+        "--drain-timeout-s", type=float, default=25.0,
+        help="after SIGTERM, how long requests in flight may take before they are cancelled, "
+        "seconds [25]",
+    )  # fmt: skip
+    p.add_argument(
+        "--header-timeout-s", type=float, default=10.0,
+        help="a connection whose request headers take longer is closed, seconds [10]",
+    )  # fmt: skip
+    p.add_argument(
+        "--body-timeout-s", type=float, default=30.0,
+        help="a request body that takes longer gets 408, seconds [30]",
+    )  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model's name in answers")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
     p.add_argument("-h", "--help", action="store_true", help="show this help and exit")
@@ -74,23 +87,33 @@ def _tokenizer_path(explicit: str | None, model: str | None) -> Path | None:
     return None
 
 
-def main(argv: list[str] | None = None) -> None:
-    args, rest = parser().parse_known_args(argv)
+def check(argv: list[str] | None, world: int | None = None):
+    """(server options, run config, argv's server part) with every check that does not
+    need the ranks done: the server's options, the run options (``wavepp.config``), and —
+    given ``world`` — the split over that many stages (``wavepp.main.preflight``). Raises
+    SystemExit with one line. The launcher calls it before it starts any rank."""
+    try:
+        args, rest = parser().parse_known_args(argv)
+    except SystemExit:
+        raise SystemExit(2) from None
     from wavepp.config import load
-    from wavepp.config import parser as run_parser
 
-    if args.help:
-        parser().print_help()
-        print()
-        run_parser().print_help()
-        sys.exit(0)
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"wavepp serve: --port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 64:
         raise SystemExit(f"wavepp serve: --max-body-bytes must be ≥ 64, got {args.max_body_bytes}")
     if args.max_in_flight < 0:
         raise SystemExit(f"wavepp serve: --max-in-flight must be ≥ 0, got {args.max_in_flight}")
+    for name in ("drain_timeout_s", "header_timeout_s", "body_timeout_s"):
+        value = getattr(args, name)
+        if not 0 < value < 1e6:
+            flag = "--" + name.replace("_", "-")
+            raise SystemExit(f"wavepp serve: {flag} must be positive, got {value:g}")
     config = load(rest)
+    if world is not None:
+        from wavepp.main import preflight
+
+        preflight(config, world)
     tokenize, detokenize = tokenizer_functions(_tokenizer_path(args.tokenizer, config.model))
     options = ServeOptions(
         max_body_bytes=args.max_body_bytes,
@@ -98,7 +121,28 @@ def main(argv: list[str] | None = None) -> None:
         tokenize=tokenize,
         detokenize=detokenize,
         max_in_flight=args.max_in_flight,
+        body_timeout_s=args.body_timeout_s,
+        header_timeout_s=args.header_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
     )
+    return options, config, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, _ = parser().parse_known_args(argv)
+    if args.help:
+        from wavepp.config import parser as run_parser
+
+        parser().print_help()
+        print()
+        run_parser().print_help()
+        sys.exit(0)
+    from wavepp.main import _refuse_once
+
+    try:
+        options, config, args = check(argv)
+    except SystemExit as error:
+        _refuse_once(error)
 
     async def client(engine) -> None:
         from wavepp.serve.server import serve

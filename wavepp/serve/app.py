@@ -12,7 +12,9 @@ Routes (all answers JSON except ``/metrics``; every refusal is a 4xx with
 A client that disconnects while its request waits cancels it: the handler waits on the
 ASGI ``receive`` channel (which yields ``http.disconnect`` when the connection closes)
 next to the result, so nothing polls. Bodies are read up to ``max_body_bytes`` —
-``Content-Length`` first, then the streamed size — before anything is decoded.
+``Content-Length`` first, then the streamed size — before anything is decoded — and
+within ``body_timeout_s`` (408 after it). A runtime fault (a rank dead or hung) answers
+every request in flight and every new one with a JSON 503 naming the cause.
 """
 
 from __future__ import annotations
@@ -53,10 +55,19 @@ class ServeOptions:
     tokenize: Tokenize | None = None  # text -> token ids, when a tokenizer is loaded
     detokenize: Callable[[int], str] | None = None  # one token id -> its text
     max_in_flight: int = 0  # prefill requests awaiting their result at once (0: no limit)
+    body_timeout_s: float = 30.0  # a request's whole body must arrive within this, seconds
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this, seconds
+    drain_timeout_s: float = 25.0  # after SIGTERM, requests in flight get this long, seconds
+
+
+RETRY_AFTER_S = 5  # what a 503 tells a client to wait before trying again
 
 
 def _error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else {}
+    if error.status == 408:  # the rest of a slow body is not read: the connection closes
+        headers["Connection"] = "close"
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -117,11 +128,65 @@ class Frontend:
         self.engine = engine
         self.options = options
         self.metrics = metrics or ServerMetrics()
+        self.fault: str | None = None  # the runtime can no longer answer: why
+        self.closing = False  # shutting down: bodies still arriving are not waited for
+        self.handles: dict[str, Any] = {}  # request id -> handle, of requests in flight
+        self._reading: set[anyio.CancelScope] = set()  # handlers reading a body
+        self._waiting: set[anyio.CancelScope] = set()  # handlers awaiting a result
+        self._cancel_reason: str | None = None  # why the requests in flight were cancelled
+
+    # -- what the server does to every request in flight -----------------------------------
+
+    def set_fault(self, reason: str) -> None:
+        """The runtime failed: every handler answers 503 naming ``reason``, at once."""
+        if self.fault is None:
+            self.fault = reason
+            for scope in (*self._reading, *self._waiting):
+                scope.cancel()
+
+    def stop_reading(self) -> None:
+        """Shutting down: bodies still arriving get 503 instead of being waited for."""
+        self.closing = True
+        for scope in self._reading:
+            scope.cancel()
+
+    def cancel_in_flight(self, reason: str) -> int:
+        """Cancel every request in flight (the drain ran out of time); they answer
+        ``cancelled`` with ``reason`` as their error. Returns how many."""
+        self._cancel_reason = reason
+        return sum(1 for rid in list(self.handles) if self._cancel(rid, reason))
+
+    def _cancel(self, request_id: str, reason: str) -> bool:
+        return bool(self.engine.cancel(request_id, reason=reason))
+
+    def _unavailable(self) -> ApiError:
+        return ApiError(503, f"the server cannot answer: {self.fault}", "unavailable")
+
+    async def read(self, request: Request) -> bytes:
+        """The body within ``body_timeout_s``: 408 after it, 503 if the server stops first."""
+        if self.fault:
+            raise self._unavailable()
+        with anyio.CancelScope(deadline=anyio.current_time() + self.options.body_timeout_s) \
+                as scope:  # fmt: skip
+            self._reading.add(scope)
+            try:
+                return await read_body(request, self.options.max_body_bytes)
+            finally:
+                self._reading.discard(scope)
+        if self.fault:
+            raise self._unavailable()
+        if self.closing:
+            raise ApiError(503, "the server is shutting down; the body came too slowly",
+                           "unavailable")  # fmt: skip
+        raise ApiError(408, f"the request body did not arrive within "
+                       f"{self.options.body_timeout_s:g} s (--body-timeout-s)")  # fmt: skip
 
     # -- helpers -------------------------------------------------------------------------
 
     async def _run(self, request: Request, submission: Submission) -> Any:
         """Submit, await the result (cancelling on a disconnect), return it."""
+        if self.fault:
+            raise self._unavailable()
         limit = self.options.max_in_flight
         if limit and self.metrics.in_flight >= limit:
             raise ApiError(
@@ -140,7 +205,11 @@ class Frontend:
                 )
             except ValueError as error:  # RequestRejected is a ValueError
                 raise _rejection(error) from None
-            return await self._outcome(request, handle)
+            self.handles[handle.request_id] = handle
+            try:
+                return await self._outcome(request, handle)
+            finally:
+                self.handles.pop(handle.request_id, None)
         finally:
             self.metrics.in_flight -= 1
 
@@ -157,13 +226,18 @@ class Frontend:
                     return
 
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_disconnect)
-                result = await handle.result()
-                tg.cancel_scope.cancel()
+            with anyio.CancelScope() as scope:  # cancelled by set_fault
+                self._waiting.add(scope)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch_disconnect)
+                    result = await handle.result()
+                    tg.cancel_scope.cancel()
         finally:
-            if result is None:  # the handler itself was cancelled (server shutting down)
+            self._waiting.discard(scope)
+            if result is None:  # cancelled: the server shuts down or the runtime failed
                 self.engine.cancel(handle.request_id)
+        if result is None:
+            raise self._unavailable()
         return result
 
     def _answer(self, route: str, body: dict, status: int) -> JSONResponse:
@@ -182,7 +256,7 @@ class Frontend:
 
     async def prefill(self, request: Request) -> Response:
         async def work(request: Request) -> tuple[dict, int]:
-            raw = await read_body(request, self.options.max_body_bytes)
+            raw = await self.read(request)
             submission = await _off_loop_if_big(
                 raw, parse_prefill, raw, self.engine.vocab_size, self.options.tokenize
             )
@@ -193,7 +267,7 @@ class Frontend:
 
     async def completions(self, request: Request) -> Response:
         async def work(request: Request) -> tuple[dict, int]:
-            raw = await read_body(request, self.options.max_body_bytes)
+            raw = await self.read(request)
             submission, body = await _off_loop_if_big(
                 raw, parse_completion, raw, self.engine.vocab_size, self.options.tokenize
             )
@@ -223,10 +297,12 @@ class Frontend:
     async def health(self, request: Request) -> Response:
         ok, why = self.engine.health()
         draining = _is_draining(self.engine)
-        if ok and not draining:
+        if ok and not draining and not self.fault:
             return self._answer("/health", {"status": "ok"}, 200)
-        status = "draining" if ok else "unhealthy"
-        return self._answer("/health", {"status": status, "error": why or status}, 503)
+        status = "failed" if self.fault else "draining" if ok else "unhealthy"
+        body = {"status": status, "error": self.fault or why or status}
+        self.metrics.http_answer("/health", 503)
+        return _error_shaped(body, 503)
 
     async def prometheus(self, request: Request) -> Response:
         ok, _ = self.engine.health()
@@ -255,6 +331,10 @@ class Frontend:
             ],
         }
         return self._answer("/v1/models", body, 200)
+
+
+def _error_shaped(body: dict, status: int) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _is_draining(engine: Any) -> bool:

@@ -202,6 +202,7 @@ class ServerMetrics:
         self.http: dict[tuple[str, int], int] = {}
         self.results = dict.fromkeys(("done", "cancelled", "rejected", "failed"), 0)
         self.disconnect_cancels = 0
+        self.drain_cancels = 0  # cancelled because the drain timeout ran out
         self.in_flight = 0  # prefill HTTP requests awaiting their result
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -268,6 +269,12 @@ class ServerMetrics:
             "counter",
             "requests cancelled because their client disconnected",
             self.disconnect_cancels,
+        )
+        out.add(
+            PREFIX + "drain_cancels_total",
+            "counter",
+            "requests cancelled because the drain timeout ran out (interrupted)",
+            self.drain_cancels,
         )
         out.add(
             PREFIX + "prompt_tokens_total",

@@ -3,9 +3,16 @@
 :func:`serve` is the client coroutine ``wavepp.main.run_ranks`` runs next to the
 runtime. It binds the socket itself (so a bad address fails at once, with the reason,
 and ``--port 0`` can report the port it got), runs uvicorn without its signal handlers
-(the entry point owns SIGTERM: it calls ``engine.drain()``), feeds the server's metrics
-from ``engine.results()``, and once the engine drains stops listening, lets the
-requests in flight answer, and returns.
+(the entry point owns SIGTERM: it calls ``engine.drain()``) and feeds the server's
+metrics from ``engine.results()``.
+
+A drain ends whatever clients do. From the moment the engine drains, ``/health`` and new
+requests answer 503 (``Retry-After``); the requests in flight get ``drain_timeout_s`` to
+answer, then the rest are cancelled (their result says why); bodies still arriving are
+cut off; the listener closes and :func:`serve` returns. A client that sends its headers
+slowly is dropped after ``header_timeout_s``, one whose body is slow gets 408 after
+``body_timeout_s``. When the engine reports a fault (a rank dead or hung), every
+request in flight and every new one answers a JSON 503 naming it, then the server stops.
 """
 
 from __future__ import annotations
@@ -20,13 +27,58 @@ from typing import Any
 
 import anyio
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from wavepp.serve.app import ServeOptions, _is_draining, build_app
 from wavepp.serve.prom import ServerMetrics
 
 logger = logging.getLogger("wavepp.serve")
 
-DRAIN_POLL_S = 0.2
+DRAIN_POLL_S = 0.05
+SHUTDOWN_GRACE_S = 2.0  # after the drain, what uvicorn waits for handlers before cancelling
+
+
+def _h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol that closes a connection whose request headers have not
+    arrived ``seconds`` after it opened (or after its previous response): uvicorn itself
+    times out only idle kept-alive connections, not ones trickling headers in."""
+
+    class _H11(H11Protocol):
+        _header_timer: Any = None
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self._awaiting_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._awaiting_headers():
+                self._arm()
+            super().data_received(data)
+            if not self._awaiting_headers():
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return _H11
 
 
 class _Uvicorn(uvicorn.Server):
@@ -75,14 +127,16 @@ async def serve(
     bound_host, bound_port = sock.getsockname()[:2]
     metrics = ServerMetrics()
     app = build_app(engine, options, metrics)
+    front = app.state.front
+    options = front.options
     config = uvicorn.Config(
         app,
         lifespan="off",
-        http="h11",
+        http=_h11_with_header_timeout(options.header_timeout_s),
         ws="none",
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=None,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         server_header=False,
     )
     server = _Uvicorn(config)
@@ -92,9 +146,29 @@ async def serve(
             metrics.observe(result)
 
     async def stop_when_draining() -> None:
-        while not _is_draining(engine):
+        fault = getattr(engine, "fault", lambda: None)
+        while not _is_draining(engine) and not fault():
             await anyio.sleep(DRAIN_POLL_S)
-        _log("draining: no new requests; stopping once the requests in flight answer")
+        if fault():
+            front.set_fault(fault())
+        else:
+            _log(f"draining: new requests get 503; {len(front.handles)} in flight get up to "
+                 f"{options.drain_timeout_s:g} s (--drain-timeout-s)")  # fmt: skip
+        with anyio.move_on_after(options.drain_timeout_s):
+            while front.handles and not fault():
+                await anyio.sleep(DRAIN_POLL_S)
+        if fault():
+            front.set_fault(fault())
+        elif front.handles:
+            reason = (f"cancelled: the server drained and its drain timeout "
+                      f"({options.drain_timeout_s:g} s, --drain-timeout-s) ran out")  # fmt: skip
+            count = front.cancel_in_flight(reason)
+            front.metrics.drain_cancels += count
+            _log(f"drain timeout: cancelled {count} requests still in flight")
+        with anyio.move_on_after(SHUTDOWN_GRACE_S):  # their answers go out
+            while front.handles:
+                await anyio.sleep(DRAIN_POLL_S)
+        front.stop_reading()
         server.should_exit = True
 
     async def announce() -> None:

@@ -56,6 +56,7 @@ class _Request:
     result: FakeResult | None = None
     admitted_at: float | None = None
     cancelled: bool = False
+    error: str | None = None
 
 
 class FakeHandle:
@@ -91,6 +92,7 @@ class FakeEngine:
         self.cached: set[bytes] = set()
         self.draining = False
         self.healthy = (True, "")
+        self.fatal: str | None = None  # set by fail(): the stand-in's dead rank
         self.counts = dict.fromkeys(
             ("queued", "admitted", "running", "done", "cancelled", "rejected", "failed"), 0
         )
@@ -131,11 +133,11 @@ class FakeEngine:
         self._wake.set()
         return FakeHandle(request)
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         request = self.requests.get(request_id)
         if request is None or request.result is not None or request.cancelled:
             return False
-        request.cancelled = True
+        request.cancelled, request.error = True, reason
         if self.queue.remove(request_id):
             self.counts["queued"] -= 1
             self._finish(request, "cancelled")
@@ -165,7 +167,15 @@ class FakeEngine:
         }
 
     def health(self) -> tuple[bool, str]:
-        return self.healthy
+        return (False, self.fatal) if self.fatal else self.healthy
+
+    def fault(self) -> str | None:
+        return self.fatal
+
+    def fail(self, reason: str) -> None:
+        """Stand in for a dead rank: nothing ends any more; fault() says why."""
+        self.fatal = reason
+        self.pause()
 
     def drain(self) -> None:
         self.draining = True
@@ -205,7 +215,7 @@ class FakeEngine:
             1.5 if done else None,
             int(request.tokens.size),
             cached,
-            None,
+            None if done else request.error,
             request.submitted_at,
             request.admitted_at,
             request.admitted_at if done else None,
