@@ -119,6 +119,7 @@ def continue_generation(
     temperature: float = 0.0,
     seed: int | None = None,
     stop_at_eos: bool = True,
+    streamer=None,
 ) -> list[int]:
     """Up to ``max_new_tokens`` token ids continuing the handed-off prompt: the handoff's
     first token (the pipeline's argmax), then what ``model.generate`` produces from the
@@ -127,7 +128,8 @@ def continue_generation(
     ``seed`` seeds torch) from the second token on — the first token is always the
     pipeline's argmax. With ``stop_at_eos`` generation ends at the model's end-of-sequence
     token, as ``generate`` does; without, it never emits one before ``max_new_tokens``
-    (``generate``'s ``min_new_tokens``), so exactly ``max_new_tokens`` come back."""
+    (``generate``'s ``min_new_tokens``), so exactly ``max_new_tokens`` come back.
+    ``streamer`` goes to ``generate`` (it sees prompt + first token, then each new one)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens {max_new_tokens} < 1")
     if temperature < 0:
@@ -153,6 +155,7 @@ def continue_generation(
             cache=cache,
             max_new_tokens=max_new_tokens - 1,
             min_new_tokens=0 if stop_at_eos else max_new_tokens - 1,
+            streamer=streamer,
             **sampling,
         )
     return [first, *out[0, ids.shape[1] :].tolist()]
