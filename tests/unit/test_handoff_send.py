@@ -204,3 +204,36 @@ def test_pool_rows_read_a_request_through_its_block_table():
     assert rows.tolist() == [20, 21, 22, 23, 8, 9, 10, 11, 28, 29]
     with pytest.raises(ValueError, match="block table of 2 blocks for 10 tokens"):
         pool_rows((5, 2), block_size=4, num_tokens=10)
+
+
+def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
+    """Tensors of several MiB go out in many partial sends: every byte, in order."""
+    receiver = Receiver(sock_path)
+    receiver.start()
+    big = torch.arange(4096 * 2 * 32, dtype=torch.float32).reshape(4096, 2, 32)
+
+    def band(job):
+        return [BandTensor(0, "k", "float32", (4096, 2, 32), lambda: big),
+                BandTensor(0, "v", "float32", (4096, 2, 32), lambda: -big)]  # fmt: skip
+
+    released: list[str] = []
+    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 30), band, released.append)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            sender.submit(job("big", f"unix:{sock_path}", n=4096))
+            with anyio.fail_after(60):
+                while sender.num_pending:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        receiver.close()
+    (outcome,) = sender.take_outcomes()
+    assert outcome.ok, outcome
+    ((_, payload),) = receiver.bands
+    got = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(2, 4096, 2, 32)
+    assert torch.equal(got[0], big) and torch.equal(got[1], -big)

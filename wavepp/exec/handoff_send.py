@@ -214,7 +214,8 @@ class HandoffSender:
                 await stream.send(wire.encode_band_prefix(header))
                 for tensor in tensors:
                     data = await anyio.to_thread.run_sync(tensor.read)
-                    await stream.send(data.view(torch.uint8).numpy().data)
+                    # one flat run of bytes: a sliced n-D memoryview would skip rows
+                    await stream.send(data.reshape(-1).view(torch.uint8).numpy().data)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
                 # A receiver that refuses a band may answer and close before reading it
                 # all: its answer says why.
