@@ -264,7 +264,9 @@ async def _watch_signals(watchdog: Watchdog | None, on_signal, scope: anyio.Canc
     """SIGINT / SIGTERM: a peer's failure (torchrun stops the rest) or the user's."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            stop = on_signal(signum)  # a drain starts at once, before the peers are checked
+            stop = on_signal(signum)
+            if stop is None:  # a drain, started at once: a failed peer shows on the planes
+                continue
             if watchdog is not None:  # torchrun stops everyone when one rank dies
                 peers = await anyio.to_thread.run_sync(watchdog.suspects)
                 if peers:
@@ -364,12 +366,13 @@ async def rank_main(
     coordinator = feed = engine = None
     interrupted: list[int] = []
 
-    def on_signal(signum: int) -> bool:
+    def on_signal(signum: int) -> bool | None:
+        """Whether the signal ends the run now; None: it started a drain."""
         if sigterm_drains and signum == signal.SIGTERM:
             if engine is not None and not (watchdog is not None and watchdog.fatal):
                 log("SIGTERM: draining (no new requests; the running ones finish)")
                 engine.drain()
-            return False
+            return None
         interrupted.append(signum)
         return True
 

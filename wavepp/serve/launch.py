@@ -13,8 +13,8 @@ Every check that does not need the ranks (server and run options, the split of l
 pools over P stages, the model's name) runs here first: a bad option is one line and
 exit 2, before torchrun starts. When a run fails, the launcher's last line repeats the
 rank's own line naming the cause (torchrun's summary names whichever rank ended first),
-and torchrun ends ranks left behind (a stopped one) 5 s after the first rank ended
-(``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, unless set).
+and ranks left behind (a stopped one, which torchrun would wait 30 s for) are killed
+LEFT_BEHIND_S after the serving rank failed.
 """
 
 from __future__ import annotations
@@ -27,10 +27,33 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 READY = re.compile(r"\[wavepp serve\] listening on \S+ \(pid (\d+)\)")
 CAUSE = re.compile(r"^\[wavepp rank \d+\] (failed: |rank \d+: ).*")
-SHUTDOWN_TIMEOUT_S = "5"  # torchrun's wait for the other ranks once one has ended
+LEFT_BEHIND_S = 3.0  # once the serving rank failed, how long the others get to end
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (Linux; none where /proc does not say)."""
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    state = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError, IndexError):  # a zombie has ended
+        return state.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
 
 
 def command(nproc: int, rest: list[str]) -> list[str]:
@@ -54,10 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     from wavepp.serve.__main__ import check
 
     check(rest, args.nproc_per_node)  # SystemExit with one line: nothing started
-    env = {**os.environ}
-    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", SHUTDOWN_TIMEOUT_S)
     child = subprocess.Popen(command(args.nproc_per_node, rest), stderr=subprocess.PIPE,
-                             text=True, errors="replace", env=env)  # fmt: skip
+                             text=True, errors="replace")  # fmt: skip
     serving: list[int] = []
     causes: list[str] = []
 
@@ -81,6 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     thread.start()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    failed_at = None
+    while child.poll() is None:
+        time.sleep(0.2)
+        if causes and serving and not _alive(serving[0]):
+            failed_at = failed_at or time.monotonic()
+            if time.monotonic() - failed_at > LEFT_BEHIND_S:
+                for pid in _children(child.pid):  # a stopped rank ignores torchrun's SIGTERM
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
     code = child.wait()
     thread.join(timeout=5)
     if code and causes:
