@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
+from wavepp.ids import id_problem
 from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.records import RequestRejected, Result
 from wavepp.state import RequestId, usage
@@ -88,8 +89,9 @@ class Engine:
                 candidate = f"req-{next(self._ids)}"
                 if RequestId(candidate) not in self._c.intake.records:
                     return candidate
-        if not isinstance(request_id, str) or not 0 < len(request_id) <= 256:
-            raise RequestRejected("a request id must be a string of 1 to 256 characters")
+        problem = id_problem(request_id)  # the one id rule (wavepp.runtime.records.ID_RULE)
+        if problem:
+            raise RequestRejected(problem, "invalid")
         return request_id
 
     def _tokens(self, tokens) -> np.ndarray:

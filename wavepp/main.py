@@ -446,7 +446,7 @@ async def rank_main(
             return None, 0 if report.balanced else 1
         reports = [decode_untrusted(raw, StageReport) for raw in gathered]
         status = 0 if all(r.balanced for r in reports) else 1
-    records = list(coordinator.records.values())
+    records = list(coordinator.records.values()) + coordinator.intake.rejected
     measure_start = feed.measure_start if feed else engine.started_at
     measure_end = (feed.measure_end if feed else None) or time.time()
     record = summarize(

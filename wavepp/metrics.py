@@ -66,10 +66,11 @@ def summarize(
         "admission_rounds": len(round_seconds),
         "makespan_s": span,
         "measured_requests": len(measured),
-        "failed_requests": sum(1 for r in measured
-                               if r.done_at is not None and r.error and not r.cancelled),
-        "unfinished_requests": len(unfinished),
-        "cancelled_requests": sum(1 for r in measured if r.cancelled),
+        # how the measured requests that did not finish ended, each counted once
+        "rejected_requests": sum(1 for r in measured if r.status == "rejected"),
+        "failed_requests": sum(1 for r in measured if r.status == "failed"),
+        "cancelled_requests": sum(1 for r in measured if r.status == "cancelled"),
+        "unfinished_requests": len(unfinished),  # interrupted: never ended
         # warm-up requests that did not complete (rejected, cancelled, failed, unfinished)
         "warmup_not_done": sum(1 for r in records if r.spec.warmup and r.status != "done"),
         "input_tokens": tokens,
@@ -155,6 +156,9 @@ def table(record: dict) -> str:
         lines.append(f"  agreement           {counters['disagreements']} disagreements, "
                      f"{counters['rollbacks']} roll-backs, {counters['fallbacks']} mask "
                      "fallbacks (admitted requests)")  # fmt: skip
+        lines.append("                      (not errors: a disagreement is a round where some "
+                     "stage cached less of a prefix than another, so the stages agreed on "
+                     "the shorter one; the count follows timing and varies between runs)")
     if record.get("miss_reasons"):
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(record["miss_reasons"].items()))
         lines.append(f"  missed reuse        {why}")
@@ -162,6 +166,10 @@ def table(record: dict) -> str:
         lines.append(f"  INTERRUPTED by {record['interrupted']}: "
                      f"{record['unfinished_requests']} requests unfinished; the leak check "
                      "shows what rank 0's stage still held")  # fmt: skip
-    if record["failed_requests"]:
-        lines.append(f"  failed requests: {record['failed_requests']} (see 'requests' in the JSON)")
+    for key, words in (("rejected_requests", "rejected at submission (bad input)"),
+                       ("failed_requests", "failed while running"),
+                       ("cancelled_requests", "cancelled"),
+                       ("unfinished_requests", "interrupted (never ended)")):  # fmt: skip
+        if record.get(key):
+            lines.append(f"  {words}: {record[key]} (see 'requests' in the JSON)")
     return "\n".join(lines)

@@ -48,6 +48,7 @@ class Intake:
         # requests end, so they cover the forgotten ones too.
         self.retain_finished: int | None = None
         self._ended: deque[RequestId] = deque()
+        self.rejected: list[Record] = []  # rejected at submission (offline runs only)
         self.totals: dict[str, int] = dict.fromkeys(STATUSES[3:], 0)
         self.tokens_done = 0  # prompt tokens of done requests, cached included
         self.tokens_cached = 0
@@ -99,6 +100,9 @@ class Intake:
         problem = self.check(spec)
         if problem is not None:
             self.reject(rid, problem)
+            del self.records[rid]  # a rejected request leaves no trace: its id is free
+            if self.retain_finished is None:  # an offline run's record lists it
+                self.rejected.append(record)
             reason = "too_long" if "smallest stage pool" in problem else "invalid"
             raise RequestRejected(f"request {rid!r}: {problem}", reason)
         self.num_unfinished += 1
@@ -125,7 +129,7 @@ class Intake:
             if record.spec.expected_reuse > 0:
                 self.expecting_reuse += 1
                 self.good_hits += record.cached_tokens >= 0.8 * record.spec.expected_reuse
-        if self.retain_finished is not None:
+        if self.retain_finished is not None and status != "rejected":
             self._ended.append(RequestId(record.spec.request_id))
             while len(self._ended) > self.retain_finished:
                 self.records.pop(self._ended.popleft(), None)

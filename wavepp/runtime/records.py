@@ -6,6 +6,8 @@ import anyio
 import attrs
 
 from wavepp.errors import RequestRejected as RequestRejected  # re-exported
+from wavepp.ids import ID_RULE as ID_RULE  # re-exported
+from wavepp.ids import id_problem as id_problem  # re-exported
 from wavepp.rounds.errors import ProtocolError as ProtocolError  # re-exported
 from wavepp.workload import RequestSpec
 

@@ -17,7 +17,8 @@ import attrs
 import msgspec
 import numpy as np
 
-MAX_ID_CHARS = 128
+from wavepp.ids import MAX_ID_CHARS, id_problem
+
 PRIORITY_RANGE = (-1000, 1000)
 
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
@@ -58,6 +59,23 @@ class CompletionBody(msgspec.Struct):
     priority: Priority = 0
     request_id: RequestIdText | None = None
     user: str | None = None
+    # What a prefill cannot do: refused when set to anything but the neutral value.
+    logprobs: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    best_of: Any = None
+    stop: Any = None
+    suffix: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+
+
+NEUTRAL = {"logprobs": (None,), "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0),
+           "best_of": (None, 1), "stop": (None, [], ""), "suffix": (None, ""),
+           "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+           "logit_bias": (None, {})}  # fmt: skip
+"""Completion fields a prefill server does not do, and the values that ask nothing of it."""
 
 
 @attrs.frozen
@@ -82,8 +100,9 @@ def _decode(raw: bytes, kind: type) -> Any:
 
 
 def _check_id(request_id: str | None) -> str | None:
-    if request_id is not None and not request_id.isprintable():
-        raise ApiError(400, "request id must be printable text (no control characters)")
+    problem = None if request_id is None else id_problem(request_id)
+    if problem:
+        raise ApiError(400, problem)
     return request_id
 
 
@@ -138,6 +157,8 @@ def _prompt_tokens(prompt: str | list, tokenize: Tokenize | None) -> list[int]:
         return _text_tokens(prompt, tokenize)
     if _is_ids(prompt):
         return prompt
+    if any(isinstance(t, float | bool) for t in prompt):
+        raise ApiError(400, "prompt must be integer token ids: got a non-integer")
     if len(prompt) != 1:
         raise ApiError(400, f"batched prompts ({len(prompt)}) are not supported: send one")
     (single,) = prompt
@@ -152,12 +173,13 @@ def parse_completion(
     raw: bytes, vocab_size: int | None, tokenize: Tokenize | None
 ) -> tuple[Submission, CompletionBody]:
     body: CompletionBody = _decode(raw, CompletionBody)
-    if body.max_tokens is not None and body.max_tokens > 1:
-        raise ApiError(
-            400,
-            f"max_tokens {body.max_tokens} is not supported: this is a prefill server, it "
-            "returns the first token only (max_tokens 1)",
-        )
+    check_max_tokens(body.max_tokens)
+    for field, neutral in NEUTRAL.items():
+        value = getattr(body, field)
+        if not any(value == n and type(value) is type(n) for n in neutral if n is not None) \
+                and value is not None:  # fmt: skip
+            raise ApiError(400, f"{field} {value!r:.60} is not supported: a prefill server "
+                           "returns the greedy first token only (leave it out)")  # fmt: skip
     if body.stream:
         raise ApiError(400, "stream is not supported: a prefill returns one token")
     if body.n != 1:
@@ -167,6 +189,16 @@ def parse_completion(
         _token_array(tokens, vocab_size), _check_id(body.request_id), body.priority
     )
     return submission, body
+
+
+def check_max_tokens(max_tokens: int | None) -> None:
+    """The one place that says which ``max_tokens`` this server does: 1 (or left out)."""
+    if max_tokens is None or max_tokens == 1:
+        return
+    if max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be ≥ 1, got {max_tokens}")
+    raise ApiError(400, f"max_tokens {max_tokens} is not supported: this is a prefill server, "
+                   "it returns the first token only (max_tokens 1)")  # fmt: skip
 
 
 def _finite(value: float | None) -> float | None:

@@ -7,7 +7,9 @@ run's default target) hands the prompt's cache on when it ends (``docs/handoff.m
 A line ``{"cancel": "<id>", "after_s": 0.5}`` cancels an earlier line's request that
 long after measurement starts (queued, admitted or running). A bad line — not JSON, no
 tokens, token ids outside the vocabulary, a repeated id, a cancel of an unknown id — is
-reported with its line number and skipped; the other lines run.
+reported with its line number and skipped; the other lines run. Ids follow the one id
+rule (``wavepp.runtime.records.ID_RULE``): a string — ``7``, ``null`` or ``true`` is refused,
+not turned into text. A UTF-8 byte-order mark at the start is skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from wavepp.ids import id_problem
 from wavepp.workload.generators import RequestSpec
 
 
@@ -28,7 +31,7 @@ def read_requests_file(
     rejected: list[dict] = []
     cancels: list[tuple[str, float]] = []
     seen: set[str] = set()
-    with open(path) as f:
+    with open(path, encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -38,7 +41,9 @@ def read_requests_file(
                 if not isinstance(row, dict):
                     raise ValueError("not a JSON object")
                 if "cancel" in row:
-                    target = str(row["cancel"])
+                    target = row["cancel"]
+                    if id_problem(target):
+                        raise ValueError(f"'cancel': {id_problem(target)}")
                     after = float(row.get("after_s", 0.0))
                     if target not in seen:
                         raise ValueError(f"cancel of unknown request {target!r}")
@@ -48,7 +53,9 @@ def read_requests_file(
                     continue
                 if "id" not in row:
                     raise ValueError("no 'id'")
-                rid = str(row["id"])
+                if id_problem(row["id"]):
+                    raise ValueError(id_problem(row["id"]))
+                rid = row["id"]
                 tokens = row.get("tokens")
                 if not isinstance(tokens, list) or not tokens:
                     raise ValueError("no tokens (need a non-empty list of token ids)")
