@@ -66,7 +66,7 @@ class RunConfig:
     handoff_to: str | None = None
     handoff_format: str = "wavepp"
     handoff_dir: str | None = None
-    handoff_block_size: int = 16
+    handoff_block_size: int = 128
     handoff_timeout_s: float = 30.0
     handoff_budget_mib: int = 256
     handoff_all: bool = False
@@ -141,8 +141,9 @@ HELP: dict[str, str] = {
     "per prompt under --handoff-dir; attention-only models)",
     "handoff_dir": "vllm-example handoff: the folder vLLM's ExampleConnector reads "
     "(its shared_storage_path)",
-    "handoff_block_size": "vllm-example handoff: vLLM's block size (it names a prompt's folder "
-    "by its block-aligned tokens)",
+    "handoff_block_size": "vllm-example handoff: vLLM's --block-size, which must be the same "
+    "(it names a prompt's folder by its block-aligned tokens; vLLM CPU's default is 128, and "
+    "its attention kernel takes multiples of 32 whole)",
     "handoff_timeout_s": "a stage's band of a handed-off cache must be acknowledged this many "
     "seconds after the request's last chunk there; then its blocks are released and the "
     "handoff fails (reason timeout)",
@@ -251,6 +252,13 @@ def check_option(name: str, value: Any, source: str | None = None) -> Any:
         raise refuse("one of " + ", ".join(CHOICES[name]))
     if name in LIMITS and not LIMITS[name][0](value):
         raise refuse(LIMITS[name][1])
+    try:
+        if name == "capacity_blocks":
+            capacity_list(value)
+        elif name == "layers_per_stage" and value is not None:
+            layer_counts(value)
+    except OptionError as error:
+        raise OptionError(f"{error}{where}") from None
     return value
 
 

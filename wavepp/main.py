@@ -151,8 +151,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
         log(f"compiling stage {rank}'s layers (--compile)")
     executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
                              c.full_last_layer)  # fmt: skip
-    if executor.attention_kernel:
-        log(f"stage {rank}: attention by {executor.attention_kernel}")
+    log(f"stage {rank}: attention by {executor.attention_kernel}" if executor.attention_kernel
+        else f"stage {rank}: no softmax-attention layers, so no attention kernel")  # fmt: skip
     if c.compile:
         eager = len(layers) - len(executor.fused)
         log(f"stage {rank}: {len(executor.fused)} of {len(layers)} layers compiled"

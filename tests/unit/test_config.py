@@ -43,3 +43,43 @@ def test_capacity_blocks_per_stage():
     for bad in ("8,16,24", "x", "8,0"):
         with pytest.raises(SystemExit, match=r"capacity-blocks|pool of"):
             stage_capacities(load(["--capacity-blocks", bad]), 2)
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [('concurrency = "eight"', "--concurrency must be an integer, got 'eight'"),
+     ('requests = "4"', "--requests must be an integer, got '4'"),
+     ('compile = "no"', "--compile must be true or false, got 'no'"),
+     ('rung = "R9"', "--rung must be one of R1, R2, R3, R4, R5, oracle, got 'R9'"),
+     ("block_size = 16.0", "--block-size must be an integer, got 16.0"),
+     ('seed = "x"', "--seed must be an integer, got 'x'"),
+     ("dead_after_s = -1", "--dead-after-s must be positive, got -1"),
+     ("capacity_blocks = -5", "--capacity-blocks: every stage needs a pool of ≥ 1 block")],
+)  # fmt: skip
+def test_toml_values_get_the_typed_checks_naming_option_and_file(tmp_path, toml, message):
+    path = tmp_path / "run.toml"
+    path.write_text(toml + "\n")
+    with pytest.raises(SystemExit) as caught:
+        load(["--config", str(path)])
+    assert message in str(caught.value.code) and str(path) in str(caught.value.code)
+
+
+def test_command_line_and_python_api_get_the_same_checks():
+    with pytest.raises(SystemExit, match=r"--concurrency must be an integer, got 'eight'$"):
+        load(["--concurrency", "eight"])
+    with pytest.raises(SystemExit, match=r"--concurrency must be an integer, got 'eight' \(in"):
+        from wavepp.config import validate
+
+        validate(attrs.evolve(load([]), concurrency="eight"))
+    config = load(["--dead-after-s", "3", "--time-scale", "2"])
+    assert (config.dead_after_s, config.time_scale) == (3.0, 2.0)
+
+
+def test_checks_that_need_only_the_world_size():
+    from wavepp.config import check_for_world
+
+    with pytest.raises(SystemExit, match="gives 2 stages for 4 ranks"):
+        check_for_world(load(["--layers-per-stage", "1,1"]), 4)
+    with pytest.raises(SystemExit, match="sums to 3 layers; the model has 4"):
+        check_for_world(load(["--layers-per-stage", "1,2"]), 2, num_layers=4)
+    check_for_world(load(["--layers-per-stage", "2,2"]), 2, num_layers=4)
