@@ -117,3 +117,32 @@ def test_vllm_decodes_from_the_handed_off_cache(tmp_path):
             assert np.allclose(a["logprobs"], h["logprobs"], atol=1e-3), (a, h)
     print("alone:", [a["token_ids"] for a in alone])
     print("handed off:", [h["token_ids"] for h in handed])
+
+
+def test_vllm_decodes_what_the_pipeline_handed_off(tmp_path):
+    """The whole path: a WavePP run at P = 2 fills the folder (``--handoff-format
+    vllm-example``), then vLLM continues each prompt plus its first token from it."""
+    from tests.handoff_rig import run_pipeline, write_requests
+
+    model_dir, storage = tmp_path / "llama", tmp_path / "kv"
+    tiny_llama(model_dir)
+    rng = np.random.default_rng(11)
+    doc = rng.integers(3, VOCAB, 64).tolist()
+    asked = {"doc": doc, "turn": doc + rng.integers(3, VOCAB, 30).tolist()}
+    requests = write_requests(tmp_path / "requests.jsonl", asked, True)
+    record = run_pipeline(2, str(model_dir), requests, tmp_path / "out.json",
+                          "--concurrency", "1", "--handoff-format", "vllm-example",
+                          "--handoff-dir", str(storage),
+                          "--handoff-block-size", str(BLOCK))  # fmt: skip
+    assert record["handoff"] == {"done": 2}
+    first = {r["id"]: r["first_token"] for r in record["requests"]}
+    prompts = [[*tokens, first[rid]] for rid, tokens in asked.items()]
+    alone, _ = run_vllm(tmp_path, "alone", model_dir, prompts, None)
+    handed, log = run_vllm(tmp_path, "consumer", model_dir, prompts, storage)
+    assert log.count("External Cache Hit!") >= len(prompts)
+    assert [h["num_cached_tokens"] for h in handed] == [(len(p) - 2) // BLOCK * BLOCK
+                                                       for p in prompts]  # fmt: skip
+    assert [a["token_ids"] for a in alone] == [h["token_ids"] for h in handed]
+    # vLLM's own first token, decoding the whole prompt alone, is WavePP's
+    alone_first, _ = run_vllm(tmp_path, "first", model_dir, list(asked.values()), None)
+    assert [a["token_ids"][0] for a in alone_first] == list(first.values())

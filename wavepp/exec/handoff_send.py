@@ -23,7 +23,9 @@ band counts as delivered when its files are in place.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +36,6 @@ import anyio.to_thread
 import attrs
 import numpy as np
 import torch
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from wavepp.handoff import wire
 from wavepp.rounds.messages import HandoffOutcome
@@ -61,6 +62,9 @@ class BandTensor:
     dtype: str  # a wire dtype name
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]  # a contiguous CPU tensor; runs in a worker thread
+    # the same bytes as contiguous buffers in order, straight from where they live (the
+    # pool's blocks on a CPU stage): sent without a copy; None: send read()'s bytes
+    buffers: Callable[[], list[memoryview]] | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -201,52 +205,26 @@ class HandoffSender:
                      for t in tensors],
             first_token=job.first_token, top_logit=job.top_logit,
         )  # fmt: skip
+        prefix = wire.encode_band_prefix(header)
+        sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
+                             if ":" in address.host else socket.AF_INET)  # fmt: skip
+        deadline = job.ended_at + self.settings.timeout_s
         try:
-            if address.kind == "unix":
-                stream = await anyio.connect_unix(address.path)
-            else:
-                stream = await anyio.connect_tcp(address.host, address.port)
-        except OSError as error:
-            raise BandFailed("connect", f"cannot connect to {job.target}: {error}") from None
-        async with stream:
-            reader = BufferedByteReceiveStream(stream)
-            try:
-                await stream.send(wire.encode_band_prefix(header))
-                for tensor in tensors:
-                    data = await anyio.to_thread.run_sync(tensor.read)
-                    # one flat run of bytes: a sliced n-D memoryview would skip rows
-                    await stream.send(data.reshape(-1).view(torch.uint8).numpy().data)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as error:
-                # A receiver that refuses a band may answer and close before reading it
-                # all: its answer says why.
-                ack = None
-                with anyio.move_on_after(1.0):
-                    ack = await self._read_ack(reader, job)
-                if ack is not None and not ack.ok:
-                    raise BandFailed("refused", ack.error) from None
-                raise BandFailed("disconnected", f"{job.target} closed the connection "
-                                 f"while the band was sent ({error or type(error).__name__})"
-                                 ) from None  # fmt: skip
-            ack = await self._read_ack(reader, job)
-        if not ack.ok:
-            raise BandFailed("refused", ack.error or "the receiver refused the band")
-        return sum(t.num_bytes for t in tensors)
-
-    async def _read_ack(self, reader: BufferedByteReceiveStream, job: BandJob) -> wire.Ack:
-        try:
-            length = wire.ack_length(await reader.receive_exactly(wire.ACK_PREFIX_BYTES))
-            ack = wire.decode_ack(await reader.receive_exactly(length))
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                OSError) as error:  # fmt: skip
-            raise BandFailed("disconnected", f"{job.target} closed the connection before "
-                             f"acknowledging ({type(error).__name__})") from None  # fmt: skip
-        except wire.WireError as error:
-            raise BandFailed("bad ack", f"{job.target} answered garbage: {error}") from None
+            # One worker thread does the band's whole I/O with blocking calls: scatter-
+            # gather sends straight from the pool's blocks, no copy in between. A cancel
+            # or the timeout abandons the thread and shuts the socket, which ends it.
+            ack = await anyio.to_thread.run_sync(_send_band, sock, address, prefix, tensors,
+                                                 deadline, job.target, abandon_on_cancel=True)
+        finally:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         if ack.request_id != job.request_id or ack.stage != self.settings.stage:
             raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
                              f"{ack.stage}, not {job.request_id!r} stage "
                              f"{self.settings.stage}")  # fmt: skip
-        return ack
+        if not ack.ok:
+            raise BandFailed("refused", ack.error or "the receiver refused the band")
+        return sum(t.num_bytes for t in tensors)
 
     async def _write_files(self, job: BandJob, folder: Path,
                            tensors: Sequence[BandTensor]) -> int:  # fmt: skip
@@ -257,14 +235,19 @@ class HandoffSender:
             if tensor.layer >= 0:
                 by_layer.setdefault(tensor.layer, {})[tensor.name] = tensor
         written = 0
+        block = self.settings.vllm_block_size
+        # vLLM reads one folder or two (the prompt alone, or with its first token): each
+        # gets its own rows, in <staging>/<tokens>/; rank 0 renames them into place
+        lengths = vllm_example.folder_lengths(job.num_tokens, block)
         for layer, parts in sorted(by_layer.items()):
             if set(parts) != {"k", "v"}:
                 raise BandFailed("error", f"layer {layer} holds {sorted(parts)}: the vLLM "
                                  "example layout takes attention layers' keys and values only")
             k = await anyio.to_thread.run_sync(parts["k"].read)
             v = await anyio.to_thread.run_sync(parts["v"].read)
-            await anyio.to_thread.run_sync(vllm_example.write_layer, folder, layer, k, v,
-                                           self.settings.vllm_block_size)  # fmt: skip
+            for n in lengths:
+                await anyio.to_thread.run_sync(vllm_example.write_layer, folder / str(n), layer,
+                                               k[:n], v[:n], block)  # fmt: skip
             written += parts["k"].num_bytes + parts["v"].num_bytes
         return written
 
@@ -283,3 +266,89 @@ def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> t
     slots = torch.as_tensor(list(block_table[:num_blocks]), dtype=torch.long)
     rows = slots[:, None] * block_size + torch.arange(block_size)
     return rows.reshape(-1)[:num_tokens]
+
+
+IOV_MAX = 1024  # buffers per sendmsg call (Linux)
+
+
+def _send_band(
+    sock: socket.socket, address: wire.Address, prefix: bytes,
+    tensors: Sequence[BandTensor], deadline: float, target: str,
+) -> wire.Ack:  # fmt: skip
+    """A band's whole exchange with blocking calls (in a worker thread): connect, the
+    prefix and header, every tensor's bytes, the acknowledgement. Owns ``sock``."""
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        return remaining
+
+    with sock:
+        try:
+            sock.settimeout(left())
+            sock.connect(address.path if address.kind == "unix" else (address.host, address.port))
+        except OSError as error:
+            if isinstance(error, TimeoutError):
+                raise
+            raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
+        try:
+            sock.sendall(prefix)
+            for tensor in tensors:
+                if tensor.buffers is not None:
+                    views = tensor.buffers()
+                else:  # one flat run of bytes (an n-D memoryview would slice by rows)
+                    views = [tensor.read().reshape(-1).view(torch.uint8).numpy().data]
+                _sendmsg_all(sock, views, left)
+        except TimeoutError:
+            raise
+        except OSError as error:
+            # A receiver that refuses a band may answer and close before reading it all:
+            # its answer says why.
+            ack = None
+            with contextlib.suppress(OSError, BandFailed, TimeoutError):
+                sock.settimeout(min(1.0, left()))
+                ack = _read_ack(sock, target)
+            if ack is not None and not ack.ok:
+                raise BandFailed("refused", ack.error) from None
+            raise BandFailed("disconnected", f"{target} closed the connection while the band "
+                             f"was sent ({error or type(error).__name__})") from None  # fmt: skip
+        sock.settimeout(left())
+        return _read_ack(sock, target)
+
+
+def _sendmsg_all(sock: socket.socket, views: list[memoryview], left: Callable[[], float]) -> None:
+    queue = [memoryview(v).cast("B") for v in views if v.nbytes]
+    while queue:
+        sock.settimeout(left())
+        sent = sock.sendmsg(queue[:IOV_MAX])
+        while sent and queue:  # drop what went out; a partial buffer keeps its tail
+            if sent >= queue[0].nbytes:
+                sent -= queue[0].nbytes
+                queue.pop(0)
+            else:
+                queue[0] = queue[0][sent:]
+                sent = 0
+
+
+def _recv_exactly(sock: socket.socket, n: int, target: str) -> bytes:
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise BandFailed("disconnected", f"{target} closed the connection before "
+                             "acknowledging")  # fmt: skip
+        got += k
+    return bytes(data)
+
+
+def _read_ack(sock: socket.socket, target: str) -> wire.Ack:
+    try:
+        length = wire.ack_length(_recv_exactly(sock, wire.ACK_PREFIX_BYTES, target))
+        return wire.decode_ack(_recv_exactly(sock, length, target))
+    except wire.WireError as error:
+        raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
+    except ConnectionError as error:
+        raise BandFailed("disconnected", f"{target} closed the connection before "
+                         f"acknowledging ({type(error).__name__})") from None  # fmt: skip

@@ -22,12 +22,11 @@ from wavepp.exec.stage import Stage
 from wavepp.rounds.admission import RoundMode
 from wavepp.rungs import Rung
 from wavepp.runtime.admitter import Admitter
-from wavepp.runtime.intake import Intake
+from wavepp.runtime.intake import HandoffTarget, Intake
 from wavepp.runtime.planning import WavePlanner
 from wavepp.runtime.records import Signal
 from wavepp.runtime.stage_zero import StageZero
 from wavepp.state import RequestId
-from wavepp.workload import RequestSpec
 
 
 class Coordinator:
@@ -36,7 +35,7 @@ class Coordinator:
         done: Link | None, planner: WavePlanner, mode: RoundMode, *, min_capacity: int,
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
         log: Callable[[str], None], num_stages: int = 1,
-        handoff_target: Callable[[RequestSpec], str] | None = None,
+        handoff_target: HandoffTarget | None = None,
     ) -> None:  # fmt: skip
         self.rung = rung
         self.stage = stage

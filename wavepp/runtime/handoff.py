@@ -3,7 +3,12 @@ fingerprint every band carries (``docs/handoff.md``)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import os
+import shutil
+import time
 from pathlib import Path
 
 from wavepp.errors import RequestRejected
@@ -11,6 +16,7 @@ from wavepp.handoff import wire
 from wavepp.workload import RequestSpec
 
 FORMATS = ("wavepp", "vllm-example")
+STAGING = ".wavepp-staging"  # under --handoff-dir: folders being written
 
 
 class HandoffTargets:
@@ -18,17 +24,27 @@ class HandoffTargets:
 
     A request names an address (``unix:/path``, ``tcp://host:port``) or asks for the
     run's default (``True``): ``--handoff-to``, or with ``--handoff-format vllm-example``
-    the request's own folder under ``--handoff-dir``, named as vLLM's ``ExampleConnector``
-    names it (a hash of the block-aligned prompt, ``--handoff-block-size``).
+    folders under ``--handoff-dir`` named as vLLM's ``ExampleConnector`` names them (a
+    hash of the block-aligned prompt, ``--handoff-block-size``).
+
+    vLLM takes a folder that exists as a hit and reads every layer file in it, so the
+    stages write into a staging folder of the request's own (under
+    ``<dir>/.wavepp-staging/``) and, once every stage's files are in, rank 0 renames it
+    into place (:meth:`settled`), one atomic rename per folder vLLM reads; a folder
+    already there (the same prompt, handed off before) is kept. A failed or cancelled
+    handoff's staging folder is removed.
     """
 
     def __init__(self, default: str | None, fmt: str, folder: str | None, block_size: int,
                  layer_kinds: str) -> None:  # fmt: skip
         self.default = default
         self.format = fmt
-        self.folder = folder
+        self.folder = Path(folder).resolve() if folder else None
         self.block_size = block_size
         self.layer_kinds = layer_kinds  # the model's, one char per layer (A, M, L)
+        self._staging = (self.folder / STAGING / f"{os.getpid()}-{time.time_ns()}"
+                         if self.folder else None)  # fmt: skip
+        self._next = itertools.count()
 
     def __call__(self, spec: RequestSpec) -> str:
         asked = spec.handoff
@@ -54,17 +70,31 @@ class HandoffTargets:
         return asked
 
     def _folder(self, spec: RequestSpec) -> str:
-        from wavepp.handoff.vllm_example import folder_name
-
         if set(self.layer_kinds) != {"A"}:
             raise RequestRejected("handoff: vLLM's example layout holds attention-only models; "
                                   f"this one has layers {self.layer_kinds}", "invalid")  # fmt: skip
-        if spec.num_tokens <= self.block_size:
+        if spec.num_tokens < self.block_size + 1:
             raise RequestRejected(f"handoff: a prompt of {spec.num_tokens} tokens has no full "
-                                  f"vLLM block of {self.block_size} before its last token",
-                                  "invalid")  # fmt: skip
-        name = folder_name(spec.tokens.tolist(), self.block_size)
-        return f"dir:{Path(self.folder).resolve() / name}"
+                                  f"vLLM block of {self.block_size} before its last token, so "
+                                  "vLLM would load nothing", "invalid")  # fmt: skip
+        return f"dir:{self._staging / str(next(self._next))}"
+
+    def settled(self, spec: RequestSpec, target: str, ok: bool) -> None:
+        """A request's handoff ended (``ok``: every stage's band went through). For a
+        vLLM folder: rename the staging folders into place, or remove them."""
+        if not target.startswith("dir:"):
+            return
+        from wavepp.handoff.vllm_example import folder_lengths, folder_name
+
+        staging = Path(target.removeprefix("dir:"))
+        if ok:
+            tokens = spec.tokens.tolist()
+            for n in folder_lengths(spec.num_tokens, self.block_size):
+                final = self.folder / folder_name(tokens[:n], self.block_size)
+                with contextlib.suppress(FileNotFoundError, FileExistsError, OSError):
+                    if not final.exists():
+                        os.rename(staging / str(n), final)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def model_hf_config(model: str, cfg) -> dict | None:

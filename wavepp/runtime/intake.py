@@ -12,6 +12,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import anyio
 import numpy as np
@@ -23,14 +24,23 @@ from wavepp.state import RequestId, block_hashes, num_blocks_for
 from wavepp.workload import RequestSpec
 
 
+class HandoffTarget(Protocol):
+    """Where requests' caches go (``wavepp.runtime.handoff.HandoffTargets``)."""
+
+    def __call__(self, spec: RequestSpec) -> str: ...
+
+    def settled(self, spec: RequestSpec, target: str, ok: bool) -> None: ...
+
+
 class Intake:
     def __init__(
         self, block_size: int, min_capacity: int, vocab_size: int | None,
         changed: Signal, log: Callable[[str], None], *, num_stages: int = 1,
-        handoff_target: Callable[[RequestSpec], str] | None = None,
+        handoff_target: HandoffTarget | None = None,
     ) -> None:  # fmt: skip
         """``handoff_target(spec)``: the address a request that asks for a handoff sends
-        its cache to (raises RequestRejected); None: this run hands nothing on."""
+        its cache to (raises RequestRejected), told when its handoff has ended; None:
+        this run hands nothing on."""
         self.block_size = block_size
         self.min_capacity = min_capacity
         self.vocab_size = vocab_size  # None: ids are not checked (the sim executor)
@@ -118,10 +128,12 @@ class Intake:
         record.done_at = time.time()
         record.finished.set()
         self.totals[status] += 1
-        if record.offer.handoff and status in ("done", "cancelled"):
+        if record.offer.handoff:
             summary = record.handoff_summary()
+            self.handoff_target.settled(record.spec, record.offer.handoff,
+                                        summary["status"] == "done")  # fmt: skip
             key = summary["reason"] if summary["status"] == "failed" else (
-                "done" if status == "done" else "cancelled")
+                "done" if status == "done" else status)
             self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1
         if status == "done":
             self.tokens_done += record.spec.num_tokens
