@@ -170,6 +170,7 @@ class Engine:
             "input_tokens": intake.tokens_done,
             "cached_tokens": intake.tokens_cached,
             "good_hits": intake.good_hits,
+            "handoffs": dict(intake.handoff_totals),  # handed-off requests by outcome
             "expecting_reuse": intake.expecting_reuse,
             "stages": dict(sorted(stages.items())),
             "admission_round_seconds": list(self._c.admitter.round_seconds[-1024:]),

@@ -3,7 +3,9 @@
 Rank 0 serves HTTP (see :mod:`wavepp.serve.app`) next to the runtime; ranks > 0 serve
 their pipeline stage. The run options are those of ``wavepp.main`` (``--model``,
 ``--rung``, ``--capacity-blocks``, ...); the workload options only size the default
-pool (``--prompt-tokens`` x ``--concurrency``). SIGTERM drains: no new requests, the
+pool (``--prompt-tokens`` x ``--concurrency``). ``--decode ADDRESS|auto`` adds a decoder:
+``/v1/completions`` with ``max_tokens`` > 1 hands the prompt's cache to it and answers
+with its tokens (``wavepp.serve.decode``). SIGTERM drains: no new requests, the
 ones in flight answer, the leak check runs, and the exit status says whether it held.
 """
 
@@ -13,7 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
+import attrs
+
 from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, ServeOptions
+from wavepp.serve.decode import check_decode_option, decoder
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,6 +54,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--body-timeout-s", type=float, default=30.0,
         help="a request body that takes longer gets 408, seconds [30]",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode", default=None, metavar="ADDRESS|auto",
+        help="a decode worker (unix:/path or tcp://host:port, python -m wavepp.decode), or "
+        "'auto' to start one for the model: /v1/completions then takes max_tokens > 1 and "
+        "stream, prefilling on the pipeline and handing the cache to it [none]",
     )  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model's name in answers")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
@@ -124,7 +135,10 @@ def check(argv: list[str] | None, world: int | None = None):
         body_timeout_s=args.body_timeout_s,
         header_timeout_s=args.header_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
+        decode=check_decode_option(args.decode),
     )
+    if options.decode is not None and config.executor != "torch":
+        raise SystemExit("wavepp serve: --decode needs the torch executor")
     return options, config, args
 
 
@@ -145,9 +159,13 @@ def main(argv: list[str] | None = None) -> None:
         _refuse_once(error)
 
     async def client(engine) -> None:
+        from wavepp.main import log
         from wavepp.serve.server import serve
 
-        await serve(engine, args.host, args.port, options, log_level=args.log_level)
+        async with decoder(options.decode, config.model, config.seed, config.dtype,
+                           log) as address:  # fmt: skip
+            await serve(engine, args.host, args.port, attrs.evolve(options, decode=address),
+                        log_level=args.log_level)  # fmt: skip
 
     from wavepp.main import run_ranks
 

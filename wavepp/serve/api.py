@@ -45,6 +45,7 @@ class PrefillBody(msgspec.Struct):
     text: str | None = None
     id: RequestIdText | None = None
     priority: Priority = 0
+    handoff: str | bool | None = None  # hand the cache on: an address, or true (the default)
 
 
 class CompletionBody(msgspec.Struct):
@@ -85,6 +86,7 @@ class Submission:
     tokens: np.ndarray  # int32 token ids, 1..max tokens, all in 0..vocab-1
     request_id: str | None  # the client's id, or None to let the engine name it
     priority: int  # class: higher is admitted first, FCFS inside a class
+    handoff: str | bool | None = None  # where its cache goes (docs/handoff.md); None: nowhere
 
 
 Tokenize = Callable[[str], list[int]]
@@ -143,7 +145,10 @@ def parse_prefill(raw: bytes, vocab_size: int | None, tokenize: Tokenize | None)
     if (body.tokens is None) == (body.text is None):
         raise ApiError(400, 'send exactly one of "tokens" (a list of token ids) and "text"')
     tokens = body.tokens if body.tokens is not None else _text_tokens(body.text, tokenize)
-    return Submission(_token_array(tokens, vocab_size), _check_id(body.id), body.priority)
+    if body.handoff is False:
+        body.handoff = None
+    return Submission(_token_array(tokens, vocab_size), _check_id(body.id), body.priority,
+                      body.handoff)  # fmt: skip
 
 
 def _is_ids(value: Any) -> bool:
@@ -170,35 +175,48 @@ def _prompt_tokens(prompt: str | list, tokenize: Tokenize | None) -> list[int]:
 
 
 def parse_completion(
-    raw: bytes, vocab_size: int | None, tokenize: Tokenize | None
+    raw: bytes, vocab_size: int | None, tokenize: Tokenize | None, decode: str | None = None
 ) -> tuple[Submission, CompletionBody]:
+    """``decode``: the server's decoder address (``--decode``), which makes ``max_tokens``
+    above 1 and ``stream`` possible; the prompt's cache is then handed to it."""
     body: CompletionBody = _decode(raw, CompletionBody)
-    check_max_tokens(body.max_tokens)
+    check_max_tokens(body.max_tokens, decode is not None)
     for field, neutral in NEUTRAL.items():
         value = getattr(body, field)
         if not any(value == n and type(value) is type(n) for n in neutral if n is not None) \
                 and value is not None:  # fmt: skip
             raise ApiError(400, f"{field} {value!r:.60} is not supported: a prefill server "
                            "returns the greedy first token only (leave it out)")  # fmt: skip
-    if body.stream:
-        raise ApiError(400, "stream is not supported: a prefill returns one token")
+    if body.stream and decode is None:
+        raise ApiError(400, "stream is not supported without a decoder: a prefill returns "
+                       "one token (start the server with --decode ADDRESS or auto)")
     if body.n != 1:
         raise ApiError(400, f"n {body.n} is not supported: one completion per request")
     tokens = _prompt_tokens(body.prompt, tokenize)
+    decoding = decode is not None and ((body.max_tokens or 1) > 1 or body.stream)
     submission = Submission(
-        _token_array(tokens, vocab_size), _check_id(body.request_id), body.priority
-    )
+        _token_array(tokens, vocab_size), _check_id(body.request_id), body.priority,
+        decode if decoding else None,
+    )  # fmt: skip
     return submission, body
 
 
-def check_max_tokens(max_tokens: int | None) -> None:
-    """The one place that says which ``max_tokens`` this server does: 1 (or left out)."""
+MAX_DECODE_TOKENS = 4096  # the decode protocol's bound on max_tokens
+
+
+def check_max_tokens(max_tokens: int | None, decoding: bool = False) -> None:
+    """The one place that says which ``max_tokens`` this server does: 1 (or left out), and
+    up to MAX_DECODE_TOKENS with a decoder (``--decode``)."""
     if max_tokens is None or max_tokens == 1:
         return
     if max_tokens < 1:
         raise ApiError(400, f"max_tokens must be ≥ 1, got {max_tokens}")
-    raise ApiError(400, f"max_tokens {max_tokens} is not supported: this is a prefill server, "
-                   "it returns the first token only (max_tokens 1)")  # fmt: skip
+    if not decoding:
+        raise ApiError(400, f"max_tokens {max_tokens} needs a decoder: this server prefills "
+                       "and returns the first token only (max_tokens 1); start it with "
+                       "--decode ADDRESS or --decode auto")  # fmt: skip
+    if max_tokens > MAX_DECODE_TOKENS:
+        raise ApiError(400, f"max_tokens {max_tokens} is over {MAX_DECODE_TOKENS}")
 
 
 def _finite(value: float | None) -> float | None:
@@ -233,16 +251,24 @@ def result_body(result: Any) -> dict:
         "cached_tokens": result.cached_tokens,
         "error": result.error,
         "timings": timings(result),
+        **({"handoff": result.handoff} if getattr(result, "handoff", None) else {}),
     }
 
 
 def completion_body(
-    result: Any, body: CompletionBody, detokenize: Callable[[int], str] | None
+    result: Any, body: CompletionBody, detokenize: Callable[[int], str] | None,
+    token_ids: list[int] | None = None,
 ) -> dict:
-    """``POST /v1/completions``'s answer, in the OpenAI shape plus a ``wavepp`` record."""
+    """``POST /v1/completions``'s answer, in the OpenAI shape plus a ``wavepp`` record.
+    ``token_ids``: what the decoder generated (the first token included); None: the
+    prefill's first token alone."""
     token = result.first_token
-    text = detokenize(token) if detokenize is not None and token is not None else ""
     done = result.status == "done"
+    if token_ids is None:
+        token_ids = [token] if done and token is not None else []
+    text = "".join(detokenize(t) for t in token_ids) if detokenize is not None else ""
+    finish = result.status if not done else (
+        "length" if len(token_ids) >= (body.max_tokens or 1) else "stop")
     return {
         "id": f"cmpl-{result.request_id}",
         "object": "text_completion",
@@ -253,14 +279,15 @@ def completion_body(
                 "index": 0,
                 "text": text,
                 "token": token,
+                "token_ids": token_ids,
                 "logprobs": None,
-                "finish_reason": "length" if done else result.status,
+                "finish_reason": finish,
             }
         ],
         "usage": {
             "prompt_tokens": result.num_tokens,
-            "completion_tokens": 1 if done else 0,
-            "total_tokens": result.num_tokens + (1 if done else 0),
+            "completion_tokens": len(token_ids),
+            "total_tokens": result.num_tokens + len(token_ids),
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
         },
         "wavepp": result_body(result),

@@ -19,20 +19,23 @@ every request in flight and every new one with a JSON 503 naming the cause.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 import attrs
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from wavepp.handoff.client import DecodeError, decode
 from wavepp.serve.api import (
     STATUS_CODE,
     ApiError,
+    CompletionBody,
     Submission,
     Tokenize,
     completion_body,
@@ -58,6 +61,8 @@ class ServeOptions:
     body_timeout_s: float = 30.0  # a request's whole body must arrive within this, seconds
     header_timeout_s: float = 10.0  # a request's headers must arrive within this, seconds
     drain_timeout_s: float = 25.0  # after SIGTERM, requests in flight get this long, seconds
+    decode: str | None = None  # the decoder's address (--decode): max_tokens > 1, stream
+    decode_timeout_s: float = 300.0  # a decode's whole stream, seconds
 
 
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait before trying again
@@ -202,6 +207,7 @@ class Frontend:
                     submission.tokens,
                     request_id=submission.request_id,
                     priority=submission.priority,
+                    handoff=submission.handoff,
                 )
             except ValueError as error:  # RequestRejected is a ValueError
                 raise _rejection(error) from None
@@ -246,10 +252,14 @@ class Frontend:
 
     async def _guarded(self, route: str, request: Request, work) -> Response:
         try:
-            body, status = await work(request)
+            answer = await work(request)
         except ApiError as error:
             self.metrics.http_answer(route, error.status)
             return _error(error)
+        if isinstance(answer, Response):  # a stream: its status is sent first
+            self.metrics.http_answer(route, answer.status_code)
+            return answer
+        body, status = answer
         return self._answer(route, body, status)
 
     # -- routes --------------------------------------------------------------------------
@@ -266,12 +276,15 @@ class Frontend:
         return await self._guarded("/v1/prefill", request, work)
 
     async def completions(self, request: Request) -> Response:
-        async def work(request: Request) -> tuple[dict, int]:
+        async def work(request: Request) -> tuple[dict, int] | Response:
             raw = await self.read(request)
             submission, body = await _off_loop_if_big(
-                raw, parse_completion, raw, self.engine.vocab_size, self.options.tokenize
+                raw, parse_completion, raw, self.engine.vocab_size, self.options.tokenize,
+                self.options.decode,
             )
             result = await self._run(request, submission)
+            if submission.handoff is not None and result.status == "done":
+                return await self._decoded(result, body)
             answer = completion_body(result, body, self.options.detokenize)
             if result.status in ("rejected", "failed"):
                 kind = "invalid_request_error" if result.status == "rejected" else "server_error"
@@ -279,6 +292,45 @@ class Frontend:
             return answer, STATUS_CODE.get(result.status, 500)
 
         return await self._guarded("/v1/completions", request, work)
+
+    async def _decoded(self, result: Any, body: CompletionBody) -> tuple[dict, int] | Response:
+        """The prompt was prefilled and its cache handed to the decoder: its tokens."""
+        handoff = result.handoff or {}
+        if handoff.get("status") != "done":
+            raise ApiError(502, f"the prompt's cache did not reach the decoder at "
+                           f"{self.options.decode}: {handoff.get('error')}", "decoder_error")
+        stream = decode(self.options.decode, result.request_id, body.max_tokens or 1,
+                        self.options.decode_timeout_s)  # fmt: skip
+        if body.stream:
+            return StreamingResponse(self._events(result, body, stream),
+                                     media_type="text/event-stream")  # fmt: skip
+        token_ids: list[int] = []
+        try:
+            async for chunk in stream:
+                token_ids += chunk
+        except DecodeError as error:
+            raise ApiError(502, str(error), "decoder_error") from None
+        return completion_body(result, body, self.options.detokenize, token_ids), 200
+
+    async def _events(self, result: Any, body: CompletionBody, stream) -> AsyncIterator[str]:
+        """Server-sent events as OpenAI clients read them: a chunk per batch of tokens,
+        the last with its finish reason and the usage, then ``[DONE]``."""
+        token_ids: list[int] = []
+        detokenize = self.options.detokenize
+        try:
+            async for chunk in stream:
+                token_ids += chunk
+                event = completion_body(result, body, detokenize, chunk)
+                event["choices"][0]["finish_reason"] = None
+                del event["choices"][0]["token"], event["usage"], event["wavepp"]
+                yield f"data: {json.dumps(event)}\n\n"
+        except DecodeError as error:
+            failure = ApiError(502, str(error), "decoder_error").body()
+            yield f"data: {json.dumps(failure)}\n\n"
+            return
+        final = completion_body(result, body, detokenize, token_ids)
+        final["choices"][0]["text"], final["choices"][0]["token_ids"] = "", []
+        yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]

@@ -25,10 +25,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 THROUGHPUT_WINDOW_S = 30.0
 
 # Label names for the engine's dicts of counts, by the dict's key; other dicts get "key".
-LABEL_OF = {"requests": "state", "counts": "state", "states": "state", "by_state": "state"}
+LABEL_OF = {"requests": "state", "counts": "state", "states": "state", "by_state": "state",
+            "handoffs": "outcome"}
 
 HELP = {
     "requests": "requests by state",
+    "handoffs": "requests that handed their cache on, by outcome: done, a failure reason "
+    "(timeout, connect, refused, disconnected, bad ack, error) or cancelled",
     "queue_depth": "requests waiting for admission",
     "input_tokens": "prompt tokens of done requests (cached included)",
     "cached_tokens": "prompt tokens of done requests served from the cache",

@@ -108,7 +108,8 @@ class FakeEngine:
 
     # -- the engine interface ------------------------------------------------------------
 
-    async def submit(self, tokens, *, request_id=None, priority=0, warmup=False) -> FakeHandle:
+    async def submit(self, tokens, *, request_id=None, priority=0, warmup=False,
+                     handoff=None) -> FakeHandle:  # fmt: skip
         if self.draining:
             raise FakeRejected("draining")
         ids = np.asarray(tokens, dtype=np.int64)

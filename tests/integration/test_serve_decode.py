@@ -1,0 +1,90 @@
+"""Prefill on the pipeline, decode elsewhere: the server at P = 2 with ``--decode auto``
+(a reference decode worker for the built-in tiny-kimi, started by the server) answers
+``/v1/completions`` with ``max_tokens`` 16 — streamed or not — with the tokens
+transformers generates from the whole prompt; a prefill whose handoff cannot be
+delivered still answers, saying why; SIGTERM to the launcher drains, stops the decoder
+and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.integration.test_serve import free_port, start_server
+from wavepp.exec.checkpoint import write_checkpoint
+from wavepp.exec.model import BUILTIN, random_weights
+
+pytestmark = pytest.mark.slow
+
+
+def stream_tokens(client: httpx.Client, url: str, body: dict) -> tuple[list[int], dict]:
+    tokens, last = [], {}
+    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        last = json.loads(event)
+        tokens += last["choices"][0]["token_ids"]
+    return tokens, last
+
+
+def test_completions_decode_from_the_handed_off_cache(tmp_path, monkeypatch):
+    import tests.integration.test_serve as serve_test
+
+    monkeypatch.setattr(serve_test, "MODEL", ["--model", "tiny-kimi", "--seed", "0",
+                                              "--decode", "auto"])  # fmt: skip
+    proc, url, _ = start_server(tmp_path, free_port())
+    cfg = BUILTIN["tiny-kimi"]
+    write_checkpoint(tmp_path / "kimi", cfg, random_weights(cfg, 0))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kimi").eval()
+    rng = np.random.default_rng(5)
+    doc = rng.integers(3, cfg.vocab_size, 48).tolist()
+    prompts = [doc, doc + rng.integers(3, cfg.vocab_size, 21).tolist()]  # the second reuses
+    try:
+        with httpx.Client(timeout=120) as client:
+            for i, prompt in enumerate(prompts):
+                ids = torch.tensor([prompt])
+                with torch.inference_mode():
+                    want = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                          do_sample=False, max_new_tokens=16,
+                                          min_new_tokens=16)[0, len(prompt):].tolist()  # fmt: skip
+                answer = client.post(f"{url}/v1/completions",
+                                     json={"prompt": prompt, "max_tokens": 16}).json()  # fmt: skip
+                choice = answer["choices"][0]
+                assert choice["token_ids"] == want, (i, answer)
+                assert choice["finish_reason"] == "length"
+                assert answer["usage"]["completion_tokens"] == 16
+                assert answer["wavepp"]["handoff"]["status"] == "done"
+                if i == 1:
+                    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+                streamed, last = stream_tokens(client, url, {"prompt": prompt, "max_tokens": 16,
+                                                             "stream": True})  # fmt: skip
+                assert streamed == want
+                assert last["choices"][0]["finish_reason"] == "length"
+            # a handoff to nobody: the prefill answers, the handoff says why it failed
+            answer = client.post(f"{url}/v1/prefill", json={
+                "tokens": doc, "handoff": f"unix:{tmp_path}/nobody.sock"}).json()  # fmt: skip
+            assert answer["status"] == "done"
+            assert answer["handoff"]["status"] == "failed"
+            assert answer["handoff"]["reason"] == "connect"
+            bad = client.post(f"{url}/v1/prefill", json={"tokens": doc, "handoff": "ftp://x"})
+            assert bad.status_code == 400 and "handoff" in bad.json()["error"]["message"]
+            metrics = client.get(f"{url}/metrics").text
+            assert 'wavepp_engine_handoffs{outcome="done"} 4' in metrics
+            assert 'wavepp_engine_handoffs{outcome="connect"} 1' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    err = (tmp_path / "server.err").read_text()
+    assert code == 0, err[-3000:]
+    assert "decode worker listening on" in err
+    record = json.loads((tmp_path / "server.json").read_text())
+    assert record["handoff"] == {"done": 4, "connect": 1}
