@@ -237,3 +237,19 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
     ((_, payload),) = receiver.bands
     got = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(2, 4096, 2, 32)
     assert torch.equal(got[0], big) and torch.equal(got[1], -big)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_views_are_the_gathered_rows_without_a_copy(dtype):
+    from wavepp.exec.torch_exec import _gather, _pool_views, _row_runs
+
+    pool = torch.randn(12 * 4, 2, 3).to(dtype)  # 12 blocks of 4 rows
+    table, n = (5, 6, 2, 9, 10, 11), 22  # runs: blocks 5-6, 2, 9-11 (the last one partial)
+    runs = _row_runs(table, 4, n)
+    assert runs == [(20, 28), (8, 12), (36, 46)]
+    views = _pool_views(pool, runs)
+    joined = b"".join(bytes(v) for v in views)
+    gathered = _gather(pool, pool_rows(table, 4, n))
+    assert joined == gathered.reshape(-1).view(torch.uint8).numpy().tobytes()
+    pool[20, 0, 0] = 7.0  # a view of the pool itself, not a copy
+    assert torch.frombuffer(bytearray(bytes(views[0])), dtype=dtype)[0] == 7.0

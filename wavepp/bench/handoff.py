@@ -37,7 +37,7 @@ from wavepp.bench._stats import emit
 COPIER = """
 import socket, sys
 size = int(sys.argv[2])
-data = bytearray(size)
+data = bytearray(b"\x01") * size  # touched: real pages, as a cache is
 s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
 s.sendall(data)
@@ -82,11 +82,11 @@ def plain_copy_s(num_bytes: int, tmp: Path) -> float:
         child = subprocess.Popen([sys.executable, "-c", COPIER, str(path), str(num_bytes)])
         conn, _ = listener.accept()
         with conn:
-            buffer = bytearray(min(num_bytes, 8 << 20) or 1)
-            view = memoryview(buffer)
-            got, start = 0, time.perf_counter()
+            start = time.perf_counter()
+            buffer = bytearray(num_bytes)  # fresh memory, as a receiver holding a cache needs
+            view, got = memoryview(buffer), 0
             while got < num_bytes:
-                n = conn.recv_into(view[: min(len(buffer), num_bytes - got)])
+                n = conn.recv_into(view[got:])
                 if not n:
                     raise RuntimeError("the copier hung up")
                 got += n
@@ -101,33 +101,39 @@ def bandwidth(args, model_config: dict, tmp: Path) -> list[dict]:
     rows = []
     rng = np.random.default_rng(0)
     for length in args.lengths:
-        tokens = rng.integers(3, model_config["vocab_size"], length).tolist()
-        requests = tmp / f"one-{length}.jsonl"
-        requests.write_text(json.dumps({"id": f"p{length}", "tokens": tokens,
-                                        "handoff": True}) + "\n")  # fmt: skip
-        out = tmp / f"one-{length}.json"
+        requests, out = tmp / f"len-{length}.jsonl", tmp / f"len-{length}.json"
+        with open(requests, "w") as f:
+            for k in range(args.samples):
+                tokens = rng.integers(3, model_config["vocab_size"], length).tolist()
+                f.write(json.dumps({"id": f"p{length}-{k}", "tokens": tokens,
+                                    "handoff": True}) + "\n")  # fmt: skip
         with _Receiver(model_config, tmp / "rx.sock") as rx:
             _torchrun(args.stages, ["--model", args.model, "--requests-file", str(requests),
                                     "--budget", str(args.budget), "--concurrency", "1",
                                     "--handoff-to", rx.address, "--json", str(out)])  # fmt: skip
-        (request,) = json.loads(out.read_text())["requests"]
-        stages = request["handoff"]["stages"]
-        if not all(s["ok"] for s in stages):
-            raise SystemExit(f"handoff of {length} tokens failed: {request['handoff']}")
-        last = stages[-1]["ended_at"]
-        row = {"tokens": length, "latency_s": max(s["ended_at"] + s["seconds"] for s in stages)
-               - last, "stages": []}  # fmt: skip
-        for s in stages:
-            plain = plain_copy_s(s["bytes"], tmp)
+        latencies, per_stage = [], [[] for _ in range(args.stages)]
+        for request in json.loads(out.read_text())["requests"]:
+            stages = request["handoff"]["stages"]
+            if not all(s["ok"] for s in stages):
+                raise SystemExit(f"handoff of {length} tokens failed: {request['handoff']}")
+            last = stages[-1]["ended_at"]
+            latencies.append(max(s["ended_at"] + s["seconds"] for s in stages) - last)
+            for s in stages:
+                per_stage[s["stage"]].append((s["bytes"], s["seconds"]))
+        row = {"tokens": length, "samples": args.samples,
+               "latency_s": statistics.median(latencies), "stages": []}  # fmt: skip
+        for stage, samples in enumerate(per_stage):
+            num_bytes = samples[0][0]
+            seconds = statistics.median(s for _, s in samples)
+            plain = statistics.median(plain_copy_s(num_bytes, tmp) for _ in range(args.samples))
             row["stages"].append({
-                "stage": s["stage"], "bytes": s["bytes"], "seconds": s["seconds"],
-                "gb_s": s["bytes"] / s["seconds"] / 1e9,
-                "plain_copy_gb_s": s["bytes"] / plain / 1e9,
-                "ratio": plain / s["seconds"],
+                "stage": stage, "bytes": num_bytes, "seconds": seconds,
+                "gb_s": num_bytes / seconds / 1e9, "plain_copy_s": plain,
+                "plain_copy_gb_s": num_bytes / plain / 1e9, "ratio": plain / seconds,
             })  # fmt: skip
         rows.append(row)
         print(f"{length:>7,} tokens: cache held {row['latency_s'] * 1e3:.1f} ms after the "
-              "last chunk; " + "; ".join(
+              "last chunk (median); " + "; ".join(
                   f"stage {s['stage']} {s['bytes'] / 2**20:.1f} MiB at {s['gb_s']:.2f} GB/s = "
                   f"{s['ratio']:.2f}x a plain copy ({s['plain_copy_gb_s']:.2f} GB/s)"
                   for s in row["stages"]), flush=True)  # fmt: skip
@@ -170,6 +176,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="model of the bandwidth runs (a built-in name)")  # fmt: skip
     parser.add_argument("--stages", type=int, default=2, help="stages of the bandwidth runs")
     parser.add_argument("--budget", type=int, default=2048, help="wave budget of those runs")
+    parser.add_argument("--samples", type=int, default=3,
+                        help="prompts per length (medians over them)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=2,
                         help="alternating on/off pairs of the default job (0: skip)")
     parser.add_argument("--json", help="write the record here")

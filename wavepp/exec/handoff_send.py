@@ -269,6 +269,7 @@ def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> t
 
 
 IOV_MAX = 1024  # buffers per sendmsg call (Linux)
+SOCKET_BUFFER = 4 << 20  # bytes asked for the band's send buffer
 
 
 def _send_band(
@@ -285,6 +286,8 @@ def _send_band(
         return remaining
 
     with sock:
+        with contextlib.suppress(OSError):  # fewer, larger transfers (capped by the kernel)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         try:
             sock.settimeout(left())
             sock.connect(address.path if address.kind == "unix" else (address.host, address.port))
@@ -292,6 +295,10 @@ def _send_band(
             if isinstance(error, TimeoutError):
                 raise
             raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
+        # Blocking from here on, no timeout: each sendmsg moves all its buffers in one
+        # call, without waking this thread (and taking the GIL) every socket buffer's
+        # worth. The timeout and a cancel still end it: the event loop shuts the socket.
+        sock.settimeout(None)
         try:
             sock.sendall(prefix)
             for tensor in tensors:
@@ -299,7 +306,7 @@ def _send_band(
                     views = tensor.buffers()
                 else:  # one flat run of bytes (an n-D memoryview would slice by rows)
                     views = [tensor.read().reshape(-1).view(torch.uint8).numpy().data]
-                _sendmsg_all(sock, views, left)
+                _sendmsg_all(sock, views)
         except TimeoutError:
             raise
         except OSError as error:
@@ -313,14 +320,12 @@ def _send_band(
                 raise BandFailed("refused", ack.error) from None
             raise BandFailed("disconnected", f"{target} closed the connection while the band "
                              f"was sent ({error or type(error).__name__})") from None  # fmt: skip
-        sock.settimeout(left())
         return _read_ack(sock, target)
 
 
-def _sendmsg_all(sock: socket.socket, views: list[memoryview], left: Callable[[], float]) -> None:
+def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     queue = [memoryview(v).cast("B") for v in views if v.nbytes]
     while queue:
-        sock.settimeout(left())
         sent = sock.sendmsg(queue[:IOV_MAX])
         while sent and queue:  # drop what went out; a partial buffer keeps its tail
             if sent >= queue[0].nbytes:

@@ -188,11 +188,14 @@ class TorchExecutor:
         if job.tokens is not None:
             ids = np.asarray(job.tokens, dtype=np.int32)
             out.append(BandTensor(-1, "tokens", "int32", (n,), lambda: torch.from_numpy(ids)))
+        runs = _row_runs(job.block_table, self.block_size, n)
         for i in self.m.layer_ids:
             if i in self.pools:
                 for name, pool in self.pools[i].items():
+                    # on the CPU the bytes go out straight from the pool's blocks
+                    views = partial(_pool_views, pool, runs) if pool.device.type == "cpu" else None
                     out.append(BandTensor(i, name, dtype_name(pool.dtype), (n, *pool.shape[1:]),
-                                          partial(_gather, pool, rows)))  # fmt: skip
+                                          partial(_gather, pool, rows), views))  # fmt: skip
             else:
                 states = job.states.get(i)
                 if states is None:
@@ -363,3 +366,22 @@ def _gather(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _as_cpu_float(state: torch.Tensor) -> torch.Tensor:
     return state.detach().to("cpu", torch.float32).contiguous()
+
+
+def _row_runs(block_table, block_size: int, num_tokens: int) -> list[tuple[int, int]]:
+    """Tokens 0..num_tokens-1 as runs [start, end) of consecutive pool rows."""
+    runs: list[tuple[int, int]] = []
+    for b in range(-(-num_tokens // block_size)):
+        start = block_table[b] * block_size
+        end = start + min(block_size, num_tokens - b * block_size)
+        if runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((start, end))
+    return runs
+
+
+def _pool_views(pool: torch.Tensor, runs: list[tuple[int, int]]) -> list[memoryview]:
+    # pool: [rows, *entry], contiguous on the CPU: each run of rows is one flat buffer
+    flat = pool.view(pool.shape[0], -1)
+    return [flat[a:b].reshape(-1).view(torch.uint8).numpy().data for a, b in runs]
