@@ -32,7 +32,8 @@ def test_every_request_rejected_ends_at_once_and_says_why(tmp_path):
     assert any("warm-up requests was rejected; measuring without warm-up" in line
                for line in lines), lines  # fmt: skip
     record = json.loads(out.read_text())
-    assert record["measured_requests"] == 4 and record["failed_requests"] == 4
+    assert record["measured_requests"] == 4 and record["rejected_requests"] == 4
+    assert record["failed_requests"] == 0  # rejected at submission, counted apart
     assert record["warmup_not_done"] == 1  # the one warm-up request, rejected
     assert all(r["status"] == "rejected" for r in record["requests"])
     assert all(leak["balanced"] for leak in record["leak_check"])
