@@ -32,7 +32,14 @@ START_TIMEOUT_S = 300.0  # loading the model may take minutes for a large checkp
 
 def check_decode_option(value: str | None) -> str | None:
     """``--decode``: None, ``auto`` or an address (checked here, before any rank starts)."""
-    if value is None or value == "auto":
+    if value is None:
+        return value
+    if value == "auto":
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise SystemExit("wavepp serve: --decode auto runs the reference decode worker, "
+                             "which needs transformers: pip install -e '.[decode]'")  # fmt: skip
         return value
     try:
         address = parse_address(value)
