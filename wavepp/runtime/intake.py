@@ -132,9 +132,9 @@ class Intake:
             summary = record.handoff_summary()
             self.handoff_target.settled(record.spec, record.offer.handoff,
                                         summary["status"] == "done")  # fmt: skip
-            key = summary["reason"] if summary["status"] == "failed" else (
-                "done" if status == "done" else status)
-            self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1
+            if status != "rejected":  # a rejected request never asked anything of a stage
+                key = summary["reason"] if summary["status"] == "failed" else status
+                self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1
         if status == "done":
             self.tokens_done += record.spec.num_tokens
             self.tokens_cached += record.cached_tokens
