@@ -18,8 +18,9 @@ class ReceiverThread:
     """``with ReceiverThread(config, dtype, path) as rx:`` — ``rx.handoffs`` fills as
     requests' caches complete; the receiver's event loop runs in a thread (a portal)."""
 
-    def __init__(self, config: dict, dtype: str, path: Path, **options) -> None:
-        self.address = f"unix:{path}"
+    def __init__(self, config: dict, dtype: str, path: Path | None, *,
+                 address: str | None = None, **options) -> None:  # fmt: skip
+        self.address = address or f"unix:{path}"
         self.handoffs: dict[str, Handoff] = {}
         self.receiver = Receiver(config, dtype, on_complete=self._complete, **options)
         self._portal = None

@@ -253,3 +253,22 @@ def test_pool_views_are_the_gathered_rows_without_a_copy(dtype):
     assert joined == gathered.reshape(-1).view(torch.uint8).numpy().tobytes()
     pool[20, 0, 0] = 7.0  # a view of the pool itself, not a copy
     assert torch.frombuffer(bytearray(bytes(views[0])), dtype=dtype)[0] == 7.0
+
+
+def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged():
+    """The other transport, against ``wavepp.handoff``'s own Receiver (which checks the
+    band against its model before taking it)."""
+    from tests.handoff_rig import ReceiverThread
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 64,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}  # fmt: skip
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rx = ReceiverThread(config, "float32", None, address=f"tcp://127.0.0.1:{port}")
+    with rx:
+        outcomes, released = run_jobs([job("t", f"tcp://127.0.0.1:{port}", n=33)])
+        assert rx.receiver.counts["bands_ok"] == 1
+    assert outcomes["t"].ok and released == ["t"]
+    assert outcomes["t"].num_bytes == 4 * 33 * 4 * 4

@@ -295,18 +295,19 @@ def _send_band(
             if isinstance(error, TimeoutError):
                 raise
             raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
-        # Blocking from here on, no timeout: each sendmsg moves all its buffers in one
-        # call, without waking this thread (and taking the GIL) every socket buffer's
-        # worth. The timeout and a cancel still end it: the event loop shuts the socket.
+        # The prefix and every tensor's buffers go out in as few sendmsg calls as the
+        # iovec limit allows, blocking, no timeout: this thread wakes (and takes the GIL)
+        # once per call, not every socket buffer's worth. The timeout and a cancel still
+        # end it: the event loop shuts the socket.
+        views = [memoryview(prefix)]
+        for tensor in tensors:
+            if tensor.buffers is not None:
+                views += tensor.buffers()
+            else:  # one flat run of bytes (an n-D memoryview would slice by rows)
+                views.append(tensor.read().reshape(-1).view(torch.uint8).numpy().data)
         sock.settimeout(None)
         try:
-            sock.sendall(prefix)
-            for tensor in tensors:
-                if tensor.buffers is not None:
-                    views = tensor.buffers()
-                else:  # one flat run of bytes (an n-D memoryview would slice by rows)
-                    views = [tensor.read().reshape(-1).view(torch.uint8).numpy().data]
-                _sendmsg_all(sock, views)
+            _sendmsg_all(sock, views)
         except TimeoutError:
             raise
         except OSError as error:
