@@ -20,6 +20,7 @@ from wavepp.policy.load import (
 )
 from wavepp.policy.record import (
     DEFAULT,
+    EDF,
     FCFS,
     ChunkSpan,
     EscrowCandidate,
@@ -34,6 +35,7 @@ from wavepp.policy.record import (
 
 __all__ = [
     "DEFAULT",
+    "EDF",
     "EVICTIONS",
     "FCFS",
     "POLICIES",

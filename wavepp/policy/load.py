@@ -13,10 +13,10 @@ import attrs
 
 from wavepp import state
 from wavepp.plan import PLANNERS
-from wavepp.policy.record import DEFAULT, Policy
+from wavepp.policy.record import DEFAULT, EDF, Policy
 from wavepp.state import LRU, Eviction
 
-POLICIES: dict[str, Policy] = {"default": DEFAULT}
+POLICIES: dict[str, Policy] = {"default": DEFAULT, "edf": EDF}
 PROBES = {"gallop": state.probe, "linear": state.probe_linear}
 EVICTIONS: dict[str, Eviction] = {"lru": LRU}
 

@@ -22,6 +22,7 @@ import attrs
 
 from wavepp import state
 from wavepp.plan import Planner
+from wavepp.queueing import QUEUE_ORDERS
 from wavepp.state import (
     LRU,
     BlockHash,
@@ -179,6 +180,12 @@ class Policy:
     #   request computes its prefix, until those blocks are published on every stage, for
     #   at most this many times what recomputing them would take by the fitted cost model
     #   (DESIGN §4b). 1: never wait longer than recomputing; 0: never wait
+    queue_order: str = attrs.field(default="fcfs", validator=attrs.validators.in_(QUEUE_ORDERS))
+    #   rank 0's waiting queue inside a priority class (wavepp.queueing): "fcfs", by
+    #   arrival; "edf", earliest deadline first — requests with a deadline (``deadline_s``)
+    #   by their absolute deadline, then those without one by arrival. Classes stay
+    #   strict either way. FCFS is the default: under sustained load EDF lets a stream of
+    #   requests with deadlines starve those without one in the same class
 
     def empty_cache(
         self, capacity: int, *, has_recurrent: bool = False, snapshot_capacity: int | None = None
@@ -215,4 +222,7 @@ def _dotted(value: Any) -> str:
 DEFAULT = Policy()
 """Today's runtime: the logarithmic probe (tree walk + bisections), FCFS escrow, LRU
 leaf-first eviction, snapshots every interval, at request ends and at junctions,
-in-flight prefix sharing, the rung's planner."""
+in-flight prefix sharing, the rung's planner, FCFS inside each priority class."""
+
+EDF = attrs.evolve(DEFAULT, name="edf", queue_order="edf")
+"""The default with earliest-deadline-first inside each priority class (``--policy edf``)."""
