@@ -67,14 +67,20 @@ class Engine:
     async def submit(
         self, tokens: Sequence[int] | np.ndarray, *, request_id: str | None = None,
         priority: int = 0, warmup: bool = False, handoff: str | bool | None = None,
+        deadline_s: float | None = None,
     ) -> Handle:  # fmt: skip
         """Queue a prompt (token ids). Raises :class:`RequestRejected` for bad input.
 
         ``handoff``: hand the prompt's cache on when it ends — an address
         (``unix:/path``, ``tcp://host:port``) or True for the run's default
-        (``docs/handoff.md``); the result's ``handoff`` says how every stage's band went."""
+        (``docs/handoff.md``); the result's ``handoff`` says how every stage's band went.
+
+        ``deadline_s``: the result is due this many wall-clock seconds after this call
+        (``Result.submitted_at``; seconds > 0, at most 1e6). With the ``edf`` policy
+        (``queue_order``) rank 0 offers a class's requests earliest deadline first; the
+        result's ``deadline_met`` says whether it was done in time."""
         spec = RequestSpec(self._request_id(request_id), self._tokens(tokens), warmup, 0,
-                           handoff=handoff)  # fmt: skip
+                           handoff=handoff, deadline_s=deadline_s)  # fmt: skip
         return self.submit_spec(spec, priority)
 
     def submit_spec(self, spec: RequestSpec, priority: int = 0) -> Handle:
@@ -171,6 +177,8 @@ class Engine:
             "cached_tokens": intake.tokens_cached,
             "good_hits": intake.good_hits,
             "handoffs": dict(intake.handoff_totals),  # handed-off requests by outcome
+            "with_deadline": intake.with_deadline,  # ended requests that carried a deadline
+            "deadlines_met": intake.deadlines_met,  # of those, done by their deadline
             "expecting_reuse": intake.expecting_reuse,
             "stages": dict(sorted(stages.items())),
             "admission_round_seconds": list(self._c.admitter.round_seconds[-1024:]),

@@ -21,6 +21,11 @@ def _reasons(measured: Sequence) -> dict[str, int]:
     return counts
 
 
+def _deadline_met(record) -> bool | None:
+    met = getattr(record, "deadline_met", None)
+    return met() if callable(met) else None
+
+
 def summarize(
     records: Sequence, reports: Sequence[StageReport], *, measure_start: float,
     measure_end: float, round_seconds: Sequence[float], time_scale: float, simulated: bool,
@@ -39,6 +44,8 @@ def summarize(
     good = [r for r in expecting if r.cached_tokens >= 0.8 * r.spec.expected_reuse]
     utilization = [min(1.0, rep.busy_s / wall) for rep in reports]
     probes = [us for rep in reports for us in rep.probe_us]
+    timed = [r for r in measured if _deadline_met(r) is not None]
+    met = sum(1 for r in timed if _deadline_met(r))
     return {
         "simulated": simulated,
         "rung": config["rung"],
@@ -50,6 +57,11 @@ def summarize(
         "completion_p99_s": _p(completion, 99),
         "queue_p50_s": _p(queued, 50),
         "good_hit_rate": len(good) / len(expecting) if expecting else None,
+        # SLO attainment: measured requests done by their deadline / those with one
+        # (cancelled, failed and unfinished ones count as missed, rejected ones not at all)
+        "slo_attainment": met / len(timed) if timed else None,
+        "deadline_requests": len(timed),
+        "deadlines_met": met,
         "miss_reasons": _reasons(measured),
         "reused_share": sum(r.cached_tokens for r in ok) / tokens if tokens else 0.0,
         # what a perfect cache of unbounded size would reuse of the same requests
@@ -109,6 +121,8 @@ def summarize(
                 else (r.done_at - r.released_at) / time_scale,
                 "status": getattr(r, "status", None),
                 "error": r.error,
+                **({"deadline_s": r.spec.deadline_s, "deadline_met": _deadline_met(r)}
+                   if getattr(r.spec, "deadline_s", None) is not None else {}),
                 **({"handoff": r.handoff_summary()}
                    if getattr(getattr(r, "offer", None), "handoff", "") else {}),
             }
@@ -140,6 +154,9 @@ def table(record: dict) -> str:
         f"  good-hit rate       {fmt(record['good_hit_rate'], '%', 100, 1)}"
         f"   reused share {fmt(record['reused_share'], '%', 100, 1)}"
         f" (ideal {fmt(record['ideal_reused_share'], '%', 100, 1)})",
+        *([f"  SLO attainment      {fmt(record['slo_attainment'], '%', 100, 1)}"
+           f"   ({record['deadlines_met']} of {record['deadline_requests']} requests with a "
+           "deadline done by it)"] if record.get("deadline_requests") else []),
         f"  admission p50       {fmt(record['admission_p50_ms'], ' ms')} over "
         f"{record['admission_rounds']} rounds   probe p50/p99 {fmt(record['probe_p50_us'], ' us')}"
         f" / {fmt(record['probe_p99_us'], ' us')}",

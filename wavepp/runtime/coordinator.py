@@ -41,7 +41,8 @@ class Coordinator:
         self.stage = stage
         self.log = log
         self.intake = Intake(stage.block_size, min_capacity, vocab_size, Signal(), log,
-                             num_stages=num_stages, handoff_target=handoff_target)  # fmt: skip
+                             num_stages=num_stages, handoff_target=handoff_target,
+                             queue_order=mode.policy.queue_order)  # fmt: skip
         self.planner = planner
         self.admitter = Admitter(rung, plane, stage, self.intake, mode, max_batch,
                                  heartbeat_s, self._admitted)  # fmt: skip

@@ -23,6 +23,8 @@ from wavepp.runtime.records import STATUSES, Record, RequestRejected, Result, Si
 from wavepp.state import RequestId, block_hashes, num_blocks_for
 from wavepp.workload import RequestSpec
 
+MAX_DEADLINE_S = 1e6  # a deadline is at most this many seconds after submission
+
 
 class HandoffTarget(Protocol):
     """Where requests' caches go (``wavepp.runtime.handoff.HandoffTargets``)."""
@@ -36,18 +38,19 @@ class Intake:
     def __init__(
         self, block_size: int, min_capacity: int, vocab_size: int | None,
         changed: Signal, log: Callable[[str], None], *, num_stages: int = 1,
-        handoff_target: HandoffTarget | None = None,
+        handoff_target: HandoffTarget | None = None, queue_order: str = "fcfs",
     ) -> None:  # fmt: skip
         """``handoff_target(spec)``: the address a request that asks for a handoff sends
         its cache to (raises RequestRejected), told when its handoff has ended; None:
-        this run hands nothing on."""
+        this run hands nothing on. ``queue_order``: the policy's order inside a priority
+        class (``"fcfs"`` or ``"edf"``, ``wavepp.queueing``)."""
         self.block_size = block_size
         self.min_capacity = min_capacity
         self.vocab_size = vocab_size  # None: ids are not checked (the sim executor)
         self.changed = changed
         self.log = log
         self.records: dict[RequestId, Record] = {}
-        self.waiting = WaitingQueue()
+        self.waiting = WaitingQueue(queue_order)
         self.num_unfinished = 0  # submitted and not yet ended
         self.capacity_epoch = 0  # bumped whenever a request that held room ends
         self.draining = False
@@ -68,6 +71,8 @@ class Intake:
         self.handoff_target = handoff_target
         self.awaiting_handoff: set[RequestId] = set()  # prefilled, bands still on their way
         self.handoff_totals: dict[str, int] = {}  # "done" or a failure reason -> requests
+        self.with_deadline = 0  # ended requests that carried a deadline (rejected aside)
+        self.deadlines_met = 0  # of those, the ones done by their deadline
 
     # -- entry --------------------------------------------------------------------
 
@@ -97,6 +102,12 @@ class Intake:
         if rid in self.records:
             raise RequestRejected(f"duplicate request id {rid!r}", "duplicate")
         now = time.time()
+        deadline_s = spec.deadline_s
+        if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                           and not isinstance(deadline_s, bool)
+                                           and 0 < deadline_s <= MAX_DEADLINE_S):  # fmt: skip
+            raise RequestRejected(f"deadline_s must be a number of seconds in (0, "
+                                  f"{MAX_DEADLINE_S:g}], got {deadline_s!r}", "invalid")
         hashes = block_hashes(spec.tokens, self.block_size) if spec.num_tokens else ()
         limit = max(spec.num_tokens - 1, 0) // self.block_size
         target = ""
@@ -116,7 +127,8 @@ class Intake:
             reason = "too_long" if "smallest stage pool" in problem else "invalid"
             raise RequestRejected(f"request {rid!r}: {problem}", reason)
         self.num_unfinished += 1
-        self.waiting.push(rid, priority)
+        deadline = None if deadline_s is None else now + deadline_s
+        self.waiting.push(rid, priority, deadline)
         self.changed.notify()
         return record
 
@@ -135,6 +147,10 @@ class Intake:
             if status != "rejected":  # a rejected request never asked anything of a stage
                 key = summary["reason"] if summary["status"] == "failed" else status
                 self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1
+        met = record.deadline_met()
+        if met is not None:
+            self.with_deadline += 1
+            self.deadlines_met += met
         if status == "done":
             self.tokens_done += record.spec.num_tokens
             self.tokens_cached += record.cached_tokens

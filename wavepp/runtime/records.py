@@ -56,6 +56,11 @@ class Result:
     # A request that handed its cache on: where to, and how each stage's band went —
     # {"target", "status": "done" | "failed", "reason", "error", "stages": [...]}.
     handoff: dict | None = None
+    # The request's deadline, seconds after ``submitted_at`` (None: it had none), and
+    # whether its result met it: True when done by ``submitted_at + deadline_s``; False
+    # when done later, or cancelled, failed or interrupted; None without a deadline.
+    deadline_s: float | None = None
+    deadline_met: bool | None = None
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -98,7 +103,19 @@ class Record:
             first_chunk_at=self.first_chunk_at,
             done_at=self.done_at or 0.0,
             handoff=self.handoff_summary(),
+            deadline_s=self.spec.deadline_s,
+            deadline_met=self.deadline_met(),
         )
+
+    def deadline_met(self) -> bool | None:
+        """None without a deadline (or rejected: never ran); else whether it was done by
+        ``released_at + deadline_s`` (a request not yet ended has not met it)."""
+        deadline_s = self.spec.deadline_s
+        if deadline_s is None or self.status == "rejected":
+            return None
+        if self.status != "done" or self.done_at is None or self.released_at is None:
+            return False
+        return self.done_at <= self.released_at + deadline_s
 
     def handoff_summary(self) -> dict | None:
         target = getattr(self.offer, "handoff", "")

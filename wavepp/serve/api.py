@@ -23,6 +23,10 @@ PRIORITY_RANGE = (-1000, 1000)
 
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]
+MAX_DEADLINE_S = 1e6
+Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
+"""``deadline_s``: the result is due this many seconds after the server submitted the
+request to the engine (the result's ``timings.submitted_at``)."""
 
 
 class ApiError(Exception):
@@ -46,6 +50,7 @@ class PrefillBody(msgspec.Struct):
     id: RequestIdText | None = None
     priority: Priority = 0
     handoff: str | bool | None = None  # hand the cache on: an address, or true (the default)
+    deadline_s: Deadline | None = None
 
 
 class CompletionBody(msgspec.Struct):
@@ -59,6 +64,7 @@ class CompletionBody(msgspec.Struct):
     n: int = 1
     priority: Priority = 0
     request_id: RequestIdText | None = None
+    deadline_s: Deadline | None = None
     user: str | None = None
     # What a prefill cannot do: refused when set to anything but the neutral value.
     logprobs: Any = None
@@ -87,6 +93,7 @@ class Submission:
     request_id: str | None  # the client's id, or None to let the engine name it
     priority: int  # class: higher is admitted first, FCFS inside a class
     handoff: str | bool | None = None  # where its cache goes (docs/handoff.md); None: nowhere
+    deadline_s: float | None = None  # result due this many seconds after submission; None: none
 
 
 Tokenize = Callable[[str], list[int]]
@@ -148,7 +155,7 @@ def parse_prefill(raw: bytes, vocab_size: int | None, tokenize: Tokenize | None)
     if body.handoff is False:
         body.handoff = None
     return Submission(_token_array(tokens, vocab_size), _check_id(body.id), body.priority,
-                      body.handoff)  # fmt: skip
+                      body.handoff, body.deadline_s)  # fmt: skip
 
 
 def _is_ids(value: Any) -> bool:
@@ -196,7 +203,7 @@ def parse_completion(
     decoding = decode is not None and ((body.max_tokens or 1) > 1 or body.stream)
     submission = Submission(
         _token_array(tokens, vocab_size), _check_id(body.request_id), body.priority,
-        decode if decoding else None,
+        decode if decoding else None, body.deadline_s,
     )  # fmt: skip
     return submission, body
 
@@ -252,6 +259,8 @@ def result_body(result: Any) -> dict:
         "error": result.error,
         "timings": timings(result),
         **({"handoff": result.handoff} if getattr(result, "handoff", None) else {}),
+        **({"deadline_s": result.deadline_s, "deadline_met": result.deadline_met}
+           if getattr(result, "deadline_s", None) is not None else {}),
     }
 
 

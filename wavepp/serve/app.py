@@ -208,6 +208,7 @@ class Frontend:
                     request_id=submission.request_id,
                     priority=submission.priority,
                     handoff=submission.handoff,
+                    deadline_s=submission.deadline_s,
                 )
             except ValueError as error:  # RequestRejected is a ValueError
                 raise _rejection(error) from None

@@ -37,6 +37,8 @@ HELP = {
     "cached_tokens": "prompt tokens of done requests served from the cache",
     "good_hits": "done requests that reused ≥ 80% of the prefix they were expected to reuse",
     "expecting_reuse": "done requests that were expected to reuse a prefix",
+    "with_deadline": "ended requests that carried a deadline (deadline_s; rejected aside)",
+    "deadlines_met": "requests done by their deadline",
     "stages": "per pipeline stage",
     "admission_round_seconds": "admission round time, seconds (recent rounds)",
     "admission_rounds": "admission rounds run",
@@ -44,7 +46,8 @@ HELP = {
 }
 
 # Engine figures that only grow: rendered as counters, ``_total`` appended.
-COUNTERS = {"input_tokens", "cached_tokens", "good_hits", "expecting_reuse", "admission_rounds"}
+COUNTERS = {"input_tokens", "cached_tokens", "good_hits", "expecting_reuse", "admission_rounds",
+            "with_deadline", "deadlines_met"}
 
 
 def escape_label(value: str) -> str:
@@ -316,6 +319,14 @@ class ServerMetrics:
                 "gauge",
                 "good hits / done requests expected to reuse a prefix",
                 hits / expecting,
+            )
+        met, timed = stats.get("deadlines_met"), stats.get("with_deadline")
+        if _is_number(met) and _is_number(timed) and timed:
+            out.add(
+                PREFIX + "engine_slo_attainment",
+                "gauge",
+                "SLO attainment: requests done by their deadline / ended requests with one",
+                met / timed,
             )
         return out.render()
 

@@ -39,6 +39,8 @@ class FakeResult:
     admitted_at: float | None
     first_chunk_at: float | None
     done_at: float
+    deadline_s: float | None = None
+    deadline_met: bool | None = None
 
 
 def expected_first_token(tokens, vocab_size: int) -> int:
@@ -52,6 +54,7 @@ class _Request:
     tokens: np.ndarray
     priority: int
     submitted_at: float
+    deadline_s: float | None = None
     done: anyio.Event = attrs.field(factory=anyio.Event)
     result: FakeResult | None = None
     admitted_at: float | None = None
@@ -80,13 +83,14 @@ class FakeEngine:
         tokens_per_s: float = 50_000,
         block_size: int = 16,
         batch: int = 8,
+        queue_order: str = "fcfs",
     ) -> None:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.capacity_tokens = capacity_tokens
         self.tokens_per_s = tokens_per_s
         self.batch = batch
-        self.queue = WaitingQueue()
+        self.queue = WaitingQueue(queue_order)
         self.requests: dict[str, _Request] = {}
         self.running: list[_Request] = []
         self.cached: set[bytes] = set()
@@ -109,7 +113,7 @@ class FakeEngine:
     # -- the engine interface ------------------------------------------------------------
 
     async def submit(self, tokens, *, request_id=None, priority=0, warmup=False,
-                     handoff=None) -> FakeHandle:  # fmt: skip
+                     handoff=None, deadline_s=None) -> FakeHandle:  # fmt: skip
         if self.draining:
             raise FakeRejected("draining")
         ids = np.asarray(tokens, dtype=np.int64)
@@ -127,9 +131,10 @@ class FakeEngine:
             self._next_id += 1
         if request_id in self.requests:
             raise FakeRejected(f"duplicate request id {request_id!r}")
-        request = _Request(request_id, ids.astype(np.int32), priority, time.time())
+        now = time.time()
+        request = _Request(request_id, ids.astype(np.int32), priority, now, deadline_s)
         self.requests[request_id] = request
-        self.queue.push(request_id, priority)
+        self.queue.push(request_id, priority, None if deadline_s is None else now + deadline_s)
         self.counts["queued"] += 1
         self._wake.set()
         return FakeHandle(request)
@@ -221,6 +226,9 @@ class FakeEngine:
             request.admitted_at,
             request.admitted_at if done else None,
             now,
+            request.deadline_s,
+            None if request.deadline_s is None
+            else done and now <= request.submitted_at + request.deadline_s,
         )
         self.counts[status] += 1
         if done:

@@ -22,6 +22,8 @@ class RequestSpec:
     arrival_s: float | None = None  # open-loop arrival after the start; None: closed loop
     handoff: str | bool | None = None  # hand the cache on: an address, or True for the
     #                                    run's default target (--handoff-to / --handoff-dir)
+    deadline_s: float | None = None  # the result is due this many wall seconds after the
+    #                                  request enters rank 0's intake; None: no deadline
 
     @property
     def num_tokens(self) -> int:

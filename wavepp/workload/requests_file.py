@@ -3,6 +3,8 @@
 A line may say ``"warmup": true``: it runs before measurement starts and is not timed
 (how a benchmark seeds shared prefixes). ``"handoff": "unix:/path"`` (or ``true``, the
 run's default target) hands the prompt's cache on when it ends (``docs/handoff.md``).
+``"deadline_s": 2.5`` gives the request a deadline: its result is due that many wall-clock
+seconds after it is submitted (``Engine.submit``'s ``deadline_s``).
 
 A line ``{"cancel": "<id>", "after_s": 0.5}`` cancels an earlier line's request that
 long after measurement starts (queued, admitted or running). A bad line — not JSON, no
@@ -74,10 +76,17 @@ def read_requests_file(
                 handoff = row.get("handoff")
                 if handoff is not None and not isinstance(handoff, bool | str):
                     raise ValueError(f"'handoff' must be true or an address, got {handoff!r}")
+                deadline_s = row.get("deadline_s")
+                if deadline_s is not None and (
+                    not isinstance(deadline_s, int | float) or isinstance(deadline_s, bool)
+                    or not 0 < deadline_s <= 1e6
+                ):  # fmt: skip
+                    raise ValueError(f"'deadline_s' must be seconds in (0, 1e6], "
+                                     f"got {deadline_s!r}")
             except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
                 rejected.append({"line": number, "id": rid, "error": f"{path}:{number}: {error}"})
                 continue
             seen.add(rid)
             specs.append(RequestSpec(rid, np.asarray(tokens, dtype=np.int32), warmup, 0,
-                                     handoff=handoff))  # fmt: skip
+                                     handoff=handoff, deadline_s=deadline_s))  # fmt: skip
     return specs, rejected, cancels
