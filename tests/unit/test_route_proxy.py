@@ -1,0 +1,336 @@
+"""The router over stand-in replicas (httpx's MockTransport): routing by a fed index, ids,
+retries, failover, streams, /health, /metrics, /v1/models, and a replica's watcher."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import anyio
+import httpx
+import pytest
+
+from wavepp.route.app import build_app
+from wavepp.route.policies import ROUTE_POLICIES
+from wavepp.route.replicas import Replica, WatchOptions, events_endpoint
+from wavepp.route.router import Router
+from wavepp.serve.prom import parse_exposition, sample
+from wavepp.state import block_hashes
+
+BLOCK = 4
+
+
+class FakeIndex:
+    """The contract's ReplicaIndex, reduced to a set of announced hashes."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.held: set[int] = set()
+        self.cleared = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.held)
+
+    def predicted_blocks(self, hashes: Sequence[int], probe_limit: int) -> int:
+        n = 0
+        while n < min(len(hashes), probe_limit) and hashes[n] in self.held:
+            n += 1
+        return n
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.cleared += 1
+
+
+class Fleet:
+    """Stand-in replicas behind one MockTransport; ``behave[name]`` answers each request."""
+
+    def __init__(self, names: Sequence[str] = ("r0", "r1")) -> None:
+        self.replicas = [Replica(n, f"http://{n}.test") for n in names]
+        self.seen: list[tuple[str, str, dict]] = []  # (replica, path, body)
+        self.behave = {n: self.done for n in names}
+        for r in self.replicas:
+            r.state, r.block_size, r.index = "up", BLOCK, FakeIndex(BLOCK)
+            r.model_body = {"object": "list", "data": [{"id": "tiny", "wavepp": {
+                "vocab_size": 100, "block_size": BLOCK}}]}  # fmt: skip
+
+    async def done(self, name: str, request: httpx.Request, body: dict) -> httpx.Response:
+        tokens = body.get("tokens") or body.get("prompt")
+        return httpx.Response(200, json={"id": body.get("id"), "status": "done", "first_token": 7,
+                                         "num_tokens": len(tokens), "cached_tokens": 0})
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        name = request.url.host.split(".")[0]
+        body = json.loads(request.content) if request.content else {}
+        self.seen.append((name, request.url.path, body))
+        return await self.behave[name](name, request, body)
+
+    def router(self, policy: str = "prefix") -> Router:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self.handler))
+        return Router(self.replicas, ROUTE_POLICIES[policy], policy, client)
+
+
+def client_of(router: Router) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=build_app(router))
+    return httpx.AsyncClient(transport=transport, base_url="http://router")
+
+
+def run(test):
+    anyio.run(test)
+
+
+def test_prefix_routes_to_the_replica_whose_index_holds_the_prompt():
+    async def test():
+        fleet = Fleet()
+        tokens = list(range(1, 11))  # 2 full blocks of 4, probe limit (10 - 1) // 4 = 2
+        fleet.replicas[1].index.held.update(block_hashes(tokens, BLOCK))
+        async with client_of(fleet.router()) as client:
+            reply = await client.post("/v1/prefill", json={"tokens": tokens, "id": "a"})
+            assert reply.status_code == 200
+            assert reply.headers["x-wavepp-replica"] == "r1"
+            assert reply.headers["x-wavepp-predicted-cached-tokens"] == "8"
+            assert reply.json()["id"] == "a"
+            # a prompt sharing one block with r1's and nothing with r0's: still r1
+            reply = await client.post("/v1/prefill", json={"tokens": [1, 2, 3, 4, 9, 9, 9, 9]})
+            assert reply.headers["x-wavepp-replica"] == "r1"
+            assert reply.headers["x-wavepp-predicted-cached-tokens"] == "4"
+            metrics = parse_exposition((await client.get("/metrics")).text)
+        labels = {"replica": "r1", "policy": "prefix"}
+        assert sample(metrics, "wavepp_route_requests_total", **labels) == 2
+        assert sample(metrics, "wavepp_route_predicted_cached_tokens_total", **labels) == 12
+
+    run(test)
+
+
+def test_the_router_names_a_request_without_id_and_keeps_the_body_otherwise():
+    async def test():
+        fleet = Fleet()
+        async with client_of(fleet.router()) as client:
+            body = {"prompt": [5, 6, 7], "max_tokens": 1, "deadline_s": 2.5, "handoff": True}
+            reply = await client.post("/v1/completions", json=body)
+            assert reply.status_code == 200
+        (_, path, sent), = fleet.seen
+        assert path == "/v1/completions"
+        assert sent.pop("request_id").startswith("route-")
+        assert sent == body
+        assert reply.headers["x-wavepp-request-id"].startswith("route-")
+
+    run(test)
+
+
+def test_a_replica_that_refuses_the_connection_is_taken_out_and_the_request_retried():
+    async def test():
+        fleet = Fleet()
+
+        async def refuse(name, request, body):
+            raise httpx.ConnectError("connection refused", request=request)
+
+        fleet.behave["r0"] = refuse
+        router = fleet.router("round-robin")
+        async with client_of(router) as client:
+            reply = await client.post("/v1/prefill", json={"tokens": [1, 2, 3]})
+            assert reply.status_code == 200
+            assert reply.headers["x-wavepp-replica"] == "r1"
+            assert reply.headers["x-wavepp-attempts"] == "2"
+            health = (await client.get("/health")).json()
+            metrics = parse_exposition((await client.get("/metrics")).text)
+        ids = [body["id"] for _, _, body in fleet.seen]
+        assert len(ids) == 2 and ids[0] == ids[1]  # the same id on both: one request
+        assert health["status"] == "ok"
+        states = {r["name"]: (r["state"], r["reason"]) for r in health["replicas"]}
+        assert states["r0"][0] == "out" and "cannot connect" in states["r0"][1]
+        assert states["r1"] == ("up", None)
+        assert sample(metrics, "wavepp_route_retries_total", reason="connect") == 1
+        assert sample(metrics, "wavepp_route_replicas_up") == 1
+
+    run(test)
+
+
+def test_no_replica_up_is_a_503_and_health_says_so():
+    async def test():
+        fleet = Fleet()
+        for r in fleet.replicas:
+            r.take_out("killed")
+        async with client_of(fleet.router()) as client:
+            reply = await client.post("/v1/prefill", json={"tokens": [1, 2, 3]})
+            assert reply.status_code == 503
+            assert "no replica is up" in reply.json()["error"]["message"]
+            health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert not fleet.seen
+
+    run(test)
+
+
+def test_a_draining_replica_is_skipped_and_the_request_goes_elsewhere():
+    async def test():
+        fleet = Fleet()
+
+        async def draining(name, request, body):
+            return httpx.Response(503, json={"error": {"message": "the server is draining and "
+                                  "takes no new requests", "type": "unavailable", "code": 503}})
+
+        fleet.behave["r0"] = draining
+        router = fleet.router("round-robin")
+        async with client_of(router) as client:
+            reply = await client.post("/v1/prefill", json={"tokens": [1, 2, 3], "id": "x"})
+        assert reply.status_code == 200 and reply.headers["x-wavepp-replica"] == "r1"
+        assert fleet.replicas[0].state == "draining"
+
+    run(test)
+
+
+def test_a_replica_taken_out_while_a_request_waits_gets_a_cancel_and_the_request_moves():
+    async def test():
+        fleet = Fleet()
+        hang = anyio.Event()
+
+        async def hangs(name, request, body):
+            if request.method == "DELETE":
+                return httpx.Response(200, json={"cancelled": True})
+            hang.set()
+            await anyio.sleep(3600)
+
+        fleet.behave["r0"] = hangs
+        router = fleet.router("round-robin")
+        async with client_of(router) as client, anyio.create_task_group() as tg:
+            replies = []
+
+            async def send():
+                replies.append(await client.post("/v1/prefill", json={"tokens": [1], "id": "q"}))
+
+            tg.start_soon(send)
+            await hang.wait()
+            # the same id while it is in flight: refused by the router itself
+            dup = await client.post("/v1/prefill", json={"tokens": [1], "id": "q"})
+            assert dup.status_code == 409
+            fleet.replicas[0].take_out("/health: ReadTimeout (3 probes in a row)")
+        assert replies[0].status_code == 200 and replies[0].headers["x-wavepp-replica"] == "r1"
+        paths = [(name, path) for name, path, _ in fleet.seen]
+        assert paths == [("r0", "/v1/prefill"), ("r0", "/v1/requests/q"), ("r1", "/v1/prefill")]
+        assert router.in_flight == {} and not fleet.replicas[0].flights
+
+    run(test)
+
+
+def test_an_id_goes_to_each_replica_once_and_a_replicas_409_is_the_last_word():
+    async def test():
+        fleet = Fleet()
+        answered: dict[str, set[str]] = {"r0": set(), "r1": set()}
+
+        async def remembers(name, request, body):
+            if body["id"] in answered[name]:
+                return httpx.Response(409, json={"error": {"message": "duplicate id",
+                                                           "type": "x", "code": 409}})
+            answered[name].add(body["id"])
+            return await fleet.done(name, request, body)
+
+        fleet.behave = {"r0": remembers, "r1": remembers}
+        router = fleet.router("least-load")
+        async with client_of(router) as client:
+            first = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "same"})
+            second = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "same"})
+            third = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "same"})
+        assert first.headers["x-wavepp-replica"] == "r0"
+        assert second.headers["x-wavepp-replica"] == "r1"  # r0 saw the id: not asked again
+        assert third.status_code == 409  # every replica saw it: as one server answers
+
+    run(test)
+
+
+def test_a_stream_is_relayed_as_it_arrives():
+    async def test():
+        fleet = Fleet()
+        events = [b'data: {"choices": [{"token_ids": [1]}]}\n\n', b"data: [DONE]\n\n"]
+
+        async def streams(name, request, body):
+            async def chunks():
+                for event in events:
+                    yield event
+
+            return httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                  content=chunks())
+
+        fleet.behave = {"r0": streams, "r1": streams}
+        router = fleet.router()
+        async with client_of(router) as client:
+            body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                got = [chunk async for chunk in reply.aiter_bytes()]
+        assert b"".join(got) == b"".join(events)
+        assert router.in_flight == {}
+
+    run(test)
+
+
+def test_models_names_the_fleet_and_bad_bodies_reach_a_replica_untouched():
+    async def test():
+        fleet = Fleet()
+
+        async def refuses(name, request, body):
+            return httpx.Response(400, json={"error": {"message": "nope", "code": 400}})
+
+        async with client_of(fleet.router()) as client:
+            models = (await client.get("/v1/models")).json()
+            fleet.behave = {"r0": refuses, "r1": refuses}
+            reply = await client.post("/v1/prefill", content=b'{"tokens": [1, "two"]}')
+        info = models["data"][0]["wavepp"]
+        assert info["block_size"] == BLOCK
+        assert info["fleet"] == {"replicas": 2, "replicas_up": 2, "policy": "prefix"}
+        assert reply.status_code == 400 and reply.json()["error"]["message"] == "nope"
+
+    run(test)
+
+
+def test_the_watcher_learns_subscribes_takes_out_and_brings_back():
+    async def test():
+        health = {"code": 200}
+        subscribed = []
+
+        async def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/v1/models":
+                return httpx.Response(200, json={"data": [{"id": "m", "wavepp": {
+                    "block_size": 16, "kv_events": {"endpoint": "tcp://*:5557",
+                                                    "replay": "tcp://*:5558", "topic": ""}}}]})
+            if health["code"] is None:
+                raise httpx.ConnectError("refused", request=request)
+            return httpx.Response(health["code"], json={"status": "ok"})
+
+        class Feed:
+            connected = True
+            last_seq = 3
+
+        def subscribe(endpoint, replay, index, topic):
+            subscribed.append((endpoint, replay, topic))
+            return Feed()
+
+        replica = Replica("r0", "http://10.1.2.3:8001")
+        options = WatchOptions(health_interval_s=0.01, fail_after=2)
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(replica.watch, client, options, FakeIndex, subscribe)
+            while replica.state != "up":
+                await anyio.sleep(0.01)
+            assert subscribed == [("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "")]
+            assert replica.block_size == 16 and replica.snapshot()["events"]["last_seq"] == 3
+            health["code"] = None
+            while replica.state != "out":
+                await anyio.sleep(0.01)
+            assert "/health: ConnectError" in replica.reason
+            health["code"] = 200
+            while replica.state != "up":
+                await anyio.sleep(0.01)
+            assert replica.index.cleared == 1
+            tg.cancel_scope.cancel()
+
+    run(test)
+
+
+@pytest.mark.parametrize(("endpoint", "url", "want"), [
+    ("tcp://*:5557", "http://h:1", "tcp://h:5557"),
+    ("tcp://0.0.0.0:5557", "http://[::1]:1", "tcp://[::1]:5557"),
+    ("tcp://10.0.0.2:5557", "http://h:1", "tcp://10.0.0.2:5557"),
+])  # fmt: skip
+def test_events_endpoint_reaches_a_wildcard_at_the_replicas_host(endpoint, url, want):
+    assert events_endpoint(endpoint, url) == want

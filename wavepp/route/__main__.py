@@ -1,0 +1,115 @@
+"""``python -m wavepp.route --replica URL [--replica URL ...] --port 8000 [--policy NAME]``.
+
+A router over WavePP servers (``python -m wavepp.serve``): it learns each replica's block
+size and KV-event endpoints from its ``GET /v1/models``, keeps one index per replica fed
+by its events, and sends each request where the policy says (``docs/fleet.md``). SIGTERM
+or SIGINT drains it: new requests get 503, the ones in flight answer, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import anyio
+
+from wavepp.policy.load import PolicyError
+from wavepp.route.app import http_client, run_router
+from wavepp.route.policies import DEFAULT_ROUTE_POLICY, ROUTE_POLICIES, load_route_policy
+from wavepp.route.replicas import Replica, WatchOptions, log
+from wavepp.route.router import Router
+from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m wavepp.route",
+        description="Route /v1/prefill and /v1/completions over WavePP servers by their KV "
+        "events (docs/fleet.md).",
+    )
+    p.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a replica's base URL, e.g. http://10.0.0.5:8001 (repeat per replica)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one) [8000]")
+    p.add_argument("--policy", default=DEFAULT_ROUTE_POLICY,
+                   help=f"routing policy: {', '.join(ROUTE_POLICIES)}, or pkg.mod:fn "
+                   f"[{DEFAULT_ROUTE_POLICY}]")
+    p.add_argument("--health-interval-s", type=float, default=1.0,
+                   help="between two /health probes of a replica, seconds [1]")
+    p.add_argument("--health-timeout-s", type=float, default=2.0,
+                   help="a /health probe that takes longer failed, seconds [2]")
+    p.add_argument("--fail-after", type=int, default=3,
+                   help="failed probes in a row that take a replica out [3]")
+    p.add_argument("--events-timeout-s", type=float, default=10.0,
+                   help="a replica whose event stream stays disconnected this long is taken "
+                   "out, seconds [10]")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted, bytes [{DEFAULT_MAX_BODY_BYTES}]")
+    p.add_argument("--drain-timeout-s", type=float, default=25.0,
+                   help="after SIGTERM, how long requests in flight may take, seconds [25]")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
+    return p  # fmt: skip
+
+
+def _events():
+    """The KV-event index and subscriber (wavepp.fleet.index), or (None, None) without them."""
+    try:
+        from wavepp.fleet.index import ReplicaIndex, subscribe
+    except ImportError as error:
+        log(f"no KV-event index ({error}): predicted reuse is 0 everywhere")
+        return None, None
+    return ReplicaIndex, subscribe
+
+
+def check(args: argparse.Namespace) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise SystemExit(f"wavepp route: {message}")
+
+    for url in args.replica:
+        need(url.startswith(("http://", "https://")), f"--replica {url!r} is not an http(s) URL")
+    need(len(set(args.replica)) == len(args.replica), "a --replica URL is given twice")
+    need(0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}")
+    for name in ("health_interval_s", "health_timeout_s", "events_timeout_s", "drain_timeout_s"):
+        value = getattr(args, name)
+        need(0 < value < 1e6, f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    need(args.fail_after >= 1, f"--fail-after must be ≥ 1, got {args.fail_after}")
+    need(args.max_body_bytes >= 64, f"--max-body-bytes must be ≥ 64, got {args.max_body_bytes}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    check(args)
+    try:
+        policy = load_route_policy(args.policy)
+    except PolicyError as error:
+        raise SystemExit(f"wavepp route: --policy: {error}") from None
+    watch = WatchOptions(args.health_interval_s, args.health_timeout_s, args.fail_after,
+                         args.events_timeout_s)  # fmt: skip
+    make_index, subscribe = _events()
+
+    async def run() -> None:
+        stop = anyio.Event()
+
+        async def on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    stop.set()
+
+        replicas = [Replica(f"r{i}", url) for i, url in enumerate(args.replica)]
+        async with http_client() as client, anyio.create_task_group() as tg:
+            tg.start_soon(on_signal)
+            router = Router(replicas, policy, args.policy, client)
+            await run_router(router, args.host, args.port, watch=watch, make_index=make_index,
+                             subscribe=subscribe, max_body_bytes=args.max_body_bytes,
+                             drain_timeout_s=args.drain_timeout_s, log_level=args.log_level,
+                             stop=stop)  # fmt: skip
+            tg.cancel_scope.cancel()
+
+    anyio.run(run)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

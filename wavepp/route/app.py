@@ -1,0 +1,186 @@
+"""The router's HTTP side: the Starlette app, and running it under uvicorn until SIGTERM.
+
+Routes: ``POST /v1/prefill`` and ``POST /v1/completions`` (forwarded, see
+:mod:`wavepp.route.router`), ``DELETE /v1/requests/{id}`` (to the replica the request is
+at), ``GET /health`` (200 while at least one replica is up; every replica's state),
+``GET /metrics`` (``wavepp_route_*``) and ``GET /v1/models`` (a replica's, with the
+fleet's size: what ``wavepp.bench.load`` reads). A client that disconnects while its
+request waits closes the router's connection to the replica, which cancels the request
+there. SIGTERM drains: new requests get 503, the ones in flight get ``drain_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+
+import anyio
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from wavepp.route.body import peek
+from wavepp.route.replicas import MakeIndex, Subscribe, WatchOptions, log
+from wavepp.route.router import Router
+from wavepp.serve.api import ApiError
+from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, read_body
+from wavepp.serve.server import _h11_with_header_timeout, _Uvicorn, bind
+
+logger = logging.getLogger("wavepp.route")
+
+DRAIN_POLL_S = 0.05
+HEADER_TIMEOUT_S = 10.0
+
+
+def _error(error: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else {}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    metrics = router.metrics
+
+    async def forward(request: Request, route: str) -> Response:
+        try:
+            raw = await read_body(request, max_body_bytes)
+            answer: Response | None = None
+
+            async def watch_disconnect() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                tg.cancel_scope.cancel()  # closes the replica's connection: it cancels
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_disconnect)
+                try:
+                    answer = await router.forward(route, peek(route, raw))
+                except ApiError as error:  # raised here, not out of the task group
+                    answer = refuse(error)
+                tg.cancel_scope.cancel()
+            return answer if answer is not None else Response(status_code=499)
+        except ApiError as error:
+            return refuse(error)
+
+    def refuse(error: ApiError) -> Response:
+        metrics.refused[error.status] += 1
+        return _error(error)
+
+    async def prefill(request: Request) -> Response:
+        return await forward(request, "/v1/prefill")
+
+    async def completions(request: Request) -> Response:
+        return await forward(request, "/v1/completions")
+
+    async def cancel(request: Request) -> Response:
+        try:
+            code, raw = await router.cancel(request.path_params["request_id"])
+        except ApiError as error:
+            return _error(error)
+        return Response(raw, status_code=code, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        replicas = [r.snapshot() for r in router.replicas]
+        up = sum(1 for r in router.replicas if r.routable)
+        status = "draining" if router.draining else "ok" if up else "unavailable"
+        body = {"status": status, "policy": router.policy_name, "replicas_up": up,
+                "replicas": replicas}  # fmt: skip
+        return JSONResponse(body, status_code=200 if up and not router.draining else 503)
+
+    async def prometheus(request: Request) -> Response:
+        return PlainTextResponse(metrics.render(router.replicas),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
+
+    async def models(request: Request) -> Response:
+        known = [r for r in router.replicas if r.model_body is not None]
+        if not known:
+            return _error(ApiError(503, "no replica has answered /v1/models yet", "unavailable"))
+        body = copy.deepcopy(known[0].model_body)
+        up = sum(1 for r in router.replicas if r.routable)
+        for model in body.get("data", []):
+            if isinstance(model, dict) and isinstance(model.get("wavepp"), dict):
+                model["wavepp"]["fleet"] = {"replicas": len(router.replicas), "replicas_up": up,
+                                            "policy": router.policy_name}  # fmt: skip
+        return JSONResponse(body)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        message = "no such route" if status == 404 else "method not allowed on this route"
+        return _error(ApiError(status, f"{message}: {request.method} {request.url.path}"))
+
+    routes = [
+        Route("/v1/prefill", prefill, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/requests/{request_id:str}", cancel, methods=["DELETE"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.router = router
+    return app
+
+
+async def run_router(
+    router: Router,
+    host: str,
+    port: int,
+    *,
+    watch: WatchOptions,
+    make_index: MakeIndex | None,
+    subscribe: Subscribe | None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    drain_timeout_s: float = 25.0,
+    log_level: str = "warning",
+    stop: anyio.Event | None = None,
+) -> None:
+    """Watch the replicas and serve until ``stop`` is set (SIGTERM sets it); then drain."""
+    sock = bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        build_app(router, max_body_bytes), lifespan="off",
+        http=_h11_with_header_timeout(HEADER_TIMEOUT_S), ws="none", log_level=log_level,
+        access_log=False, timeout_graceful_shutdown=2.0, server_header=False,
+    )  # fmt: skip
+    server = _Uvicorn(config)
+    stop = stop or anyio.Event()
+
+    async def drain() -> None:
+        await stop.wait()
+        router.draining = True
+        log(f"draining: new requests get 503; {len(router.in_flight)} in flight get up to "
+            f"{drain_timeout_s:g} s")  # fmt: skip
+        with anyio.move_on_after(drain_timeout_s):
+            while router.in_flight:
+                await anyio.sleep(DRAIN_POLL_S)
+        server.should_exit = True
+
+    async def announce() -> None:
+        while not server.started:
+            await anyio.sleep(0.05)
+        log(f"listening on http://{bound_host}:{bound_port} (pid {os.getpid()}), policy "
+            f"{router.policy_name}, replicas " + " ".join(
+                f"{r.name}={r.url}" for r in router.replicas))  # fmt: skip
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for replica in router.replicas:
+                tg.start_soon(replica.watch, router.client, watch, make_index, subscribe)
+            tg.start_soon(drain)
+            tg.start_soon(announce)
+            await server.serve(sockets=[sock])
+            tg.cancel_scope.cancel()
+    finally:
+        sock.close()
+    log("stopped")
+
+
+def http_client(max_connections: int = 1024) -> httpx.AsyncClient:
+    """The router's client to the replicas: no overall timeout (a prefill takes what it
+    takes; a silent replica is caught by its watcher), a bounded connect."""
+    limits = httpx.Limits(max_connections=max_connections,
+                          max_keepalive_connections=max_connections)  # fmt: skip
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None, connect=5.0))

@@ -1,0 +1,285 @@
+"""Forwarding one request: choose a replica, send it, retry elsewhere if the replica fails.
+
+Idempotency is by request id. Every request carries one to the replica (the router names
+it ``route-<hex>`` when the client gave none), and the router sends one id to one replica
+at most once: it remembers, for the last :data:`RECENT_IDS` ids, which replicas saw them.
+
+- While a request is in flight at the router, another with its id is refused (409), as
+  one server refuses it.
+- A replica that refuses the connection, loses it before answering, answers 503 (fault,
+  draining), or is taken out by its watcher while the request waits (its ``/health``
+  failed or fell silent: the router first sends it ``DELETE /v1/requests/{id}``, and the
+  replica also cancels a request whose connection closes) has not answered that id; the
+  request is sent again, under the same id, to a replica that has not seen it.
+- A replica answering 409 for an id the router already sent there has the request (or
+  had it, its id still reserved): the router does not ask it again. That happens only
+  when a client repeats an id after its earlier request was abandoned; the request goes
+  to a replica that has not seen the id, or, when every replica up has, the 409 is the
+  answer — what one server answers for a repeated id.
+- Once a replica's answer has begun (its status line), it is the answer: a stream that
+  breaks halfway ends with an error event, never a second run elsewhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import anyio
+import attrs
+import httpx
+import msgspec
+from starlette.responses import Response, StreamingResponse
+
+from wavepp.route.body import Peek, answer_figures
+from wavepp.route.policies import ReplicaView, RouteRequest
+from wavepp.route.prom import RouteMetrics
+from wavepp.route.replicas import Flight, Replica
+from wavepp.serve.api import ApiError
+from wavepp.state import block_hashes
+
+RECENT_IDS = 10_000  # ids remembered with the replicas that saw them (the server's window)
+MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a replica's non-streamed answer, at most
+CANCEL_TIMEOUT_S = 2.0  # DELETE /v1/requests/{id} to a replica taken out
+
+
+@attrs.frozen
+class _Retry:
+    reason: str  # the retries counter's label: connect, lost, unavailable, taken-out
+    detail: str
+
+
+class Router:
+    """The replicas, the policy and the bookkeeping of requests in flight."""
+
+    def __init__(self, replicas: Sequence[Replica], policy: Callable, policy_name: str,
+                 client: httpx.AsyncClient,
+                 metrics: RouteMetrics | None = None) -> None:  # fmt: skip
+        self.replicas = list(replicas)
+        self.policy = policy
+        self.policy_name = policy_name
+        self.client = client
+        self.metrics = metrics or RouteMetrics(policy_name)
+        self.seq = 0  # requests routed so far
+        self.in_flight: dict[str, Replica | None] = {}  # request id -> replica it is at now
+        self.recent: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
+        self.draining = False
+
+    # -- choosing ---------------------------------------------------------------------
+
+    def views(self, peek: Peek, candidates: Sequence[Replica]) -> list[ReplicaView]:
+        num_tokens = 0 if peek.tokens is None else len(peek.tokens)
+        hashes_of: dict[int, tuple[int, ...]] = {}
+        views = []
+        for replica in candidates:
+            hashes = None
+            if peek.tokens is not None and replica.block_size:
+                if replica.block_size not in hashes_of:
+                    hashes_of[replica.block_size] = block_hashes(peek.tokens, replica.block_size)
+                hashes = hashes_of[replica.block_size]
+            views.append(replica.view(num_tokens, hashes, peek.tree_key))
+        return views
+
+    def choose(self, peek: Peek, candidates: Sequence[Replica]) -> tuple[Replica, ReplicaView]:
+        views = self.views(peek, candidates)
+        request = RouteRequest(self.seq, 0 if peek.tokens is None else len(peek.tokens))
+        index = self.policy(request, views)
+        if not (isinstance(index, int) and 0 <= index < len(views)):
+            raise RuntimeError(f"routing policy {self.policy_name!r} returned {index!r}, not an "
+                               f"index into its {len(views)} replicas")  # fmt: skip
+        return candidates[index], views[index]
+
+    def _remember(self, request_id: str, replica: str) -> None:
+        seen = self.recent.pop(request_id, set())
+        seen.add(replica)
+        self.recent[request_id] = seen
+        while len(self.recent) > RECENT_IDS:
+            self.recent.popitem(last=False)
+
+    # -- forwarding -------------------------------------------------------------------
+
+    async def forward(self, route: str, peek: Peek) -> Response:
+        """The answer to one request (a replica's, or the router's own refusal)."""
+        if self.draining:
+            raise ApiError(503, "the router is draining and takes no new requests", "unavailable")
+        rid = peek.request_id
+        if rid is not None and rid in self.in_flight:
+            raise ApiError(409, f"request id {rid!r} is in flight (ids name one request at a "
+                           "time)")  # fmt: skip
+        if rid is not None:
+            self.in_flight[rid] = None
+        response = None
+        try:
+            response = await self._attempts(route, peek)
+            return response
+        finally:  # a stream's id stays in flight until the stream ends
+            if rid is not None and not isinstance(response, StreamingResponse):
+                self.in_flight.pop(rid, None)
+
+    async def _attempts(self, route: str, peek: Peek) -> Response:
+        rid = peek.request_id
+        seen = set(self.recent.get(rid, ())) if rid is not None else set()
+        failures: list[str] = []
+        while True:
+            up = [r for r in self.replicas if r.routable]
+            candidates = [r for r in up if r.name not in seen]
+            if not candidates and not failures:
+                candidates = up  # every replica up saw this id: its own 409 is the answer
+            if not candidates:
+                break
+            replica, view = self.choose(peek, candidates)
+            self.seq += 1
+            seen.add(replica.name)
+            if rid is not None:
+                self._remember(rid, replica.name)
+                self.in_flight[rid] = replica
+            if peek.tree_key:
+                replica.tree.insert(peek.tree_key)
+            self.metrics.requests[replica.name] += 1
+            outcome = await self._attempt(route, peek, replica, view, len(failures) + 1)
+            if isinstance(outcome, Response):
+                return outcome
+            failures.append(f"{replica.name} ({replica.url}): {outcome.detail}")
+            self.metrics.retries[outcome.reason] += 1
+        if not failures:
+            raise ApiError(503, "no replica is up: " + "; ".join(
+                f"{r.name} {r.state}" + (f" ({r.reason})" if r.reason else "")
+                for r in self.replicas), "unavailable")  # fmt: skip
+        raise ApiError(503, "no replica could take the request: " + "; ".join(failures),
+                       "unavailable")  # fmt: skip
+
+    def _headers(self, replica: Replica, view: ReplicaView, peek: Peek, attempt: int) -> dict:
+        headers = {"x-wavepp-replica": replica.name, "x-wavepp-attempts": str(attempt),
+                   "x-wavepp-predicted-cached-tokens": str(view.predicted_tokens)}  # fmt: skip
+        if peek.request_id is not None:
+            headers["x-wavepp-request-id"] = peek.request_id
+        return headers
+
+    async def _attempt(self, route: str, peek: Peek, replica: Replica, view: ReplicaView,
+                       attempt: int) -> Response | _Retry:  # fmt: skip
+        num_tokens = 0 if peek.tokens is None else len(peek.tokens)
+        flight = Flight(peek.request_id, num_tokens, max(num_tokens - view.predicted_tokens, 0))
+        replica.flights.add(flight)
+        handed_on = False  # a stream's flight ends with the stream
+        try:
+            with anyio.CancelScope() as scope:
+                flight.scope = scope
+                request = self.client.build_request(
+                    "POST", replica.url + route, content=peek.body,
+                    headers={"content-type": "application/json"},
+                )  # fmt: skip
+                try:
+                    upstream = await self.client.send(request, stream=True)
+                except httpx.TransportError as error:
+                    return self._lost(replica, error, before_answer=True)
+                try:
+                    if upstream.status_code == 503:
+                        return await self._unavailable(replica, upstream)
+                    headers = self._headers(replica, view, peek, attempt)
+                    if peek.stream and upstream.headers.get("content-type", "").startswith(
+                            "text/event-stream"):  # fmt: skip
+                        handed_on = True
+                        return self._stream(replica, flight, upstream, headers)
+                    raw = await _read_capped(upstream)
+                except httpx.TransportError as error:
+                    return self._lost(replica, error, before_answer=False)
+                finally:
+                    if not handed_on:
+                        with anyio.CancelScope(shield=True):
+                            await upstream.aclose()
+            if scope.cancelled_caught:  # the replica was taken out while the request waited
+                await self._cancel_at(replica, peek.request_id)
+                return _Retry("taken-out", f"taken out while the request waited "
+                              f"({replica.reason})")  # fmt: skip
+            self._answered(replica, upstream.status_code, raw, view, peek)
+            return Response(raw, status_code=upstream.status_code, headers=headers,
+                            media_type=upstream.headers.get("content-type"))  # fmt: skip
+        finally:
+            if not handed_on:
+                self._land(replica, flight)
+
+    def _land(self, replica: Replica, flight: Flight) -> None:
+        replica.flights.discard(flight)
+
+    def _lost(self, replica: Replica, error: Exception, before_answer: bool) -> _Retry:
+        what = "cannot connect" if isinstance(error, httpx.ConnectError) else (
+            "lost the connection before answering")  # fmt: skip
+        replica.take_out(f"{what}: {type(error).__name__}: {error}".rstrip(": "))
+        return _Retry("connect" if isinstance(error, httpx.ConnectError) else "lost",
+                      f"{what} ({type(error).__name__})")  # fmt: skip
+
+    async def _unavailable(self, replica: Replica, upstream: httpx.Response) -> _Retry:
+        raw = await _read_capped(upstream)
+        try:
+            message = str(msgspec.json.decode(raw)["error"]["message"])
+        except (msgspec.DecodeError, KeyError, TypeError):
+            message = raw[:200].decode(errors="replace")
+        state = "draining" if "draining" in message else "out"
+        replica.take_out(f"answered 503: {message}", state=state)
+        return _Retry("unavailable", f"503 {message[:200]}")
+
+    async def _cancel_at(self, replica: Replica, request_id: str | None) -> None:
+        if request_id is None:
+            return
+        with anyio.move_on_after(CANCEL_TIMEOUT_S, shield=True):
+            with contextlib.suppress(httpx.HTTPError):  # gone: nothing of it runs there
+                await self.client.delete(f"{replica.url}/v1/requests/{request_id}",
+                                         timeout=CANCEL_TIMEOUT_S)  # fmt: skip
+
+    def _answered(self, replica: Replica, code: int, raw: bytes, view: ReplicaView,
+                  peek: Peek) -> None:  # fmt: skip
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        status, num, cached = answer_figures(body)
+        self.metrics.answered(replica.name, code, status, num, cached, view.predicted_tokens)
+
+    def _stream(self, replica: Replica, flight: Flight, upstream: httpx.Response,
+                headers: dict) -> StreamingResponse:  # fmt: skip
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            except httpx.TransportError as error:
+                message = (f"replica {replica.name} ({replica.url}) lost the stream: "
+                           f"{type(error).__name__}")
+                failure = ApiError(502, message, "server_error").body()
+                yield b"data: " + msgspec.json.encode(failure) + b"\n\n"
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await upstream.aclose()
+                self._land(replica, flight)
+                if self.in_flight.get(flight.request_id or "") is replica:
+                    self.in_flight.pop(flight.request_id or "", None)
+                self.metrics.answers[replica.name, upstream.status_code] += 1
+
+        return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers,
+                                 media_type="text/event-stream")  # fmt: skip
+
+    # -- cancel -----------------------------------------------------------------------
+
+    async def cancel(self, request_id: str) -> tuple[int, bytes]:
+        replica = self.in_flight.get(request_id)
+        if replica is None:
+            raise ApiError(404, f"no request {request_id[:128]!r} in flight at the router",
+                           "not_found")  # fmt: skip
+        try:
+            reply = await self.client.delete(f"{replica.url}/v1/requests/{request_id}",
+                                             timeout=CANCEL_TIMEOUT_S)  # fmt: skip
+        except httpx.HTTPError as error:
+            raise ApiError(502, f"replica {replica.name} did not answer the cancel: "
+                           f"{type(error).__name__}", "server_error") from None  # fmt: skip
+        return reply.status_code, reply.content
+
+
+async def _read_capped(upstream: httpx.Response) -> bytes:
+    parts, size = [], 0
+    async for chunk in upstream.aiter_bytes():
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            raise ApiError(502, f"a replica's answer is over {MAX_ANSWER_BYTES:,} bytes",
+                           "server_error")  # fmt: skip
+        parts.append(chunk)
+    return b"".join(parts)
