@@ -1,4 +1,4 @@
-/* Paged causal attention for a whole wave, fp32, AVX-512 (wavepp.exec.cpu_kernel).
+/* Paged causal attention for a whole wave, fp32 or bf16, AVX-512 (wavepp.exec.cpu_kernel).
 
    Every new token of a sequence attends to the keys at positions 0..its own, read from
    the paged pool through the sequence's block table: the cached prefix and the chunk's
@@ -7,10 +7,23 @@
    it, and grouped query heads share one pass over their KV head's keys.
 
    Work items: (sequence, KV head, tile of QT query positions). An item packs its query
-   rows (the g heads of the group times QT positions, scaled), then walks the keys in
-   tiles of KT: packs K transposed and V, S = Q K^T, the online softmax per row, O += P V.
+   rows (the g heads of the group times QT positions), then walks the keys in tiles of
+   KT: packs K transposed and V, S = Q K^T, the online softmax per row, O += P V.
    The items are spread over the calling process's OpenMP threads (torch's own pool:
    the same libgomp is loaded first by torch).
+
+   Element types (one per call: q, pools and out all fp32 or all bf16; every sum fp32):
+   - fp32: the query rows are packed scaled, the products are fp32 FMAs.
+   - bf16 through vdpbf16ps (AVX-512 BF16; compiled where the compiler targets it,
+     chosen per call): Q and K are packed as pairs of bf16 along d, one 32-bit word a
+     pair (K transposed by the same 16 x 16 transpose, of words), so S = Q K^T is one
+     vdpbf16ps per 16 keys and pair of dims; the scale multiplies S in fp32. P is
+     rounded to bf16 (as FlashAttention rounds it for its second product) and V packed
+     as pairs of keys, so O += P V is one vdpbf16ps per 16 columns and pair of keys;
+     each row's sum l is taken over the rounded P, the weights O is made of.
+   - bf16 converted: Q, K and V converted to fp32 as they are packed, then the fp32
+     products (the path without AVX-512 BF16, or when the caller asks for it).
+   The output is written in the inputs' type (bf16 rounded to nearest even).
 */
 #include <immintrin.h>
 #include <math.h>
@@ -22,8 +35,10 @@
 #error "wavepp's CPU attention kernel needs AVX-512F"
 #endif
 
-#define KT 256     /* keys per tile */
+#define KT 256     /* keys per tile (a multiple of 32) */
 #define ROWS 256   /* query rows (heads of a group x positions) per item, at most */
+
+typedef uint16_t bf16; /* the upper half of an fp32 */
 
 typedef struct {
     int64_t q_offset;   /* first new token of the sequence in q/out */
@@ -48,6 +63,27 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+static inline float bf16_to_f32(bf16 x) {
+    const uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __m512 bf16x16_to_f32(__m256i x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+/* 16 fp32 -> 16 bf16, rounded to nearest even (a NaN stays a NaN); AVX-512F alone */
+static inline __m256i f32_to_bf16x16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x), high = _mm512_srli_epi32(u, 16);
+    const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
 }
 
 /* S[r][j] = Q[r] . K[j] for rows 0..rows-1 (a multiple of 8) and keys 0..kpad-1 (a
@@ -126,6 +162,88 @@ static void pv(const float *P, const float *V, int kn, int d_v, int rows, const 
     }
 }
 
+#ifdef __AVX512BF16__
+#define HAS_DOT 1
+/* qk over bf16 pairs: S[r][j] = sum_p Q[r][p] . K[j][p] for rows 0..rows-1 (a multiple
+   of 8) and keys 0..kpad-1 (a multiple of 32), where word p of a row holds dims 2p and
+   2p+1; Kt is [kpad / 32][dp][32] words, as qk's panels. */
+static void qk_dot(const uint32_t *Q, int dp, const uint32_t *Kt, int kpad, int rows, float *S) {
+    for (int j = 0; j < kpad; j += 32) {
+        const uint32_t *panel = Kt + (int64_t)j * dp;
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const uint32_t *q = Q + (int64_t)r0 * dp;
+            __m512 c[8][2];
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+            for (int d = 0; d < dp; d++) {
+                __m512bh b0 = (__m512bh)_mm512_load_si512(panel + d * 32);
+                __m512bh b1 = (__m512bh)_mm512_load_si512(panel + d * 32 + 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int)q[r * dp + d]);
+                    c[r][0] = _mm512_dpbf16_ps(c[r][0], a, b0);
+                    c[r][1] = _mm512_dpbf16_ps(c[r][1], a, b1);
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++) {
+                _mm512_store_ps(S + (int64_t)(r0 + r) * KT + j, c[r][0]);
+                _mm512_store_ps(S + (int64_t)(r0 + r) * KT + j + 16, c[r][1]);
+            }
+        }
+    }
+}
+
+/* pv over bf16 pairs of keys: O[r] = alpha[r] O[r] + sum_j<kn P[r][j] V[j], where P is
+   [rows][KT] bf16 (a word holds keys 2p and 2p+1) and V2 [ceil(kn / 2)][d_v] words
+   (word c of pair p holds V[2p][c] and V[2p+1][c]); d_v a multiple of 16. */
+static void pv_dot(const bf16 *P, const uint32_t *V2, int kn, int d_v, int rows,
+                   const float *alpha, float *O) {
+    const uint32_t *Pw = (const uint32_t *)P;
+    const int pairs = (kn + 1) / 2;
+    for (int r = 0; r < rows; r++) {
+        __m512 a = _mm512_set1_ps(alpha[r]);
+        float *o = O + (int64_t)r * d_v;
+        for (int c = 0; c < d_v; c += 16) _mm512_store_ps(o + c, _mm512_mul_ps(a, _mm512_load_ps(o + c)));
+    }
+    for (int p0 = 0; p0 < pairs; p0 += PV_KEYS / 2) {
+        const int p1 = p0 + PV_KEYS / 2 < pairs ? p0 + PV_KEYS / 2 : pairs;
+        for (int c0 = 0; c0 < d_v; c0 += 32) {
+            const int wide = c0 + 32 <= d_v; /* else one vector of 16 columns */
+            for (int r0 = 0; r0 < rows; r0 += 8) {
+                __m512 acc[8][2];
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    const float *o = O + (int64_t)(r0 + r) * d_v + c0;
+                    acc[r][0] = _mm512_load_ps(o);
+                    acc[r][1] = wide ? _mm512_load_ps(o + 16) : _mm512_setzero_ps();
+                }
+                for (int p = p0; p < p1; p++) {
+                    const uint32_t *vr = V2 + (int64_t)p * d_v + c0;
+                    __m512bh w0 = (__m512bh)_mm512_loadu_si512(vr);
+                    __m512bh w1 = wide ? (__m512bh)_mm512_loadu_si512(vr + 16)
+                                       : (__m512bh)_mm512_setzero_si512();
+#pragma GCC unroll 8
+                    for (int r = 0; r < 8; r++) {
+                        __m512bh x = (__m512bh)_mm512_set1_epi32((int)Pw[(int64_t)(r0 + r) * (KT / 2) + p]);
+                        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+                        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
+                    }
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    float *o = O + (int64_t)(r0 + r) * d_v + c0;
+                    _mm512_store_ps(o, acc[r][0]);
+                    if (wide) _mm512_store_ps(o + 16, acc[r][1]);
+                }
+            }
+        }
+    }
+}
+#else
+#define HAS_DOT 0
+#endif
+
 /* dst[k * ld + i] = rows[i][k] for i, k in 0..15: a 16 x 16 transpose in registers */
 static inline void transpose16(const float *const *rows, float *dst, long ld) {
     __m512 r[16], t[16];
@@ -151,21 +269,168 @@ static inline void transpose16(const float *const *rows, float *dst, long ld) {
     }
     for (int k = 0; k < 16; k++) _mm512_storeu_ps(dst + k * ld, r[k]);
 }
-static const float zeros[1024]; /* stands in for the keys past a tile's last (d_k <= 1024) */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAS_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
+#define XFEATURE_XTILEDATA 18      /* the tiles' data */
+
+/* Linux lends the AMX tiles to a process that asks (once, for all its threads). */
+int wavepp_amx_init(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 0;
+}
 
 typedef struct {
-    const float *q, *k_pool, *v_pool;
-    float *out;
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* every tile 16 rows of 64 bytes: 16 x 32 bf16 (A, or B as pairs) or 16 x 16 fp32 (C) */
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* qk by tiles: S[r][j] = Q[r] . K[j] for rows 0..rows-1 (a multiple of 16) and keys
+   0..kpad-1 (a multiple of 32). Q is [rows][kw] words of bf16 pairs (kw a multiple of
+   16: 32 dims a tile), Kt the panels [kpad / 32][kw][32] words: a panel's 16 keys of
+   16 words are a B tile. Tiles 0-3: S for 2 row blocks x 2 key halves; 4-5: Q; 6-7: K. */
+static void qk_amx(const uint32_t *Q, int kw, const uint32_t *Kt, int kpad, int rows, float *S) {
+    for (int j = 0; j < kpad; j += 32) {
+        const uint32_t *panel = Kt + (int64_t)j * kw;
+        int r0 = 0;
+        for (; r0 + 32 <= rows; r0 += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int p = 0; p < kw; p += 16) {
+                _tile_loadd(4, Q + (int64_t)r0 * kw + p, kw * 4);
+                _tile_loadd(5, Q + (int64_t)(r0 + 16) * kw + p, kw * 4);
+                _tile_loadd(6, panel + p * 32, 128);
+                _tile_loadd(7, panel + p * 32 + 16, 128);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, S + (int64_t)r0 * KT + j, KT * 4);
+            _tile_stored(1, S + (int64_t)r0 * KT + j + 16, KT * 4);
+            _tile_stored(2, S + (int64_t)(r0 + 16) * KT + j, KT * 4);
+            _tile_stored(3, S + (int64_t)(r0 + 16) * KT + j + 16, KT * 4);
+        }
+        for (; r0 < rows; r0 += 16) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int p = 0; p < kw; p += 16) {
+                _tile_loadd(4, Q + (int64_t)r0 * kw + p, kw * 4);
+                _tile_loadd(6, panel + p * 32, 128);
+                _tile_loadd(7, panel + p * 32 + 16, 128);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, S + (int64_t)r0 * KT + j, KT * 4);
+            _tile_stored(1, S + (int64_t)r0 * KT + j + 16, KT * 4);
+        }
+    }
+}
+
+/* pv by tiles: O[r] = alpha[r] O[r] + sum_j<kpad P[r][j] V[j] for rows 0..rows-1 (a
+   multiple of 16); P is [rows][KT] bf16 (32 keys an A tile), V2 [kpad / 2][d_v] words
+   (16 pairs of keys by 16 columns a B tile), d_v a multiple of 16; P is 0 past each
+   row's keys and V2 0 past the tile's. Tiles 0-3: O, 2 row blocks x 2 column blocks. */
+static void pv_amx(const bf16 *P, const uint32_t *V2, int kpad, int d_v, int rows,
+                   const float *alpha, float *O) {
+    for (int r = 0; r < rows; r++) {
+        __m512 a = _mm512_set1_ps(alpha[r]);
+        float *o = O + (int64_t)r * d_v;
+        for (int c = 0; c < d_v; c += 16) _mm512_store_ps(o + c, _mm512_mul_ps(a, _mm512_load_ps(o + c)));
+    }
+    const int64_t ld = (int64_t)d_v * 4;
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int two_rows = r0 + 32 <= rows;
+        int c0 = 0;
+        for (; c0 + 32 <= d_v; c0 += 32) {
+            float *o = O + (int64_t)r0 * d_v + c0;
+            _tile_loadd(0, o, ld);
+            _tile_loadd(1, o + 16, ld);
+            if (two_rows) {
+                _tile_loadd(2, o + 16 * d_v, ld);
+                _tile_loadd(3, o + 16 * d_v + 16, ld);
+            }
+            for (int k = 0; k < kpad; k += 32) {
+                const uint32_t *v = V2 + (int64_t)(k / 2) * d_v + c0;
+                _tile_loadd(4, P + (int64_t)r0 * KT + k, KT * 2);
+                _tile_loadd(6, v, ld);
+                _tile_loadd(7, v + 16, ld);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (two_rows) {
+                    _tile_loadd(5, P + (int64_t)(r0 + 16) * KT + k, KT * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, o, ld);
+            _tile_stored(1, o + 16, ld);
+            if (two_rows) {
+                _tile_stored(2, o + 16 * d_v, ld);
+                _tile_stored(3, o + 16 * d_v + 16, ld);
+            }
+        }
+        for (; c0 < d_v; c0 += 16) { /* a last block of 16 columns */
+            float *o = O + (int64_t)r0 * d_v + c0;
+            _tile_loadd(0, o, ld);
+            if (two_rows) _tile_loadd(2, o + 16 * d_v, ld);
+            for (int k = 0; k < kpad; k += 32) {
+                _tile_loadd(4, P + (int64_t)r0 * KT + k, KT * 2);
+                _tile_loadd(6, V2 + (int64_t)(k / 2) * d_v + c0, ld);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_rows) {
+                    _tile_loadd(5, P + (int64_t)(r0 + 16) * KT + k, KT * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                }
+            }
+            _tile_stored(0, o, ld);
+            if (two_rows) _tile_stored(2, o + 16 * d_v, ld);
+        }
+        if (two_rows) r0 += 16;
+    }
+}
+#else
+#define HAS_AMX 0
+int wavepp_amx_init(void) { return -1; }
+#endif
+
+enum { CONVERT = 0, DOT = 1, AMX = 2 }; /* how bf16 is multiplied (wavepp_paged_attention) */
+
+/* stands in for the keys past a tile's last: d_k <= 1024 fp32 or 2048 bf16 */
+static const float zeros[1024] __attribute__((aligned(64)));
+
+typedef struct {
+    const void *q, *k_pool, *v_pool;
+    void *out;
     const Seq *seqs;
     const int64_t *tables;
     int64_t block_size, heads, kv_heads, d_k, d_v;
-    int64_t k_row, k_head, v_row, v_head; /* pool strides, in floats */
+    int64_t k_row, k_head, v_row, v_head; /* pool strides, in elements */
     float scale;
     int positions; /* query positions per item */
+    int bf16;      /* q, pools and out in bf16 (else fp32) */
+    int path;      /* bf16: CONVERT, DOT or AMX, one this build has; fp32: CONVERT */
+    int64_t kw;    /* DOT, AMX: 32-bit words of a packed Q or K row (pairs of dims) */
 } Wave;
 
 typedef struct {
     float *Q, *Kt, *V, *S, *O, *m, *l, *alpha;
+    float *P;  /* DOT, AMX: P in bf16, [rpad][KT] */
+    float *Kc; /* CONVERT in bf16: 16 key rows in fp32, [16][d_k] */
 } Scratch;
 
 static int64_t pool_row(const Wave *w, const Seq *s, int64_t pos) {
@@ -173,94 +438,203 @@ static int64_t pool_row(const Wave *w, const Seq *s, int64_t pos) {
     return slot * w->block_size + pos % w->block_size;
 }
 
-static void run_item(const Wave *w, const Seq *s, int64_t kh, int64_t i0, Scratch *x) {
-    const int64_t g = w->heads / w->kv_heads, d_k = w->d_k, d_v = w->d_v;
-    const int64_t i1 = i0 + w->positions < s->num_new ? i0 + w->positions : s->num_new;
-    const int64_t nq = i1 - i0, rows = g * nq, rpad = (rows + 7) & ~(int64_t)7;
-    /* rows r = hg * nq + (i - i0): head kh * g + hg, position start + i */
+/* element `index` of `base`, elements of `size` bytes */
+static inline const void *at(const void *base, int64_t index, int size) {
+    return (const char *)base + index * size;
+}
+
+/* Q rows r = hg * nq + (i - i0) (head kh * g + hg, position start + i), zero past
+   `rows`: fp32, scaled, for the fp32 products; for DOT and AMX, kw words of bf16 pairs,
+   unscaled (the scale multiplies S), zero past d_k. */
+static void pack_q(const Wave *w, const Seq *s, int64_t kh, int64_t i0, int64_t nq,
+                   int64_t rows, int64_t rpad, Scratch *x) {
+    const int64_t g = w->heads / w->kv_heads, d_k = w->d_k;
+    const int64_t width = w->path == CONVERT ? d_k : w->kw; /* a row, in 32-bit elements */
     for (int64_t r = 0; r < rpad; r++) {
-        float *dst = x->Q + r * d_k;
         if (r >= rows) {
-            memset(dst, 0, d_k * sizeof(float));
+            memset(x->Q + r * width, 0, width * sizeof(float));
             continue;
         }
         int64_t h = kh * g + r / nq, i = i0 + r % nq;
-        const float *src = w->q + ((s->q_offset + i) * w->heads + h) * d_k;
-        for (int64_t d = 0; d < d_k; d++) dst[d] = src[d] * w->scale;
+        int64_t src = ((s->q_offset + i) * w->heads + h) * d_k;
+        if (!w->bf16) {
+            const float *q = (const float *)w->q + src;
+            float *dst = x->Q + r * width;
+            for (int64_t d = 0; d < d_k; d++) dst[d] = q[d] * w->scale;
+        } else if (w->path == CONVERT) {
+            const bf16 *q = (const bf16 *)w->q + src;
+            float *dst = x->Q + r * width;
+            for (int64_t d = 0; d < d_k; d++) dst[d] = bf16_to_f32(q[d]) * w->scale;
+        } else {
+            bf16 *dst = (bf16 *)(x->Q + r * width);
+            memcpy(dst, (const bf16 *)w->q + src, d_k * sizeof(bf16));
+            memset(dst + d_k, 0, (2 * width - d_k) * sizeof(bf16));
+        }
     }
+}
+
+/* K^T in panels of 32 keys and V, for keys k0..k0+kn-1 of the tile (zeros up to kpad):
+   fp32 panels [kpad / 32][d_k][32] and V [kpad][d_v] for the fp32 products; for DOT and
+   AMX, panels of words [kpad / 32][kw][32] (word p of a key: its dims 2p and 2p + 1)
+   and V2 [kpad / 2][d_v] words (word c of pair p: V[2p][c] and V[2p + 1][c]). */
+static void pack_kv(const Wave *w, const Seq *s, int64_t kh, int64_t k0, int kn, int kpad,
+                    Scratch *x) {
+    const int64_t d_k = w->d_k, d_v = w->d_v, kw = w->kw;
+    const int size = w->bf16 ? 2 : 4;
+    for (int j0 = 0; j0 < kpad; j0 += 16) {
+        const void *kr[16], *vr[16];
+        for (int j = 0; j < 16; j++) {
+            if (j0 + j >= kn) {
+                kr[j] = vr[j] = zeros;
+                continue;
+            }
+            int64_t row = pool_row(w, s, k0 + j0 + j);
+            kr[j] = at(w->k_pool, row * w->k_row + kh * w->k_head, size);
+            vr[j] = at(w->v_pool, row * w->v_row + kh * w->v_head, size);
+        }
+        if (w->path != CONVERT) {
+            uint32_t *panel = (uint32_t *)x->Kt + (j0 & ~31) * kw + (j0 & 31);
+            int64_t p = 0;
+            for (; p + 16 <= d_k / 2; p += 16) { /* whole words: a transpose of words */
+                const float *cols[16];
+                for (int j = 0; j < 16; j++) cols[j] = (const float *)((const bf16 *)kr[j] + 2 * p);
+                transpose16(cols, (float *)(panel + p * 32), 32);
+            }
+            for (; p < kw; p++)
+                for (int j = 0; j < 16; j++) {
+                    const bf16 *k = kr[j];
+                    uint32_t lo = 2 * p < d_k ? k[2 * p] : 0, hi = 2 * p + 1 < d_k ? k[2 * p + 1] : 0;
+                    panel[p * 32 + j] = lo | hi << 16;
+                }
+            uint32_t *v2 = (uint32_t *)x->V + (int64_t)(j0 / 2) * d_v;
+            for (int j = 0; j < 16; j += 2, v2 += d_v)
+                for (int64_t c = 0; c < d_v; c += 16) {
+                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const bf16 *)vr[j] + c)));
+                    __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const bf16 *)vr[j + 1] + c)));
+                    _mm512_storeu_si512(v2 + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                }
+            continue;
+        }
+        if (w->bf16) { /* converted: K rows into Kc, V rows into V */
+            for (int j = 0; j < 16; j++) {
+                float *kc = x->Kc + j * d_k, *v = x->V + (int64_t)(j0 + j) * d_v;
+                const bf16 *k = kr[j], *vs = vr[j];
+                for (int64_t d = 0; d < d_k; d++) kc[d] = bf16_to_f32(k[d]);
+                for (int64_t c = 0; c < d_v; c += 16)
+                    _mm512_store_ps(v + c, bf16x16_to_f32(_mm256_loadu_si256((const void *)(vs + c))));
+                kr[j] = kc;
+            }
+        } else {
+            for (int j = 0; j < 16; j++)
+                memcpy(x->V + (int64_t)(j0 + j) * d_v, vr[j], d_v * sizeof(float));
+        }
+        float *panel = x->Kt + (j0 & ~31) * d_k + (j0 & 31);
+        int64_t d = 0;
+        for (; d + 16 <= d_k; d += 16) {
+            const float *cols[16];
+            for (int j = 0; j < 16; j++) cols[j] = (const float *)kr[j] + d;
+            transpose16(cols, panel + d * 32, 32);
+        }
+        for (; d < d_k; d++)
+            for (int j = 0; j < 16; j++) panel[d * 32 + j] = ((const float *)kr[j])[d];
+    }
+}
+
+/* The online softmax of one tile, row by row, zero past each row's keys up to kpad:
+   P overwrites S (fp32), or for DOT and AMX goes to P in bf16, each row's sum taken
+   over the rounded weights. S holds scores / `mul` (mul = 1 where Q was packed scaled). */
+static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, int64_t rows,
+                         int64_t rpad, int64_t k0, int kn, int kpad, float mul, Scratch *x) {
+    const __m512 mulv = _mm512_set1_ps(mul);
+    const int rounded = w->path != CONVERT;
+    for (int64_t r = 0; r < rpad; r++) {
+        float *srow = x->S + r * KT;
+        bf16 *prow = (bf16 *)x->P + r * KT;
+        int64_t valid = r < rows ? s->start + i0 + r % nq - k0 + 1 : 0;
+        if (valid > kn) valid = kn;
+        if (valid <= 0) {
+            if (rounded) memset(prow, 0, kpad * sizeof(bf16));
+            else memset(srow, 0, kpad * sizeof(float));
+            x->alpha[r] = 1.0f;
+            continue;
+        }
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 16 <= valid; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(srow + j));
+        __mmask16 tail = (__mmask16)((1u << (valid - j)) - 1u);
+        if (j < valid) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_load_ps(srow + j));
+        float m_new = _mm512_reduce_max_ps(mx);
+        if (x->m[r] > m_new) m_new = x->m[r];
+        const float a = expf((x->m[r] - m_new) * mul); /* 0 on the first tile (m = -inf) */
+        const __m512 mv = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (j = 0; j < kpad; j += 16) {
+            __m512 p = _mm512_setzero_ps();
+            if (j < valid) {
+                p = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(srow + j), mv), mulv));
+                if (j + 16 > valid) p = _mm512_maskz_mov_ps(tail, p);
+            }
+            if (rounded) {
+                __m256i h = f32_to_bf16x16(p);
+                _mm256_store_si256((void *)(prow + j), h);
+                p = bf16x16_to_f32(h);
+            } else {
+                _mm512_store_ps(srow + j, p);
+            }
+            sum = _mm512_add_ps(sum, p);
+        }
+        x->l[r] = x->l[r] * a + _mm512_reduce_add_ps(sum);
+        x->m[r] = m_new;
+        x->alpha[r] = a;
+    }
+}
+
+static void run_item(const Wave *w, const Seq *s, int64_t kh, int64_t i0, Scratch *x) {
+    const int64_t g = w->heads / w->kv_heads, d_k = w->d_k, d_v = w->d_v;
+    const int64_t i1 = i0 + w->positions < s->num_new ? i0 + w->positions : s->num_new;
+    const int64_t nq = i1 - i0, rows = g * nq;
+    const int64_t rpad = w->path == AMX ? (rows + 15) & ~(int64_t)15 : (rows + 7) & ~(int64_t)7;
+    pack_q(w, s, kh, i0, nq, rows, rpad, x);
     memset(x->O, 0, rpad * d_v * sizeof(float));
     for (int64_t r = 0; r < rpad; r++) x->m[r] = -INFINITY, x->l[r] = 0.0f, x->alpha[r] = 1.0f;
 
     const int64_t keys = s->start + i1; /* keys 0..keys-1 are seen by some row */
     for (int64_t k0 = 0; k0 < keys; k0 += KT) {
         const int kn = (int)(keys - k0 < KT ? keys - k0 : KT), kpad = (kn + 31) & ~31;
-        /* pack K^T (panels of 32 keys) and V [kn][d_v], 16 keys at a time */
-        for (int j0 = 0; j0 < kpad; j0 += 16) {
-            const float *kr[16];
-            for (int j = 0; j < 16; j++) {
-                if (j0 + j >= kn) {
-                    kr[j] = zeros;
-                    continue;
-                }
-                int64_t row = pool_row(w, s, k0 + j0 + j);
-                kr[j] = w->k_pool + row * w->k_row + kh * w->k_head;
-                memcpy(x->V + (int64_t)(j0 + j) * d_v, w->v_pool + row * w->v_row + kh * w->v_head,
-                       d_v * sizeof(float));
-            }
-            float *panel = x->Kt + (j0 & ~31) * d_k + (j0 & 31);
-            int64_t d = 0;
-            for (; d + 16 <= d_k; d += 16) {
-                const float *at[16];
-                for (int j = 0; j < 16; j++) at[j] = kr[j] + d;
-                transpose16(at, panel + d * 32, 32);
-            }
-            for (; d < d_k; d++)
-                for (int j = 0; j < 16; j++) panel[d * 32 + j] = kr[j][d];
+        pack_kv(w, s, kh, k0, kn, kpad, x);
+        if (w->path == CONVERT) {
+            qk(x->Q, (int)d_k, x->Kt, kpad, (int)rpad, x->S);
+            softmax_tile(w, s, i0, nq, rows, rpad, k0, kn, kpad, 1.0f, x);
+            pv(x->S, x->V, kn, (int)d_v, (int)rpad, x->alpha, x->O);
+            continue;
         }
-        qk(x->Q, (int)d_k, x->Kt, kpad, (int)rpad, x->S);
-        /* the online softmax, row by row; P overwrites S, zero past each row's keys */
-        for (int64_t r = 0; r < rpad; r++) {
-            float *srow = x->S + r * KT;
-            int64_t valid = r < rows ? s->start + i0 + r % nq - k0 + 1 : 0;
-            if (valid > kn) valid = kn;
-            if (valid <= 0) {
-                memset(srow, 0, kpad * sizeof(float));
-                x->alpha[r] = 1.0f;
-                continue;
-            }
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            int64_t j = 0;
-            for (; j + 16 <= valid; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(srow + j));
-            __mmask16 tail = (__mmask16)((1u << (valid - j)) - 1u);
-            if (j < valid) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_load_ps(srow + j));
-            float m_new = _mm512_reduce_max_ps(mx);
-            if (x->m[r] > m_new) m_new = x->m[r];
-            const float a = expf(x->m[r] - m_new); /* 0 on the first tile (m = -inf) */
-            const __m512 mv = _mm512_set1_ps(m_new);
-            __m512 sum = _mm512_setzero_ps();
-            for (j = 0; j + 16 <= valid; j += 16) {
-                __m512 p = exp512(_mm512_sub_ps(_mm512_load_ps(srow + j), mv));
-                _mm512_store_ps(srow + j, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-            if (j < valid) {
-                __m512 p = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_load_ps(srow + j), mv)));
-                _mm512_store_ps(srow + j, p);
-                sum = _mm512_add_ps(sum, p);
-                j += 16;
-            }
-            for (; j < kpad; j += 16) _mm512_store_ps(srow + j, _mm512_setzero_ps());
-            x->l[r] = x->l[r] * a + _mm512_reduce_add_ps(sum);
-            x->m[r] = m_new;
-            x->alpha[r] = a;
+#if HAS_AMX || HAS_DOT
+        const uint32_t *Q = (const uint32_t *)x->Q, *Kt = (const uint32_t *)x->Kt;
+        const uint32_t *V2 = (const uint32_t *)x->V;
+#endif
+#if HAS_AMX
+        if (w->path == AMX) {
+            qk_amx(Q, (int)w->kw, Kt, kpad, (int)rpad, x->S);
+            softmax_tile(w, s, i0, nq, rows, rpad, k0, kn, kpad, w->scale, x);
+            pv_amx((const bf16 *)x->P, V2, kpad, (int)d_v, (int)rpad, x->alpha, x->O);
+            continue;
         }
-        pv(x->S, x->V, kn, (int)d_v, (int)rpad, x->alpha, x->O);
+#endif
+#if HAS_DOT
+        qk_dot(Q, (int)w->kw, Kt, kpad, (int)rpad, x->S);
+        softmax_tile(w, s, i0, nq, rows, rpad, k0, kn, kpad, w->scale, x);
+        pv_dot((const bf16 *)x->P, V2, kn, (int)d_v, (int)rpad, x->alpha, x->O);
+#endif
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t h = kh * g + r / nq, i = i0 + r % nq;
-        float *dst = w->out + ((s->q_offset + i) * w->heads + h) * d_v;
-        const float inv = 1.0f / x->l[r];
-        for (int64_t c = 0; c < d_v; c++) dst[c] = x->O[r * d_v + c] * inv;
+        int64_t dst = ((s->q_offset + i) * w->heads + h) * d_v;
+        const __m512 inv = _mm512_set1_ps(1.0f / x->l[r]);
+        for (int64_t c = 0; c < d_v; c += 16) {
+            __m512 o = _mm512_mul_ps(_mm512_load_ps(x->O + r * d_v + c), inv);
+            if (w->bf16) _mm256_storeu_si256((void *)((bf16 *)w->out + dst + c), f32_to_bf16x16(o));
+            else _mm512_storeu_ps((float *)w->out + dst + c, o);
+        }
     }
 }
 
@@ -268,17 +642,26 @@ static void *aligned(size_t n) {
     return aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
 }
 
+/* The bf16 paths this build has: bit DOT (vdpbf16ps: the compiler targeted AVX-512
+   BF16), bit AMX (the AMX tiles; usable once wavepp_amx_init has succeeded). */
+int wavepp_bf16_paths(void) { return HAS_DOT << DOT | HAS_AMX << AMX; }
+
 /* The entry point: every new token of every sequence, over num_threads threads.
    q [T, heads, d_k] and out [T, heads, d_v] contiguous; pools addressed by row and head
-   strides; d_v a multiple of 16 (checked by the caller). Returns 0, or -1 when scratch
-   memory could not be had. */
-int wavepp_paged_attention(const float *q, const float *k_pool, const float *v_pool, float *out,
+   strides (in elements); d_v a multiple of 16 (checked by the caller). bf16: q, pools
+   and out in bf16 (else fp32), multiplied by `path` (CONVERT, DOT or AMX; one this
+   build lacks falls back to CONVERT). Returns 0, or -1 when scratch memory could not be
+   had. */
+int wavepp_paged_attention(const void *q, const void *k_pool, const void *v_pool, void *out,
                            const int64_t *seqs, int64_t num_seqs, const int64_t *tables,
                            int64_t block_size, int64_t heads, int64_t kv_heads, int64_t d_k,
                            int64_t d_v, int64_t k_row, int64_t k_head, int64_t v_row,
-                           int64_t v_head, float scale, int num_threads) {
+                           int64_t v_head, float scale, int num_threads, int bf16, int path) {
+    if (!bf16 || !(wavepp_bf16_paths() >> path & 1)) path = CONVERT;
+    const int64_t dp = (d_k + 1) / 2; /* words of bf16 pairs in a K row */
     Wave w = {q, k_pool, v_pool, out, (const Seq *)seqs, tables, block_size, heads, kv_heads,
-              d_k, d_v, k_row, k_head, v_row, v_head, scale, 0};
+              d_k, d_v, k_row, k_head, v_row, v_head, scale, 0, bf16 != 0, path,
+              path == AMX ? (dp + 15) & ~(int64_t)15 : dp};
     const int64_t g = heads / kv_heads;
     w.positions = (int)(ROWS / g > 0 ? ROWS / g : 1);
     int64_t items = 0;
@@ -296,21 +679,29 @@ int wavepp_paged_attention(const float *q, const float *k_pool, const float *v_p
                 n++;
             }
     }
-    const int64_t rpad = ((g * w.positions) + 7) & ~(int64_t)7;
+    const int64_t rpad = ((g * w.positions) + 15) & ~(int64_t)15;
+    const int64_t width = d_k > w.kw ? d_k : w.kw; /* a packed Q or K row, 32-bit elements */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        Scratch x = {aligned(rpad * d_k), aligned(d_k * KT), aligned(KT * d_v), aligned(rpad * KT),
-                     aligned(rpad * d_v), aligned(rpad), aligned(rpad), aligned(rpad)};
-        const int ok = x.Q && x.Kt && x.V && x.S && x.O && x.m && x.l && x.alpha;
+        Scratch x = {aligned(rpad * width), aligned(width * KT), aligned(KT * d_v),
+                     aligned(rpad * KT), aligned(rpad * d_v), aligned(rpad), aligned(rpad),
+                     aligned(rpad), aligned(rpad * KT / 2), aligned(16 * d_k)};
+        const int ok = x.Q && x.Kt && x.V && x.S && x.O && x.m && x.l && x.alpha && x.P && x.Kc;
         failed = !ok;
+#if HAS_AMX
+        if (w.path == AMX) amx_configure();
+#endif
         /* every thread reaches the loop (its barrier); one without scratch skips its items,
            and the caller falls back on the whole call */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++)
             if (ok) run_item(&w, &w.seqs[work[3 * it]], work[3 * it + 1], work[3 * it + 2], &x);
+#if HAS_AMX
+        if (w.path == AMX) _tile_release();
+#endif
         free(x.Q), free(x.Kt), free(x.V), free(x.S), free(x.O), free(x.m), free(x.l),
-            free(x.alpha);
+            free(x.alpha), free(x.P), free(x.Kc);
     }
     free(work);
     return failed ? -1 : 0;

@@ -1,10 +1,20 @@
 """WavePP's own CPU attention kernel (``cpu_attention.c``), built on first use.
 
-One call per layer runs paged causal attention for every chunk of a wave, fp32, with
-AVX-512: each new token attends to positions ``0..its own`` read through its block
-table, in one online-softmax pass (no log-sum-exp merge of parts, no work above the
-diagonal beyond one tile). :func:`wavepp.exec.attention.paged_attention` calls it for
-fp32 CPU waves it fits and runs the portable PyTorch path otherwise.
+One call per layer runs paged causal attention for every chunk of a wave, fp32 or
+bf16, with AVX-512: each new token attends to positions ``0..its own`` read through its
+block table, in one online-softmax pass (no log-sum-exp merge of parts, no work above
+the diagonal beyond one tile). :func:`wavepp.exec.attention.paged_attention` calls it
+for the CPU waves it fits (q and pools all fp32 or all bf16) and runs the portable
+PyTorch path otherwise.
+
+bf16 pools and queries are read as they are, every sum in fp32, by one of three paths
+(:func:`bf16_path`): ``amx``, the AMX tiles (``tdpbf16ps``), where the build has them
+and Linux lends them to the process; ``dot``, AVX-512 BF16 (``vdpbf16ps``); both round
+P to bf16 for the second product, as FlashAttention does; ``convert``, what the kernel
+packs converted to fp32 and the fp32 products. ``WAVEPP_CPU_BF16`` (``auto``, the
+default, or ``amx``, ``dot``, ``convert``) picks the first of that one and those after
+it in this order that the machine has: the tests force each so that every path is
+checked where it exists, ``convert`` on any AVX-512 CPU.
 
 The source is compiled once per machine with the system C compiler (``cc -O3
 -march=native -fopenmp``) into ``$WAVEPP_CACHE`` (default ``~/.cache/wavepp``), named
@@ -40,6 +50,12 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _LOADED: list[ctypes.CDLL | None] = []
 _REASON: list[str] = []
 _OFF: list[bool] = []  # set inside :func:`off`
+
+
+_DTYPES = (torch.float32, torch.bfloat16)  # the element types the kernel serves
+BF16_PATHS = ("amx", "dot", "convert")  # fastest first; the C side's AMX, DOT, CONVERT
+_PATH_CODES = {"convert": 0, "dot": 1, "amx": 2}
+_AMX: list[bool] = []  # whether Linux lent this process the AMX tiles (asked once)
 
 
 def enabled() -> bool:
@@ -105,8 +121,13 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.wavepp_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 9 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = (
+        [ptr, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
+    )
     fn.restype = ctypes.c_int
+    for name in ("wavepp_bf16_paths", "wavepp_amx_init"):
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -127,17 +148,49 @@ def unavailable() -> str | None:
     return _REASON[0] if _REASON else None
 
 
+def _has(path: str) -> bool:
+    """Whether the built kernel can run bf16 by ``path`` in this process."""
+    lib = library()
+    if lib is None:
+        return False
+    if path == "convert":
+        return True
+    if not lib.wavepp_bf16_paths() >> _PATH_CODES[path] & 1:
+        return False
+    if path == "amx":
+        if not _AMX:
+            _AMX.append(lib.wavepp_amx_init() == 0)
+        return _AMX[0]
+    return True
+
+
+def bf16_path() -> str:
+    """How bf16 waves are multiplied here: the path ``WAVEPP_CPU_BF16`` asks for (default
+    ``auto``: the fastest), or the first after it in :data:`BF16_PATHS` this machine has."""
+    wanted = os.environ.get("WAVEPP_CPU_BF16", "auto") or "auto"
+    if wanted != "auto" and wanted not in BF16_PATHS:
+        raise ValueError(f"WAVEPP_CPU_BF16={wanted!r}; choose auto, {', '.join(BF16_PATHS)}")
+    start = 0 if wanted == "auto" else BF16_PATHS.index(wanted)
+    return next(p for p in BF16_PATHS[start:] if _has(p))
+
+
+_BF16_LABELS = {"amx": "AMX tiles, fp32 sums", "dot": "vdpbf16ps, fp32 sums",
+                "convert": "converted to fp32"}  # fmt: skip
+
+
 def describe(device: torch.device, dtype: torch.dtype) -> str:
     """Which kernel serves paged attention for pools on ``device`` in ``dtype`` (built
     here if it is to be)."""
     if device.type != "cpu":
         return "FlashInfer, or PyTorch where it is not installed"
-    if dtype != torch.float32:
-        return f"PyTorch's (WavePP's CPU kernel is fp32, the pools are {dtype})"
+    if dtype not in _DTYPES:
+        return f"PyTorch's (WavePP's CPU kernel is fp32 or bf16, the pools are {dtype})"
     if not enabled():
         return "PyTorch's (WAVEPP_CPU_KERNEL=0)"
     if library() is None:
         return f"PyTorch's (WavePP's CPU kernel unavailable: {unavailable()})"
+    if dtype == torch.bfloat16:
+        return f"WavePP's CPU kernel (AVX-512, bf16: {_BF16_LABELS[bf16_path()]})"
     return "WavePP's CPU kernel (AVX-512, fp32)"
 
 
@@ -145,7 +198,8 @@ def fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether the kernel serves these tensors (else the caller takes the PyTorch path)."""
     return (
         q.device.type == "cpu"
-        and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
+        and q.dtype == k_pool.dtype == v_pool.dtype
+        and q.dtype in _DTYPES
         and k_pool.stride(-1) == 1
         and v_pool.stride(-1) == 1
         and v_pool.shape[-1] % 16 == 0
@@ -166,8 +220,11 @@ def wave_metadata(starts, spans, tables) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor(flat or [0], dtype=torch.int64))  # fmt: skip
 
 
-def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: float):
-    """q [T, H, D]; pools [rows, KV, D] / [rows, KV, Dv] -> [T, H, Dv] (see the module)."""
+def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: float,
+                    path: str | None = None):  # fmt: skip
+    """q [T, H, D]; pools [rows, KV, D] / [rows, KV, Dv] -> [T, H, Dv] (see the module),
+    in q's dtype. ``path``: how bf16 is multiplied (None: :func:`bf16_path`); one this
+    machine lacks falls back to ``convert``."""
     slots = k_pool.shape[0] // block_size
     if int(tables.max()) >= slots or int(tables.min()) < 0:
         raise ValueError(f"a block table names a slot outside the pool of {slots} slots")
@@ -176,11 +233,14 @@ def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: flo
     out = q.new_empty(q.shape[0], heads, d_v)
     if q.shape[0] == 0:
         return out
+    bf16 = q.dtype == torch.bfloat16
+    path = (path or bf16_path()) if bf16 else "convert"
+    code = _PATH_CODES[path] if _has(path) else 0
     status = library().wavepp_paged_attention(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
         seqs.data_ptr(), seqs.shape[0], tables.data_ptr(), block_size, heads, kv_heads,
         d_k, d_v, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        scale, torch.get_num_threads(),
+        scale, torch.get_num_threads(), int(bf16), code,
     )  # fmt: skip
     if status:
         raise MemoryError("CPU attention kernel could not allocate its scratch memory")
