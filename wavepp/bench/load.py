@@ -6,7 +6,10 @@ prompts built exactly as ``wavepp.main`` builds them (same generators, same seed
 server's vocabulary and block size from ``GET /v1/models``). Warm-up requests (the
 seeded prefixes) run first and are not timed. ``--cancel-fraction F`` picks that share
 of the measured requests (by ``--seed``) and abandons each at a random point of its
-life by closing the connection, which the server turns into a cancel.
+life by closing the connection, which the server turns into a cancel. ``--rate R`` sends
+a workload open loop, Poisson arrivals at R requests per second (by ``--seed``);
+``--deadline-s D`` gives every measured request a deadline (``deadline_s``, seconds after
+the server's submission) and the report its SLO attainment.
 
 Reports throughput (prompt tokens of the requests done, cached included, over the
 measured makespan), time to result p50/p99 (client side, queue included), reuse and
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -29,6 +33,7 @@ import httpx
 import numpy as np
 
 from wavepp.bench._stats import percentile
+from wavepp.route.prom import fleet_figures
 from wavepp.serve.prom import parse_exposition, sample
 from wavepp.workload import (
     RequestSpec,
@@ -63,12 +68,21 @@ class Outcome:
     answered_at: float | None = None
     cancel_after_s: float | None = None  # when it was abandoned, after sending
     server_s: float | None = None  # submission to result inside the engine (its timings)
+    deadline_s: float | None = None  # its deadline, seconds after submission (None: none)
+    deadline_met: bool | None = None  # the server's verdict (None: no deadline or no answer)
 
     @property
     def latency_s(self) -> float | None:
         if self.sent_at is None or self.answered_at is None:
             return None
         return self.answered_at - self.sent_at
+
+    @property
+    def met_at_client(self) -> bool | None:
+        """Done within its deadline as the client saw it (the wire and a router included)."""
+        if self.deadline_s is None:
+            return None
+        return self.status == "done" and (self.latency_s or math.inf) <= self.deadline_s
 
 
 def build_specs(args: argparse.Namespace, vocab: int, block_size: int) -> list[RequestSpec]:
@@ -92,6 +106,22 @@ def build_specs(args: argparse.Namespace, vocab: int, block_size: int) -> list[R
     return short_suffix(n, length, args.seed, block_size, args.suffix_tokens, vocab)
 
 
+def with_arrivals(specs: list[RequestSpec], args: argparse.Namespace) -> list[RequestSpec]:
+    """``--rate``: Poisson arrival times for the measured requests; ``--deadline-s``: their
+    deadline (a requests file's own ``deadline_s`` wins)."""
+    rng = np.random.default_rng([args.seed, 11])
+    clock, out = 0.0, []
+    for spec in specs:
+        changes = {}
+        if not spec.warmup and args.rate is not None:
+            clock += float(rng.exponential(1.0 / args.rate))
+            changes["arrival_s"] = clock
+        if not spec.warmup and args.deadline_s is not None and spec.deadline_s is None:
+            changes["deadline_s"] = args.deadline_s
+        out.append(attrs.evolve(spec, **changes) if changes else spec)
+    return out
+
+
 def write_requests_file(specs: list[RequestSpec], path: str) -> None:
     """The prompts as a requests file, so ``wavepp.main --requests-file`` runs the same."""
     with open(path, "w") as f:
@@ -99,6 +129,8 @@ def write_requests_file(specs: list[RequestSpec], path: str) -> None:
             line = {"id": spec.request_id, "tokens": spec.tokens.tolist()}
             if spec.warmup:
                 line["warmup"] = True
+            if spec.deadline_s is not None:
+                line["deadline_s"] = spec.deadline_s
             f.write(json.dumps(line) + "\n")
 
 
@@ -154,6 +186,8 @@ class LoadRun:
         if self.args.endpoint == "completions":
             body = {"prompt": body["tokens"], "request_id": body["id"], "max_tokens": 1,
                     "model": "wavepp"}  # fmt: skip
+        if spec.deadline_s is not None:
+            body["deadline_s"] = outcome.deadline_s = spec.deadline_s
         route = "/v1/prefill" if self.args.endpoint == "prefill" else "/v1/completions"
         self.in_flight += 1
         outcome.sent_at = time.time()
@@ -197,6 +231,7 @@ class LoadRun:
         outcome.cached_tokens = result["cached_tokens"]
         outcome.error = result.get("error")
         outcome.server_s = (result.get("timings") or {}).get("total_s")
+        outcome.deadline_met = result.get("deadline_met")
         if outcome.status == "done":
             self.latencies.append(outcome.latency_s)
 
@@ -258,7 +293,7 @@ class LoadRun:
         self.warm_latencies, self.latencies = self.latencies, []
         start = time.time()
         rest = [p for p in pairs if not p[0].warmup]
-        if self.args.open_loop:
+        if self.args.open_loop or self.args.rate is not None:
             await self._open(rest)
         else:
             await self._closed(rest)
@@ -296,12 +331,19 @@ class LoadRun:
             a, b = sample(before, name, **labels), sample(after, name, **labels)
             return None if a is None or b is None else b - a
 
+        timed = [o for o in measured if o.deadline_s is not None]
+        server_timed = [o for o in timed if o.deadline_met is not None]
         server_tokens = delta("wavepp_prompt_tokens_total")
         server_cached = delta("wavepp_cached_tokens_total")
+        fleet = fleet_figures(before, after)  # against a router (python -m wavepp.route)
+        if fleet is not None and server_tokens is None:
+            server_tokens, server_cached = fleet["prompt_tokens"], fleet["cached_tokens"]
         return {
             "url": self.args.url,
             "workload": self.args.trace or self.args.requests_file or self.args.workload,
-            "open_loop": self.args.open_loop,
+            "open_loop": self.args.open_loop or self.args.rate is not None,
+            "rate": self.args.rate,
+            "deadline_s": self.args.deadline_s,
             "concurrency": self.args.concurrency,
             "measured_requests": len(measured),
             "warmup_requests": len(self.outcomes) - len(measured),
@@ -316,7 +358,15 @@ class LoadRun:
             "http_overhead_p50_s": percentile(overheads, 50) if overheads else None,
             "reused_share": sum(o.cached_tokens for o in done) / tokens if tokens else 0.0,
             "good_hit_rate": len(good) / len(expecting) if expecting else None,
+            # measured requests with a deadline done within it, as the client timed them
+            # (unanswered ones missed it); and as the server judged those it answered
+            "slo_attainment": (sum(bool(o.met_at_client) for o in timed) / len(timed)
+                               if timed else None),
+            "server_slo_attainment": (sum(bool(o.deadline_met) for o in server_timed)
+                                      / len(server_timed) if server_timed else None),
             "server_reused_share": server_cached / server_tokens if server_tokens else None,
+            # a router's figures: per replica, predicted against granted reuse, retries
+            "fleet": fleet,
             "server_disconnect_cancels": delta("wavepp_disconnect_cancels_total"),
             "requests": [attrs.asdict(o) | {"latency_s": o.latency_s} for o in self.outcomes],
             "id_prefix": self.prefix,
@@ -341,6 +391,13 @@ def table(record: dict) -> str:
         f"  reuse               {fmt(record['reused_share'], '%', 100, 1)} of prompt tokens "
         f"cached; good-hit {fmt(record['good_hit_rate'], '%', 100, 1)}; server says "
         f"{fmt(record['server_reused_share'], '%', 100, 1)}",
+        *([f"  SLO attainment      {fmt(record['slo_attainment'], '%', 100, 1)} at the client"
+           f"; server says {fmt(record['server_slo_attainment'], '%', 100, 1)}"]
+          if record.get("slo_attainment") is not None else []),
+        *([f"  fleet               {record['fleet']['replicas_up']:g} replicas up; router "
+           f"predicted {fmt(record['fleet']['predicted_share'], '%', 100, 1)} cached, "
+           f"{record['fleet']['retries']:g} retries"]
+          if record.get("fleet") and record["fleet"].get("replicas_up") is not None else []),
     ])  # fmt: skip
 
 
@@ -382,6 +439,10 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="share of measured requests abandoned at a random point [0]",
     )
+    p.add_argument("--rate", type=float, default=None,
+                   help="workload: open loop, Poisson arrivals at this many requests/s")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="a deadline for every measured request, seconds after submission")
     p.add_argument("--seed", type=int, default=0, help="workload and cancel seed [0]")
     p.add_argument(
         "--endpoint",
@@ -417,6 +478,10 @@ def validate(args: argparse.Namespace) -> None:
     need(0.0 <= args.cancel_fraction <= 1.0, "--cancel-fraction must be in [0, 1]")
     need(args.time_scale > 0, "--time-scale must be positive")
     need(not args.open_loop or args.trace, "--open-loop replays a --trace")
+    need(args.rate is None or (args.rate > 0 and not args.trace),
+         "--rate must be positive, for a workload or requests file (a trace has timestamps)")
+    need(args.deadline_s is None or 0 < args.deadline_s <= 1e6,
+         "--deadline-s must be in (0, 1e6] seconds")
     need(args.url.startswith(("http://", "https://")), f"--url {args.url!r} is not http(s)")
 
 
@@ -437,7 +502,7 @@ async def amain(args: argparse.Namespace) -> dict:
         info = await server_info(client)
         vocab = int(info.get("vocab_size") or 32_000)
         block_size = int(info.get("block_size") or 64)
-        specs = build_specs(args, vocab, block_size)
+        specs = with_arrivals(build_specs(args, vocab, block_size), args)
         if not specs:
             raise SystemExit("wavepp.bench.load: no requests to send")
         if args.dump_requests:

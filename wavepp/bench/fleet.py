@@ -1,0 +1,505 @@
+"""``python -m wavepp.bench.fleet``: a fleet of simulated pipelines behind the router, per
+routing policy, at rising offered load (issue 33, item 5). Every figure is SIMULATED.
+
+For each fleet size N (``--replicas 2,4``) and workload (the Mooncake trace the repository
+carries, ``data/mooncake``; the ``conversation`` workload), it starts N replicas — each
+``python -m wavepp.serve.launch --nproc-per-node P --executor sim`` on this host, as one
+pipeline per ``torchrun`` job — and, per routing policy, ``python -m wavepp.route`` over
+them. ``wavepp.bench.load`` then replays the workload open loop through the router at
+rising rates: the trace by its timestamps sped up, the conversation workload as Poisson
+arrivals. Every request carries a deadline (``--slo-s``, simulated seconds). The ceiling
+is one pipeline holding N times a replica's pool, driven directly at the same rates.
+
+Rates are fractions (``--loads``) of the fleet's nominal capacity, N × ``--pipeline-tok-s``
+(one P-stage pipeline's cold prefill throughput on the simulated device). Each run's
+prompts are the same requests with their token ids shifted by a run-specific offset, so
+no run reuses another's cache and every policy sees the same workload.
+
+Per run: throughput (prompt tokens done per simulated second), good-hit rate, reused
+share, p50/p99 completion (client side), SLO attainment (done within the deadline, as the
+client timed it). Writes a JSON record (``--json``) and SLO-attainment-against-offered-
+load plots, one line per policy and the ceiling (``--plots DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import anyio
+import attrs
+import httpx
+import numpy as np
+
+from wavepp.bench import load as load_bench
+from wavepp.state import block_hashes
+from wavepp.workload import RequestSpec
+
+POLICIES = ("round-robin", "least-load", "prefix", "cost", "text-tree")
+TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "synthetic_trace.jsonl"
+START_TIMEOUT_S = 180.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@attrs.frozen
+class Setup:
+    """One bench configuration (what ``--quick`` and the full run differ in)."""
+
+    replicas: tuple[int, ...]
+    stages: int
+    policies: tuple[str, ...]
+    workloads: tuple[str, ...]
+    loads: tuple[float, ...]  # offered load as a fraction of N × pipeline_tok_s
+    requests: int  # measured requests per run
+    time_scale: float  # real seconds per simulated second
+    pipeline_tok_s: float  # one pipeline's cold prefill throughput, simulated tok/s
+    slo_s: dict  # workload -> deadline, simulated seconds after submission
+    model: str
+    conversation_tokens: int  # the conversation workload's --prompt-tokens
+    seed: int
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _log(text: str) -> None:
+    print(f"[bench.fleet] {text}", file=sys.stderr, flush=True)
+
+
+def _has_kv_events() -> bool:
+    """Whether this checkout's servers take ``--kv-events`` (issue 33's events)."""
+    import wavepp.config as config
+
+    return "kv_events" in {f.name for f in attrs.fields(config.RunConfig)}
+
+
+class Processes:
+    """Child processes started here, stopped with SIGTERM (then SIGKILL) in reverse order."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 — closed with the child
+        child = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+        self.children.append((name, child))
+        return child
+
+    def stop(self, child: subprocess.Popen, grace_s: float = 30.0) -> None:
+        if child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+                child.wait(10)
+        self.children = [(n, c) for n, c in self.children if c is not child]
+
+    def stop_all(self) -> None:
+        for _, child in reversed(list(self.children)):
+            self.stop(child)
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.logs / f"{name}.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _wait_healthy(url: str, child: subprocess.Popen, name: str, procs: Processes) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise SystemExit(f"bench.fleet: {name} exited {child.returncode}:\n"
+                             f"{procs.tail(name)}")  # fmt: skip
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"bench.fleet: {name} not healthy after {START_TIMEOUT_S:g} s:\n"
+                     f"{procs.tail(name)}")  # fmt: skip
+
+
+@contextlib.contextmanager
+def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | None,
+             label: str) -> Iterator[list[str]]:  # fmt: skip
+    """``count`` simulated pipelines of ``setup.stages`` stages; yields their URLs."""
+    urls, started = [], []
+    events = _has_kv_events()
+    for i in range(count):
+        port = _free_port()
+        argv = [sys.executable, "-m", "wavepp.serve.launch",
+                f"--nproc-per-node={setup.stages}", "--port", str(port), "--executor", "sim",
+                "--model", setup.model, "--time-scale", str(setup.time_scale),
+                "--no-progress", "--log-level", "warning"]  # fmt: skip
+        if capacity_blocks is not None:
+            argv += ["--capacity-blocks", str(capacity_blocks)]
+        if events:
+            argv += ["--kv-events", f"tcp://127.0.0.1:{_free_port()}"]
+        name = f"{label}-replica{i}"
+        started.append((name, procs.start(name, argv)))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for (name, child), url in zip(started, urls, strict=True):
+            _wait_healthy(url, child, name, procs)
+        yield urls
+    finally:
+        for _, child in started:
+            procs.stop(child)
+
+
+@contextlib.contextmanager
+def router(procs: Processes, urls: Sequence[str], policy: str, label: str) -> Iterator[str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "wavepp.route", "--port", str(port), "--policy", policy]
+    for url in urls:
+        argv += ["--replica", url]
+    name = f"{label}-router-{policy}"
+    child = procs.start(name, argv)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, child, name, procs)
+        yield url
+    finally:
+        procs.stop(child)
+
+
+# -- the workloads ---------------------------------------------------------------------------
+
+
+def _shifted(specs: list[RequestSpec], run: int, vocab: int) -> list[RequestSpec]:
+    """The same requests with fresh token ids: no run reuses an earlier run's cache."""
+    offset = (run * 7919) % vocab
+    return [attrs.evolve(s, tokens=((s.tokens.astype(np.int64) + offset) % vocab)
+                         .astype(np.int32)) for s in specs]  # fmt: skip
+
+
+def base_specs(workload: str, setup: Setup, block_size: int, vocab: int) -> list[RequestSpec]:
+    """The measured requests of one workload, closed-loop (arrivals are set per rate)."""
+    args = load_bench.parser().parse_args(_load_argv(workload, setup, "http://x", None, None))
+    return [s for s in load_bench.build_specs(args, vocab, block_size) if not s.warmup]
+
+
+def _load_argv(workload: str, setup: Setup, url: str, rate: float | None,
+               trace_scale: float | None) -> list[str]:  # fmt: skip
+    argv = ["--url", url, "--concurrency", "1024", "--requests", str(setup.requests),
+            "--seed", str(setup.seed), "--no-progress", "--timeout-s", "600"]  # fmt: skip
+    if workload == "trace":
+        argv += ["--trace", str(TRACE)]
+        if trace_scale is not None:
+            argv += ["--open-loop", "--time-scale", repr(trace_scale)]
+    else:
+        argv += ["--workload", workload, "--prompt-tokens", str(setup.conversation_tokens)]
+        if rate is not None:
+            argv += ["--rate", repr(rate)]
+    return argv
+
+
+def working_set_blocks(specs: Sequence[RequestSpec], block_size: int) -> int:
+    """Distinct full blocks over the requests: what a cache holding all of them needs."""
+    seen: set[int] = set()
+    for spec in specs:
+        seen.update(block_hashes(spec.tokens, block_size))
+    return len(seen)
+
+
+async def one_run(url: str, workload: str, setup: Setup, load: float, fleet: int,
+                  run: int) -> dict:  # fmt: skip
+    """Replay ``workload`` at ``load`` × the fleet's nominal capacity against ``url``."""
+    limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
+    timeout = httpx.Timeout(600.0, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        info = await load_bench.server_info(client)
+        vocab, block_size = int(info.get("vocab_size") or 32_000), int(info["block_size"])
+        specs = base_specs(workload, setup, block_size, vocab)
+        mean_tokens = sum(s.num_tokens for s in specs) / len(specs)
+        offered_tok_s = load * fleet * setup.pipeline_tok_s  # simulated
+        rate = offered_tok_s / mean_tokens  # requests per simulated second
+        if workload == "trace":
+            span = max(s.arrival_s or 0.0 for s in _trace_open(specs, setup))
+            natural = len(specs) / max(span, 1e-9)  # the trace's own rate, per trace second
+            trace_scale = natural / rate * setup.time_scale  # real s per trace s
+            argv = _load_argv(workload, setup, url, None, trace_scale)
+        else:
+            argv = _load_argv(workload, setup, url, rate / setup.time_scale, None)
+        argv += ["--deadline-s", repr(setup.slo_s[workload] * setup.time_scale)]
+        args = load_bench.parser().parse_args(argv)
+        load_bench.validate(args)
+        built = load_bench.with_arrivals(load_bench.build_specs(args, vocab, block_size), args)
+        runner = load_bench.LoadRun(args, client)
+        runner.prefix = f"f{run}-"
+        record = await runner.run(_shifted(built, run, vocab))
+    return summarize_run(record, setup, workload, load, offered_tok_s, rate)
+
+
+def _trace_open(specs: list[RequestSpec], setup: Setup) -> list[RequestSpec]:
+    from wavepp.workload import trace
+
+    return trace(TRACE, setup.requests, setup.seed, open_loop=True)
+
+
+def summarize_run(record: dict, setup: Setup, workload: str, load: float,
+                  offered_tok_s: float, rate: float) -> dict:  # fmt: skip
+    """Simulated-second figures of one load run."""
+    scale = setup.time_scale
+    done = [r for r in record["requests"] if not r["warmup"] and r["status"] == "done"]
+
+    def sim(value):
+        return None if value is None else value / scale
+
+    return {
+        "simulated": True,
+        "workload": workload,
+        "load": load,
+        "offered_tok_s": offered_tok_s,
+        "offered_req_s": rate,
+        "slo_s": setup.slo_s[workload],
+        "measured_requests": record["measured_requests"],
+        "done": len(done),
+        "by_status": record["by_status"],
+        "throughput_tok_s": record["throughput_tok_s"] * scale,
+        "good_hit_rate": record["good_hit_rate"],
+        "reused_share": record["reused_share"],
+        "completion_p50_s": sim(record["time_to_result_p50_s"]),
+        "completion_p99_s": sim(record["time_to_result_p99_s"]),
+        "slo_attainment": record["slo_attainment"],
+        "server_slo_attainment": record["server_slo_attainment"],
+        "makespan_s": record["makespan_s"] / scale,
+    }
+
+
+# -- the bench -------------------------------------------------------------------------------
+
+
+def run_bench(setup: Setup, logs: Path) -> dict:
+    procs = Processes(logs)
+    rows: list[dict] = []
+    pools: dict = {}
+    run = 0
+    events = _has_kv_events()
+    if not events:
+        _log("this checkout's servers have no --kv-events: prefix and cost routing see no "
+             "predicted reuse (they fall back on load)")
+    try:
+        for workload in setup.workloads:
+            for n in setup.replicas:
+                capacity = _capacity(workload, setup, n)
+                ceiling = None if capacity is None else capacity * n
+                pools[f"{workload}/N={n}"] = {"replica": capacity or "device memory",
+                                              "ceiling": ceiling or f"{n} x device memory"}
+                label = f"{workload}-n{n}"
+                with replicas(procs, setup, n, capacity, label) as urls:
+                    for policy in setup.policies:
+                        with router(procs, urls, policy, label) as url:
+                            for load in setup.loads:
+                                run += 1
+                                row = anyio.run(one_run, url, workload, setup, load, n, run)
+                                rows.append({"replicas": n, "policy": policy, **row})
+                                _log(_line(rows[-1]))
+                big = _big_capacity(workload, setup, n, ceiling)
+                with replicas(procs, setup, 1, big, f"{label}-ceiling") as (url,):
+                    for load in setup.loads:
+                        run += 1
+                        row = anyio.run(one_run, url, workload, setup, load, n, run)
+                        rows.append({"replicas": n, "policy": "ceiling", **row})
+                        _log(_line(rows[-1]))
+    finally:
+        procs.stop_all()
+    return {"simulated": True, "setup": attrs.asdict(setup), "kv_events": events,
+            "pools_blocks": pools, "rows": rows}  # fmt: skip
+
+
+def _capacity(workload: str, setup: Setup, n: int) -> int | None:
+    """A replica's pool: the simulated device's (None) for the trace; for the conversation
+    workload 1/N of its working set (at least four of its longest prompts), so a replica
+    holds only its share and routing decides the reuse."""
+    if workload == "trace":
+        return None
+    specs = base_specs(workload, setup, 64, 32_000)
+    longest = max(len(block_hashes(s.tokens, 64)) + 1 for s in specs)
+    return max(-(-working_set_blocks(specs, 64) // n), 4 * longest)
+
+
+def _big_capacity(workload: str, setup: Setup, n: int, ceiling: int | None) -> int:
+    if ceiling is not None:
+        return ceiling
+    return n * SIM_DEVICE_BLOCKS[setup.model]
+
+
+# one replica's pool per stage from device memory (the sim's default; its start-up line)
+SIM_DEVICE_BLOCKS = {"qwen3-next-80b": 15_013}
+
+
+def _line(row: dict) -> str:
+    def pct(v):
+        return "  n/a" if v is None else f"{100 * v:5.1f}%"
+
+    return (f"{row['workload']:<12} N={row['replicas']} {row['policy']:<11} load {row['load']:.2f}"
+            f" ({row['offered_tok_s']:,.0f} tok/s): {row['throughput_tok_s']:>9,.0f} tok/s, "
+            f"good-hit {pct(row['good_hit_rate'])}, reused {pct(row['reused_share'])}, "
+            f"p50/p99 {row['completion_p50_s'] or 0:.2f}/{row['completion_p99_s'] or 0:.2f} s, "
+            f"SLO {pct(row['slo_attainment'])}")  # fmt: skip
+
+
+def table(record: dict) -> str:
+    lines = ["WavePP fleet — SIMULATED (sim executor, "
+             f"{record['setup']['model']}, P = {record['setup']['stages']}, time scale "
+             f"{record['setup']['time_scale']:g}; KV events "
+             f"{'on' if record['kv_events'] else 'OFF'})",
+             "workload     N  policy      load  offered tok/s  tok/s      good-hit  reused  "
+             "p50 s  p99 s  SLO"]  # fmt: skip
+
+    def pct(v):
+        return "  n/a " if v is None else f"{100 * v:5.1f}%"
+
+    for r in record["rows"]:
+        lines.append(f"{r['workload']:<12} {r['replicas']}  {r['policy']:<11} {r['load']:4.2f}  "
+                     f"{r['offered_tok_s']:>13,.0f}  {r['throughput_tok_s']:>9,.0f}  "
+                     f"{pct(r['good_hit_rate'])}    {pct(r['reused_share'])} "
+                     f"{r['completion_p50_s'] or 0:6.2f} {r['completion_p99_s'] or 0:6.2f}  "
+                     f"{pct(r['slo_attainment'])}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(record: dict, out: Path) -> list[Path]:
+    """SLO attainment against offered load, one line per policy (and the ceiling), one
+    figure per workload and fleet size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    rows = record["rows"]
+    for workload in sorted({r["workload"] for r in rows}):
+        for n in sorted({r["replicas"] for r in rows}):
+            sub = [r for r in rows if r["workload"] == workload and r["replicas"] == n]
+            if not sub:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for policy in [*POLICIES, "ceiling"]:
+                pts = sorted((r["offered_tok_s"], r["slo_attainment"]) for r in sub
+                             if r["policy"] == policy and r["slo_attainment"] is not None)
+                if pts:
+                    ax.plot([x / 1e3 for x, _ in pts], [100 * y for _, y in pts], marker="o",
+                            linestyle="--" if policy == "ceiling" else "-",
+                            label="one pipeline, N× pool" if policy == "ceiling" else policy)
+            ax.set_xlabel("offered load (thousand prompt tokens / simulated s)")
+            ax.set_ylabel(f"SLO attainment, % (deadline {sub[0]['slo_s']:g} s)")
+            ax.set_ylim(-3, 103)
+            ax.set_title(f"{workload}, N = {n} × P = {record['setup']['stages']} — SIMULATED")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            path = out / f"fleet_slo_{workload}_n{n}.png"
+            fig.tight_layout()
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def setup_from(args: argparse.Namespace) -> Setup:
+    quick = args.quick
+    return Setup(
+        replicas=tuple(args.replicas or ((2,) if quick else (2, 4))),
+        stages=args.stages,
+        policies=tuple(args.policies or POLICIES),
+        workloads=tuple(args.workloads or ("trace", "conversation")),
+        loads=tuple(args.loads or ((0.5, 1.5, 3.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0))),
+        requests=args.requests or (60 if quick else 100),
+        time_scale=args.time_scale,
+        pipeline_tok_s=args.pipeline_tok_s,
+        slo_s={"trace": args.slo_trace_s, "conversation": args.slo_conversation_s},
+        model=args.model,
+        conversation_tokens=args.conversation_tokens,
+        seed=args.seed,
+    )  # fmt: skip
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m wavepp.bench.fleet",
+        description="SIMULATED fleets (N replicas x P stages) behind the router, per routing "
+        "policy, at rising offered load: throughput, good-hit, reuse, completion, SLO "
+        "attainment; one pipeline with N times the pool as the ceiling.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="N = 2, loads 0.5,1.5,3, 60 requests a run (a few minutes)")
+    p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")],
+                   help="fleet sizes [2,4; quick: 2]")
+    p.add_argument("--stages", type=int, default=2, help="P, stages per pipeline [2]")
+    p.add_argument("--policies", type=lambda s: s.split(","), help=f"[{','.join(POLICIES)}]")
+    p.add_argument("--workloads", type=lambda s: s.split(","),
+                   help="trace and/or conversation [both]")
+    p.add_argument("--loads", type=_floats,
+                   help="offered load, fractions of N x --pipeline-tok-s "
+                   "[0.5,1,1.5,2,3; quick: 0.5,1.5,3]")
+    p.add_argument("--requests", type=int, help="measured requests a run [100; quick: 60]")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="real seconds per simulated second [1.0]")
+    p.add_argument("--pipeline-tok-s", type=float, default=90_000.0,
+                   help="one pipeline's cold prefill throughput, simulated tok/s [90000: "
+                   "qwen3-next-80b on H200, P = 2, measured with wavepp.main]")
+    p.add_argument("--slo-trace-s", type=float, default=1.0,
+                   help="trace deadline, simulated s after submission [1.0]")
+    p.add_argument("--slo-conversation-s", type=float, default=0.3,
+                   help="conversation deadline, simulated s [0.3]")
+    p.add_argument("--model", default="qwen3-next-80b", choices=sorted(SIM_DEVICE_BLOCKS),
+                   help="simulated model [qwen3-next-80b]")
+    p.add_argument("--conversation-tokens", type=int, default=8192,
+                   help="the conversation workload's prompt scale (--prompt-tokens) [8192]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the record here")
+    p.add_argument("--plots", help="write the plots into this folder")
+    p.add_argument("--logs", default=None, help="children's logs folder [a temporary one]")
+    return p  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    setup = setup_from(args)
+    if args.stages < 1 or args.time_scale <= 0 or not setup.loads or min(setup.loads) <= 0:
+        raise SystemExit("bench.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")
+    unknown = set(setup.policies) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"bench.fleet: unknown policies {sorted(unknown)}; "
+                         f"one of {', '.join(POLICIES)}")  # fmt: skip
+    logs = Path(args.logs) if args.logs else Path(os.environ.get("TMPDIR", "/tmp")) / (
+        f"wavepp-bench-fleet-{os.getpid()}")
+    logs.mkdir(parents=True, exist_ok=True)
+    _log(f"SIMULATED; children's logs in {logs}")
+    started = time.time()
+    # SIGTERM ends the bench as ^C does: the children are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    record = run_bench(setup, logs)
+    record["wall_s"] = time.time() - started
+    record["command"] = "python -m wavepp.bench.fleet " + " ".join(argv or sys.argv[1:])
+    print(table(record))
+    if args.json:
+        Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
+    if args.plots:
+        for path in plot(record, Path(args.plots)):
+            _log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
