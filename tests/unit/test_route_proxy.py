@@ -334,3 +334,32 @@ def test_the_watcher_learns_subscribes_takes_out_and_brings_back():
 ])  # fmt: skip
 def test_events_endpoint_reaches_a_wildcard_at_the_replicas_host(endpoint, url, want):
     assert events_endpoint(endpoint, url) == want
+
+
+def test_fleet_figures_are_what_the_load_generator_reports_of_a_router():
+    from wavepp.route.prom import fleet_figures
+
+    async def test():
+        fleet = Fleet()
+        tokens = list(range(1, 11))
+        fleet.replicas[0].index.held.update(block_hashes(tokens, BLOCK))
+
+        async def cached(name, request, body):
+            n = len(body["tokens"])
+            return httpx.Response(200, json={"id": body["id"], "status": "done",
+                                             "num_tokens": n, "cached_tokens": 8 if n > 8 else 0})
+
+        fleet.behave["r0"] = cached
+        async with client_of(fleet.router()) as client:
+            before = parse_exposition((await client.get("/metrics")).text)
+            await client.post("/v1/prefill", json={"tokens": tokens})
+            await client.post("/v1/prefill", json={"tokens": [50, 51, 52]})
+            after = parse_exposition((await client.get("/metrics")).text)
+        figures = fleet_figures(before, after)
+        assert figures["prompt_tokens"] == 13 and figures["cached_tokens"] == 8
+        assert figures["predicted_cached_tokens"] == 8 and figures["predicted_exact"] == 2
+        assert figures["replicas"]["r0"]["requests"] == 2  # the cold one too: ties go to r0
+        assert figures["reused_share"] == 8 / 13 and figures["retries"] == 0
+        assert fleet_figures({}, {"wavepp_prompt_tokens_total": 5.0}) is None  # one server
+
+    run(test)

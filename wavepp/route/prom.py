@@ -9,6 +9,7 @@ flight, the blocks its index holds.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -81,3 +82,47 @@ class RouteMetrics:
             out.add(PREFIX + "refused", "counter", "requests the router answered itself", n,
                     {"code": str(code)}, "_total")  # fmt: skip
         return out.render()
+
+
+def _by_replica(samples: dict[str, float], name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in samples.items():
+        if key.split("{", 1)[0] == name:
+            match = _REPLICA.search(key)
+            replica = match.group(1) if match else ""
+            out[replica] = out.get(replica, 0.0) + value
+    return out
+
+
+_REPLICA = re.compile(r'replica="([^"]*)"')
+
+
+def fleet_figures(before: dict[str, float], after: dict[str, float]) -> dict | None:
+    """What a router's ``/metrics`` says of the requests between two scrapes (parsed by
+    ``wavepp.serve.prom.parse_exposition``): per replica and in all, requests sent, prompt
+    and cached tokens of done answers, the cached tokens predicted for them; retries.
+    None when the scrapes are not a router's (``wavepp.bench.load`` against one server)."""
+    if not any(k.startswith(PREFIX) for k in after):
+        return None
+    fields = {"requests": "requests_total", "prompt_tokens": "prompt_tokens_total",
+              "cached_tokens": "cached_tokens_total",
+              "predicted_cached_tokens": "predicted_cached_tokens_total",
+              "predicted_exact": "predicted_exact_total",
+              "predicted_answers": "predicted_answers_total"}  # fmt: skip
+    replicas: dict[str, dict[str, float]] = {}
+    for field, name in fields.items():
+        then = _by_replica(before, PREFIX + name)
+        for replica, value in _by_replica(after, PREFIX + name).items():
+            replicas.setdefault(replica, {})[field] = value - then.get(replica, 0.0)
+    total = {f: sum(r.get(f, 0.0) for r in replicas.values()) for f in fields}
+    retries = sum(_by_replica(after, PREFIX + "retries_total").values()) - sum(
+        _by_replica(before, PREFIX + "retries_total").values())
+    prompt = total["prompt_tokens"]
+    return {
+        "replicas": replicas,
+        "replicas_up": after.get(PREFIX + "replicas_up"),
+        "retries": retries,
+        **total,
+        "reused_share": total["cached_tokens"] / prompt if prompt else None,
+        "predicted_share": total["predicted_cached_tokens"] / prompt if prompt else None,
+    }
