@@ -6,11 +6,12 @@ at most once: it remembers, for the last :data:`RECENT_IDS` ids, which replicas 
 
 - While a request is in flight at the router, another with its id is refused (409), as
   one server refuses it.
-- A replica that refuses the connection, loses it before answering, answers 503 (fault,
-  draining), or is taken out by its watcher while the request waits (its ``/health``
-  failed or fell silent: the router first sends it ``DELETE /v1/requests/{id}``, and the
-  replica also cancels a request whose connection closes) has not answered that id; the
-  request is sent again, under the same id, to a replica that has not seen it.
+- A replica that refuses the connection (it is taken out), loses it before answering,
+  answers 503 (fault, draining: taken out), or is taken out by its watcher while the
+  request waits (its ``/health`` failed or fell silent: the router first sends it
+  ``DELETE /v1/requests/{id}``, and the replica also cancels a request whose connection
+  closes) has not answered that id; the request is sent again, under the same id, to a
+  replica that has not seen it.
 - A replica answering 409 for an id the router already sent there has the request (or
   had it, its id still reserved): the router does not ask it again. That happens only
   when a client repeats an id after its earlier request was abandoned; the request goes
@@ -172,7 +173,7 @@ class Router:
                 try:
                     upstream = await self.client.send(request, stream=True)
                 except httpx.TransportError as error:
-                    return self._lost(replica, error, before_answer=True)
+                    return self._lost(replica, error)
                 try:
                     if upstream.status_code == 503:
                         return await self._unavailable(replica, upstream)
@@ -183,7 +184,7 @@ class Router:
                         return self._stream(replica, flight, upstream, headers)
                     raw = await _read_capped(upstream)
                 except httpx.TransportError as error:
-                    return self._lost(replica, error, before_answer=False)
+                    return self._lost(replica, error)
                 finally:
                     if not handed_on:
                         with anyio.CancelScope(shield=True):
@@ -202,12 +203,13 @@ class Router:
     def _land(self, replica: Replica, flight: Flight) -> None:
         replica.flights.discard(flight)
 
-    def _lost(self, replica: Replica, error: Exception, before_answer: bool) -> _Retry:
-        what = "cannot connect" if isinstance(error, httpx.ConnectError) else (
-            "lost the connection before answering")  # fmt: skip
-        replica.take_out(f"{what}: {type(error).__name__}: {error}".rstrip(": "))
-        return _Retry("connect" if isinstance(error, httpx.ConnectError) else "lost",
-                      f"{what} ({type(error).__name__})")  # fmt: skip
+    def _lost(self, replica: Replica, error: Exception) -> _Retry:
+        """A refused connection takes the replica out; a connection lost before the answer
+        only moves this request (the replica may be alive: its watcher decides)."""
+        if isinstance(error, httpx.ConnectError):
+            replica.take_out(f"cannot connect: {type(error).__name__}: {error}".rstrip(": "))
+            return _Retry("connect", f"cannot connect ({type(error).__name__})")
+        return _Retry("lost", f"lost the connection before answering ({type(error).__name__})")
 
     async def _unavailable(self, replica: Replica, upstream: httpx.Response) -> _Retry:
         raw = await _read_capped(upstream)
