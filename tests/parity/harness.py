@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import anyio
 import numpy as np
+import torch
 
 from wavepp.exec.families import FamilyConfig
 from wavepp.exec.model import ModelConfig, build_stage
@@ -32,14 +33,14 @@ class Pipeline:
     def __init__(
         self, cfg: ModelConfig | FamilyConfig, weights, num_stages: int, block_size: int = 16,
         capacity: int = 256, snapshot_interval: int = 4, budget: int = 96,
-        layers_per_stage: list[int] | None = None,
+        layers_per_stage: list[int] | None = None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         self.cfg, self.bs, self.budget = cfg, block_size, budget
         self.tokens: dict[str, np.ndarray] = {}
         self.stages = []
         splits = split_layers(cfg.num_layers, num_stages, layers_per_stage)
         for s, layers in enumerate(splits):
-            modules = build_stage(cfg, layers, s == 0, s == num_stages - 1, weights)
+            modules = build_stage(cfg, layers, s == 0, s == num_stages - 1, weights, dtype=dtype)
             executor = TorchExecutor(modules, capacity, block_size)
             recurrent = any(cfg.kind(i) == "L" for i in layers)
             book = StageBook(empty_cache(capacity, has_recurrent=recurrent))

@@ -291,28 +291,34 @@ class GatedLinearAttention(nn.Module):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"state": self.state_shape()}
 
+    def zero_state(self) -> torch.Tensor:
+        """The state before a prompt: float32 whatever the weights' dtype (the sums over
+        the whole prompt accumulate in it), on the weights' device."""
+        return torch.zeros(self.state_shape(), dtype=torch.float32,
+                           device=self.o_proj.weight.device)  # fmt: skip
+
     def chunk(self, h: torch.Tensor, state: dict | None, cuts: tuple[int, ...] = ()):
-        """h: [n, d_model]; the chunked-parallel form over the pieces between cuts."""
-        s = torch.zeros(self.state_shape()) if state is None else state["state"]
-        q, k, v, a = self.project(h)
-        s = s.to(q.dtype)
+        """h: [n, d_model]; the chunked-parallel form over the pieces between cuts, in
+        float32 (the state stays float32; the output is in h's dtype)."""
+        s = self.zero_state() if state is None else state["state"].float()
+        q, k, v, a = (t.float() for t in self.project(h))
         bounds = sorted({0, h.shape[0], *[c for c in cuts if 0 < c < h.shape[0]]})
         outs, at_cut = [], {0: s}
         for lo, hi in itertools.pairwise(bounds):  # one piece per snapshot cut
             o, s = self.scan(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], s)
             outs.append(o)
             at_cut[hi] = s
-        return (self.finish(h, torch.cat(outs)), {"state": s},
+        return (self.finish(h, torch.cat(outs).to(h.dtype)), {"state": s},
                 [{"state": at_cut[c]} for c in cuts])  # fmt: skip
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
-        q, k, v, a = self.project(h)
-        state = torch.zeros(self.state_shape(), dtype=h.dtype, device=h.device)
+        q, k, v, a = (t.float() for t in self.project(h))
+        state = self.zero_state()
         outs = []
         for t in range(h.shape[0]):
             state = state * a[t].exp()[:, None, None] + torch.einsum("hd,he->hde", k[t], v[t])
             outs.append(torch.einsum("hd,hde->he", q[t], state))
-        return self.finish(h, torch.stack(outs))
+        return self.finish(h, torch.stack(outs).to(h.dtype))
 
 
 MIXERS: dict[str, type[nn.Module]] = {"A": Attention, "L": GatedLinearAttention}

@@ -32,12 +32,14 @@ class _Recurrent(nn.Module):
             "conv": (self.conv_kernel - 1, self.conv_channels),
         }
 
-    def zero_state(self, dtype=torch.float32) -> State:
+    def zero_state(self) -> State:
+        """The state before a prompt: float32 whatever the weights' dtype (the delta rule
+        accumulates in it over the whole prompt), on the weights' device."""
         device = (
             self.o_proj.weight.device if hasattr(self, "o_proj") else self.out_proj.weight.device
         )
         return {
-            name: torch.zeros(shape, dtype=dtype, device=device)
+            name: torch.zeros(shape, dtype=torch.float32, device=device)
             for name, shape in self.state_shapes().items()
         }
 
@@ -53,25 +55,25 @@ class _Recurrent(nn.Module):
     def chunk(self, h: torch.Tensor, state: State | None, cuts: tuple[int, ...] = ()):
         """h: [n, d_model]; state before h (None: zeros). Returns (out: [n, d_model],
         state after h, [state after h[:c] for c in cuts])."""
-        state = state if state is not None else self.zero_state(h.dtype)
+        state = state if state is not None else self.zero_state()
         x, extras = self._inputs(h)
         y, window = short_conv(x, state["conv"].to(x.dtype), self.conv_weight())
         q, k, v, g, beta = self._mix(y, extras)
         o, final, saved = chunk_delta(q, k, v, g, beta, state["delta"], cuts)
         width = self.conv_kernel - 1
         n = h.shape[0]
-        after = {"delta": final, "conv": window[n : n + width].clone()}
+        after = {"delta": final, "conv": window[n : n + width].to(torch.float32, copy=True)}
         at_cuts = [
-            {"delta": s, "conv": window[c : c + width].clone()}
+            {"delta": s, "conv": window[c : c + width].to(torch.float32, copy=True)}
             for c, s in zip(cuts, saved, strict=True)
         ]
         return self._finish(o, extras), after, at_cuts
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         """The reference: plain convolution and the token-by-token recurrence."""
-        state = self.zero_state(h.dtype)
+        state = self.zero_state()
         x, extras = self._inputs(h)
-        y, _ = short_conv(x, state["conv"], self.conv_weight())
+        y, _ = short_conv(x, state["conv"].to(x.dtype), self.conv_weight())
         q, k, v, g, beta = self._mix(y, extras)
         o, _ = recurrent_delta(q, k, v, g, beta, state["delta"])
         return self._finish(o, extras)
