@@ -22,19 +22,19 @@ The contract, for any attention-like layer (GQA, MQA, MLA in absorbed form):
   ``D``: for MLA's absorbed form pass ``v_pool = k_pool[..., :Dv]`` (the value is a
   leading slice of the latent entry) and MQA with ``KV = 1``.
 
-How it runs. On CPU in fp32, with AVX-512 and a C compiler, WavePP's own kernel
+How it runs. On CPU in fp32 or bf16, with AVX-512 and a C compiler, WavePP's own kernel
 (``wavepp.exec.cpu_kernel``) serves the whole wave in one call: each new token attends
 to positions ``0..its own`` through its block table in one online-softmax pass, grouped
-heads sharing each pass over their keys. Otherwise (other dtypes, no AVX-512, CUDA
-without FlashInfer, ``WAVEPP_CPU_KERNEL=0``) each sequence attends to its own
-new keys causally and to its cached prefix without a mask; the parts are merged by
-log-sum-exp. The prefix is read in place: the block table is cut into runs of
-consecutive slots and each run is a strided view of the pool; only runs shorter than
+heads sharing each pass over their keys (bf16 read as it is, sums in fp32). Otherwise
+(fp16, no AVX-512, CUDA without FlashInfer, ``WAVEPP_CPU_KERNEL=0``) each sequence
+attends to its own new keys causally and to its cached prefix without a mask; the parts
+are merged by log-sum-exp. The prefix is read in place: the block table is cut into runs
+of consecutive slots and each run is a strided view of the pool; only runs shorter than
 ``_SMALL_RUN`` rows (a fragmented pool) are gathered, in pieces of up to
 ``_GATHER_ROWS`` rows. No ``[n, m]`` mask is built and no whole prefix is copied. The
-Python side is one call per layer for the whole wave; the per-sequence work inside it
-is a few kernel calls. On CUDA with FlashInfer installed, one paged-prefill call per
-layer serves the wave, planned once per wave from the same block tables.
+Python side is one call per layer for the whole wave; the per-sequence work inside it is
+a few kernel calls. On CUDA with FlashInfer installed, one paged-prefill call per layer
+serves the wave, planned once per wave from the same block tables.
 """
 
 from __future__ import annotations
