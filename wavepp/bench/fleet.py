@@ -402,7 +402,9 @@ def plot(record: dict, out: Path) -> list[Path]:
             ax.set_xlabel("offered load (thousand prompt tokens / simulated s)")
             ax.set_ylabel(f"SLO attainment, % (deadline {sub[0]['slo_s']:g} s)")
             ax.set_ylim(-3, 103)
-            ax.set_title(f"{workload}, N = {n} × P = {record['setup']['stages']} — SIMULATED")
+            events = "" if record.get("kv_events") else " (KV events off)"
+            ax.set_title(f"{workload}, N = {n} × P = {record['setup']['stages']}{events} "
+                         "— SIMULATED", fontsize=10)  # fmt: skip
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
             path = out / f"fleet_slo_{workload}_n{n}.png"
