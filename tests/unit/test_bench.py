@@ -155,6 +155,22 @@ def test_vllm_compare_pairs_repeats():
     assert _tree_cpu_seconds(os.getpid()) > 0
 
 
+def test_vllm_compare_counts_first_tokens_that_differ_with_vllms_margin():
+    from wavepp.bench.vllm_compare import first_token_differences, summarize
+
+    firsts = {"vllm": [5, 6, 7, 8], "wavepp_p1": [5, 9, 7, 8], "wavepp_p2": [1, 9, 7, 8]}
+    differ = first_token_differences(firsts, [2.0, 0.01, 1.5, None])
+    assert differ["wavepp_p1"] == {"count": 1, "of": 4, "vllm_top2_gaps": [0.01]}
+    assert differ["wavepp_p2"] == {"count": 2, "of": 4, "vllm_top2_gaps": [2.0, 0.01]}
+    runs = [{"row": "r", "repeat": rep, "vllm": {"tok_s": 1.0}, "wavepp_p1": {"tok_s": 1.0},
+             "wavepp_p2": {"tok_s": 1.0}, "first_tokens_agree": False,
+             "first_tokens_differ": first_token_differences(firsts, [0.0] * 4)}
+            for rep in range(2)]  # fmt: skip
+    runs[1]["first_tokens_differ"]["wavepp_p1"]["count"] = 3
+    (s,) = summarize(runs)
+    assert s["first_tokens_differ"] == {"wavepp_p1": 3, "wavepp_p2": 2}  # the most over repeats
+
+
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="the --compile rows need a C++ compiler on CPU")  # fmt: skip
 @pytest.mark.timeout(600)
@@ -177,3 +193,11 @@ def test_torch_exec_bench_rows(tmp_path):
     assert all(r["max_abs_logit_diff"] < 1e-4 for r in rows), rows
     assert {r["cached"] for r in record["compile"]} == {0, 112}
     assert all(r["compiled_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in record["compile"])
+    from wavepp.exec import cpu_kernel
+
+    if cpu_kernel.library() is not None:  # the kernel alone: fp32 and each bf16 path
+        gflops = record["kernel_gflops"]
+        assert [r["cached"] for r in gflops] == [0, 112]
+        paths = [p for p in cpu_kernel.BF16_PATHS if cpu_kernel._has(p)]
+        for r in gflops:
+            assert r["fp32_gflop_s"] > 0 and all(r[f"bf16_{p}_gflop_s"] > 0 for p in paths)

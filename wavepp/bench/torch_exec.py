@@ -14,11 +14,17 @@
    cached, with the largest logit difference.
 4. **Kernel rows**: WavePP's CPU attention kernel (``wavepp.exec.cpu_kernel``) against
    the PyTorch path (``WAVEPP_CPU_KERNEL=0``) on the same executor, interleaved, at the
-   ``--kernel-lengths``, cold and 90% cached, with the largest logit difference.
+   ``--kernel-lengths``, cold and 90% cached, with the largest logit difference; and the
+   kernel alone on one layer's shapes, the prompt's waves over a shuffled block table,
+   in GFLOP/s: fp32 and bf16 by each path this machine has (AMX tiles, ``vdpbf16ps``,
+   converted to fp32), counting 2 (D + Dv) per head and query-key pair on or below the
+   diagonal.
 5. **Last-layer rows**: the stage as it runs (the model's last layer computes its
    outputs only for the row the logits read) against ``full_last_layer`` (that layer
    for every token), interleaved, at the ``--last-layer-lengths``, cold and 90% cached,
    with the largest logit difference.
+``--dtype bfloat16`` runs the stage and transformers in bf16 (rows 1-5).
+
 6. ``--pp``: the whole runtime on a cold workload with one stage and with two:
    throughput(P=2) / (2 x throughput(P=1)).
 
@@ -90,7 +96,7 @@ class Sweep:
     """One model's weights in WavePP (one stage, every layer) and in transformers."""
 
     def __init__(self, model: str, seed: int, block: int, max_tokens: int,
-                 clock=time.perf_counter) -> None:  # fmt: skip
+                 clock=time.perf_counter, dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
         import transformers
 
         self.clock = clock
@@ -106,7 +112,8 @@ class Sweep:
         self.cfg, self.block, self.seed = cfg, block, seed
         self.weights = random_weights(cfg, seed)
         self.blocks = -(-max_tokens // block)
-        self.stage = build_stage(cfg, range(cfg.num_layers), True, True, self.weights)
+        self.stage = build_stage(cfg, range(cfg.num_layers), True, True, self.weights,
+                                 dtype=dtype)  # fmt: skip
         self.ours = TorchExecutor(self.stage, self.blocks, block)
         hf_config = transformers.LlamaConfig(
             vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
@@ -117,6 +124,7 @@ class Sweep:
         )  # fmt: skip
         self.hf = transformers.LlamaForCausalLM(hf_config).eval()
         self.hf.load_state_dict(self.weights, strict=True)
+        self.hf.to(dtype)
 
     def tokens(self, n: int) -> np.ndarray:
         return np.random.default_rng(self.seed + n).integers(3, self.cfg.vocab_size, n)
@@ -232,6 +240,52 @@ def _ab_rows(bench: Sweep, args: argparse.Namespace, label: str, lengths: list[i
     return rows
 
 
+def kernel_gflops(cfg, lengths: list[int], chunk: int, block: int, repeats: int,
+                  clock=time.perf_counter) -> list[dict]:  # fmt: skip
+    """The CPU attention kernel alone, one layer of ``cfg``'s shapes: each prompt length
+    cold and 90% cached, its new tokens in waves of ``chunk`` over a shuffled block table;
+    GFLOP/s (median of ``repeats``) in fp32 and in bf16 by every path this machine has."""
+    if cpu_kernel.library() is None:
+        return []
+    heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kinds = [("fp32", torch.float32, None)] + [
+        (f"bf16_{p}", torch.bfloat16, p) for p in cpu_kernel.BF16_PATHS if cpu_kernel._has(p)
+    ]
+    rows = []
+    for n in lengths:
+        g = torch.Generator().manual_seed(n)
+        blocks = -(-n // block)
+        table = torch.randperm(blocks, generator=g).tolist()
+        pools = [torch.randn(blocks * block, kv_heads, d, generator=g) for _ in range(2)]
+        for share in (0.0, 0.9):
+            cached = int(n * share) // block * block
+            waves = []
+            for a in range(cached, n, chunk):
+                b = min(n, a + chunk)
+                batch = PagedBatch([a], [b], [table], block, torch.device("cpu"))
+                meta = cpu_kernel.wave_metadata(batch.starts, batch.spans, batch.tables)
+                waves.append((torch.randn(b - a, heads, d, generator=g), meta))
+            pairs = sum(p + 1 for p in range(cached, n))  # query-key pairs, causal
+            row = {"tokens": n, "cached": cached, "heads": heads, "kv_heads": kv_heads,
+                   "head_dim": d, "gflop": 2 * heads * 2 * d * pairs / 1e9}  # fmt: skip
+            for label, dtype, path in kinds:
+                k_pool, v_pool = (t.to(dtype) for t in pools)
+                qs = [(q.to(dtype), meta) for q, meta in waves]
+                seconds = []
+                for _ in range(repeats):
+                    t0 = clock()
+                    for q, meta in qs:
+                        cpu_kernel.paged_attention(q, k_pool, v_pool, *meta, block, d**-0.5,
+                                                   path=path)  # fmt: skip
+                    seconds.append(clock() - t0)
+                row[f"{label}_gflop_s"] = row["gflop"] / statistics.median(seconds)
+            rows.append(row)
+            print(f"  kernel alone at {n} ({'cold' if not cached else '90% cached'}): "
+                  + ", ".join(f"{label} {row[f'{label}_gflop_s']:.1f}" for label, _, _ in kinds)
+                  + " GFLOP/s", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
+
+
 def sweep(args: argparse.Namespace) -> dict:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     attn_lengths = [int(x) for x in args.attention_lengths.split(",") if x]
@@ -240,7 +294,7 @@ def sweep(args: argparse.Namespace) -> dict:
     last_lengths = [int(x) for x in args.last_layer_lengths.split(",") if x]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     longest = max(lengths + attn_lengths + compile_lengths + kernel_lengths + last_lengths)
-    bench = Sweep(args.model, args.seed, args.block, longest, clock)
+    bench = Sweep(args.model, args.seed, args.block, longest, clock, getattr(torch, args.dtype))
     rows = []
     for n in lengths:
         for share in (0.0, 0.9):
@@ -281,6 +335,7 @@ def sweep(args: argparse.Namespace) -> dict:
         print(f"  attention kernel: {bench.ours.attention_kernel}", file=sys.stderr, flush=True)
     kernel = _ab_rows(bench, args, "kernel", kernel_lengths, (0.0, 0.9), ("kernel", "pytorch"),
                       bench.ours_seconds, bench.pytorch_seconds, lambda: bench.pytorch_logits)
+    gflops = kernel_gflops(bench.cfg, kernel_lengths, args.chunk, args.block, args.repeats, clock)
     last_layer = _ab_rows(
         bench, args, "last layer", last_lengths, (0.0, 0.9), ("rows_only", "full_last_layer"),
         bench.ours_seconds, partial(_on, bench.ours_seconds, bench.full),
@@ -289,7 +344,7 @@ def sweep(args: argparse.Namespace) -> dict:
     return {"model": args.model, "chunk": args.chunk, "block": args.block, "clock": args.clock,
             "attention_kernel": bench.ours.attention_kernel, "sweep": rows,
             "attention": attention, "compile": compiled, "kernel": kernel,
-            "last_layer": last_layer}  # fmt: skip
+            "kernel_gflops": gflops, "last_layer": last_layer, "dtype": args.dtype}  # fmt: skip
 
 
 def plot(record: dict, path: str) -> None:
@@ -372,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         "cached ('' for none)",
     )
     p.add_argument("--chunk", type=int, default=2048, help="tokens per wave (cold and suffix)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the stage's and transformers' dtype (rows 1-5)")  # fmt: skip
     p.add_argument("--block", type=int, default=16, help="KV block size")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: every core of this machine")

@@ -16,6 +16,10 @@ verdict, the median over repeats of best WavePP / vLLM within a repeat.
 ``--full-last-layer`` adds WavePP P = 1 running the model's last layer for every token,
 as vLLM does (by default WavePP runs that layer's outputs only for the row the logits
 read), and ``--stage`` the same waves on one bare stage; neither counts in the verdict.
+``--dtype bfloat16`` runs both sides in bf16 (vLLM ``dtype="bfloat16"``, WavePP
+``--dtype bfloat16``) from the same fp32 checkpoint; each row then counts the prompts
+whose first token differs from vLLM's, with vLLM's gap between its top two logprobs
+there (a near tie is where bf16 rounding may pick either).
 
     python -m wavepp.bench.vllm_compare --vllm-python /tmp/vllm-venv/bin/python \
         --repeats 3 --compile --json out.json
@@ -91,6 +95,7 @@ def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path,
            "--requests-file", str(requests), "--concurrency", str(len(measured)),
            "--budget", str(args.budget), "--block-size", str(args.block_size),
            "--threads", str(threads), "--no-progress", "--json", str(out),
+           "--dtype", args.dtype,
            *(["--compile"] if args.compile else []),
            *(["--full-last-layer"] if full_last_layer else [])]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
@@ -119,7 +124,8 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
     seeds, measured = prompts(row)
     bs, budget = args.block_size, args.budget
     cfg, weights = load_checkpoint(ckpt)
-    stage = build_stage(cfg, range(cfg.num_layers), True, True, weights)
+    stage = build_stage(cfg, range(cfg.num_layers), True, True, weights,
+                        dtype=getattr(torch, args.dtype))  # fmt: skip
     capacity = sum(-(-len(t) // bs) for t in seeds + measured)
     ex = TorchExecutor(stage, capacity, bs, compile=args.compile)
     free = iter(range(capacity))
@@ -166,10 +172,10 @@ MARK = "@@wavepp "
 
 def main():
     job = json.load(open(sys.argv[1]))
-    llm = LLM(model=job["model"], dtype="float32", block_size=32, enable_prefix_caching=True,
+    llm = LLM(model=job["model"], dtype=job["dtype"], block_size=32, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=4096,
               skip_tokenizer_init=True, max_model_len=job["max_len"], seed=0)
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, logprobs=2)
     print(MARK + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:  # one row name per line, until EOF
         row = job["rows"][line.strip()]
@@ -181,7 +187,12 @@ def main():
         seconds = time.perf_counter() - t0
         tokens = sum(len(p) for p in row["prompts"])
         firsts = [o.outputs[0].token_ids[0] for o in outs]
-        print(MARK + json.dumps({"tok_s": tokens / seconds, "first_tokens": firsts}), flush=True)
+        gaps = []  # top logprob minus the second: how near a tie the first token was
+        for o in outs:
+            top = sorted((lp.logprob for lp in o.outputs[0].logprobs[0].values()), reverse=True)
+            gaps.append(top[0] - top[1] if len(top) > 1 else None)
+        print(MARK + json.dumps({"tok_s": tokens / seconds, "first_tokens": firsts,
+                                 "top2_gaps": gaps}), flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine in a spawned process
@@ -204,7 +215,8 @@ class VllmEngine:
             jobs[row] = {"seeds": seeds, "prompts": measured}
         job = tmp / "vllm-job.json"
         max_len = max(ROWS[row][1] for row in rows) + 64
-        job.write_text(json.dumps({"model": str(ckpt), "rows": jobs, "max_len": max_len}))
+        job.write_text(json.dumps({"model": str(ckpt), "rows": jobs, "max_len": max_len,
+                                   "dtype": args.dtype}))  # fmt: skip
         driver = tmp / "vllm_driver.py"
         driver.write_text(_VLLM_DRIVER)
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.vllm_cpus,
@@ -265,6 +277,18 @@ def _tree_cpu_seconds(root: int) -> float:
     return sum(ticks.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
 
 
+def first_token_differences(firsts: dict[str, list[int]], gaps: list) -> dict:
+    """Per WavePP system: how many prompts' first tokens differ from vLLM's, and at
+    those prompts vLLM's gap between its top two logprobs (nats)."""
+    out = {}
+    for system, tokens in firsts.items():
+        if system == "vllm":
+            continue
+        at = [i for i, (a, b) in enumerate(zip(tokens, firsts["vllm"], strict=True)) if a != b]
+        out[system] = {"count": len(at), "of": len(tokens), "vllm_top2_gaps": [gaps[i] for i in at]}
+    return out
+
+
 SYSTEMS = ("vllm", "wavepp_p1", "wavepp_p2", "wavepp_p1_full", "wavepp_stage")
 
 
@@ -293,6 +317,10 @@ def summarize(results: list[dict]) -> list[dict]:
         if full:  # the last layer for every token, as vLLM runs it (not the verdict)
             entry["p1_full_over_vllm"] = float(np.median(full))
         entry["first_tokens_agree"] = all(r["first_tokens_agree"] for r in runs)
+        differ = [r["first_tokens_differ"] for r in runs if "first_tokens_differ" in r]
+        if differ:  # per WavePP system: prompts whose first token is not vLLM's, most
+            entry["first_tokens_differ"] = {k: max(d[k]["count"] for d in differ)
+                                            for k in differ[0]}  # fmt: skip
         out.append(entry)
     return out
 
@@ -316,6 +344,10 @@ def print_table(summary: list[dict]) -> None:
         print(f"{s['row']:<12} {s['repeats']:>7} {vllm}  {s['wavepp_p1']:>10,.0f}  "
               f"{s['wavepp_p2']:>10,.0f}  {ratio:<33} "
               f"{'yes' if s['first_tokens_agree'] else 'NO'}{stage}", file=sys.stderr)  # fmt: skip
+        if s.get("first_tokens_differ"):
+            print(f"{'':<12} first tokens not vLLM's (most over repeats): "
+                  + ", ".join(f"{k} {v}" for k, v in s["first_tokens_differ"].items()),
+                  file=sys.stderr)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -341,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--full-last-layer", action="store_true",
                    help="also run WavePP P=1 with --full-last-layer (the last layer for every "
                    "token, as vLLM runs it), back to back with the others")  # fmt: skip
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both sides' weights, activations and KV cache")  # fmt: skip
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     rows = args.rows.split(",")
@@ -383,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
                     firsts = {k: v.pop("first_tokens") for k, v in entry.items()
                               if isinstance(v, dict)}  # fmt: skip
                     entry["first_tokens_agree"] = len({tuple(v) for v in firsts.values()}) == 1
+                    if "vllm" in firsts:
+                        gaps = entry["vllm"].pop("top2_gaps")
+                        entry["first_tokens_differ"] = first_token_differences(firsts, gaps)
                     results.append(entry)
                     print(json.dumps(entry), file=sys.stderr, flush=True)
         finally:
@@ -392,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(summary)
     emit({"benchmark": "vllm_compare", "budget": args.budget, "block_size": args.block_size,
           "compile": args.compile, "full_last_layer_too": args.full_last_layer,
+          "dtype": args.dtype,
           "rows": results, "summary": summary}, args.json)  # fmt: skip
 
 

@@ -13,16 +13,18 @@
    the same libgomp is loaded first by torch).
 
    Element types (one per call: q, pools and out all fp32 or all bf16; every sum fp32):
-   - fp32: the query rows are packed scaled, the products are fp32 FMAs.
-   - bf16 through vdpbf16ps (AVX-512 BF16; compiled where the compiler targets it,
-     chosen per call): Q and K are packed as pairs of bf16 along d, one 32-bit word a
-     pair (K transposed by the same 16 x 16 transpose, of words), so S = Q K^T is one
-     vdpbf16ps per 16 keys and pair of dims; the scale multiplies S in fp32. P is
+   - fp32: the query rows are packed scaled, the products are fp32 FMAs (qk, pv).
+   - bf16, three paths (the caller picks one; one this build lacks becomes CONVERT):
+     AMX (tiles: tdpbf16ps; built where the compiler targets AMX, the process having
+     asked Linux for the tile state, wavepp_amx_init) and DOT (AVX-512 BF16:
+     vdpbf16ps) pack Q and K as pairs of bf16 along d, one 32-bit word a pair (K
+     transposed by the same 16 x 16 transpose, of words: the panels are AMX's B
+     layout), so S = Q K^T takes pairs of dims; the scale multiplies S in fp32. P is
      rounded to bf16 (as FlashAttention rounds it for its second product) and V packed
-     as pairs of keys, so O += P V is one vdpbf16ps per 16 columns and pair of keys;
-     each row's sum l is taken over the rounded P, the weights O is made of.
-   - bf16 converted: Q, K and V converted to fp32 as they are packed, then the fp32
-     products (the path without AVX-512 BF16, or when the caller asks for it).
+     as pairs of keys, so O += P V takes pairs of keys; each row's sum l is taken over
+     the rounded P, the weights O is made of (their exponential by a degree-5
+     polynomial, exact to well under bf16's rounding). CONVERT converts Q, K and V to
+     fp32 as it packs them, then runs the fp32 products.
    The output is written in the inputs' type (bf16 rounded to nearest even).
 */
 #include <immintrin.h>
@@ -84,6 +86,31 @@ static inline __m256i f32_to_bf16x16(__m512 x) {
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(r);
+}
+
+/* 2^t for weights rounded to bf16 next (2^-9 of relative error there): t clamped at
+   -126, 2^f (f = t - round(t) in [-0.5, 0.5]) by its Taylor series to degree 5
+   (relative error < 3e-6). */
+static inline __m512 exp2_bf16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 fp32 -> 16 bf16, to nearest even: one instruction with AVX-512 BF16 */
+static inline __m256i to_bf16(__m512 x) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    return f32_to_bf16x16(x);
+#endif
 }
 
 /* S[r][j] = Q[r] . K[j] for rows 0..rows-1 (a multiple of 8) and keys 0..kpad-1 (a
@@ -542,7 +569,8 @@ static void pack_kv(const Wave *w, const Seq *s, int64_t kh, int64_t k0, int kn,
 
 /* The online softmax of one tile, row by row, zero past each row's keys up to kpad:
    P overwrites S (fp32), or for DOT and AMX goes to P in bf16, each row's sum taken
-   over the rounded weights. S holds scores / `mul` (mul = 1 where Q was packed scaled). */
+   over the rounded weights. S holds the scores divided by `mul` (1 where Q was packed
+   scaled). */
 static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, int64_t rows,
                          int64_t rpad, int64_t k0, int kn, int kpad, float mul, Scratch *x) {
     const __m512 mulv = _mm512_set1_ps(mul);
@@ -566,22 +594,31 @@ static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, in
         float m_new = _mm512_reduce_max_ps(mx);
         if (x->m[r] > m_new) m_new = x->m[r];
         const float a = expf((x->m[r] - m_new) * mul); /* 0 on the first tile (m = -inf) */
-        const __m512 mv = _mm512_set1_ps(m_new);
         __m512 sum = _mm512_setzero_ps();
-        for (j = 0; j < kpad; j += 16) {
-            __m512 p = _mm512_setzero_ps();
-            if (j < valid) {
-                p = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(srow + j), mv), mulv));
-                if (j + 16 > valid) p = _mm512_maskz_mov_ps(tail, p);
-            }
-            if (rounded) {
-                __m256i h = f32_to_bf16x16(p);
+        if (rounded) { /* 2^(s c - m c), c = mul log2(e): one FMA, then exp2_bf16 */
+            const __m512 c = _mm512_set1_ps(mul * 1.4426950408889634f);
+            const __m512 mc = _mm512_set1_ps(m_new * mul * 1.4426950408889634f);
+            for (j = 0; j < kpad; j += 16) {
+                __m512 p = _mm512_setzero_ps();
+                if (j < valid) {
+                    p = exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(srow + j), c, mc));
+                    if (j + 16 > valid) p = _mm512_maskz_mov_ps(tail, p);
+                }
+                __m256i h = to_bf16(p);
                 _mm256_store_si256((void *)(prow + j), h);
-                p = bf16x16_to_f32(h);
-            } else {
-                _mm512_store_ps(srow + j, p);
+                sum = _mm512_add_ps(sum, bf16x16_to_f32(h));
             }
-            sum = _mm512_add_ps(sum, p);
+        } else {
+            const __m512 mv = _mm512_set1_ps(m_new);
+            for (j = 0; j < kpad; j += 16) {
+                __m512 p = _mm512_setzero_ps();
+                if (j < valid) {
+                    p = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(srow + j), mv), mulv));
+                    if (j + 16 > valid) p = _mm512_maskz_mov_ps(tail, p);
+                }
+                _mm512_store_ps(srow + j, p);
+                sum = _mm512_add_ps(sum, p);
+            }
         }
         x->l[r] = x->l[r] * a + _mm512_reduce_add_ps(sum);
         x->m[r] = m_new;
