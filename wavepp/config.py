@@ -81,6 +81,9 @@ class RunConfig:
     timeout_s: float = 60.0
     dead_after_s: float = 10.0
     progress: bool = True
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
 
 
 HELP: dict[str, str] = {
@@ -167,6 +170,11 @@ HELP: dict[str, str] = {
     "dead_after_s": "a rank whose watchdog heartbeat stalls this long is named dead or hung "
     "and the run exits non-zero",
     "progress": "show a progress bar on rank 0 (--no-progress to hide)",
+    "kv_events": "publish the pipeline's reusable cache as vLLM KV events (ZMQ PUB, bound on "
+    "rank 0): tcp://HOST:PORT, HOST an address or * (docs/fleet.md)",
+    "kv_events_replay": "the KV events' replay socket (ZMQ ROUTER): tcp://HOST:PORT "
+    "(default: --kv-events' port + 1; port 0 there: any free port)",
+    "kv_events_topic": "the topic frame of every KV-event message",
 }
 
 
@@ -193,8 +201,26 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
     "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
     "handoff_budget_mib": _AT_LEAST_1,
+    "kv_events": (lambda v: v is None or _zmq_tcp(v), "tcp://HOST:PORT (PORT 0..65535)"),
+    "kv_events_replay": (lambda v: v is None or _zmq_tcp(v), "tcp://HOST:PORT (PORT 0..65535)"),
+    "kv_events_topic": (lambda v: len(v) <= 256, "at most 256 characters"),
 }  # fmt: skip
 """Per-option bounds beyond the type (an option not listed takes any value of its type)."""
+
+def _zmq_tcp(text: str) -> bool:
+    """Whether ``text`` is a ZMQ TCP endpoint WavePP binds: tcp://HOST:PORT."""
+    head, _, port = text.rpartition(":")
+    return (text.startswith("tcp://") and len(head) > len("tcp://") and port.isdigit()
+            and int(port) <= 65535)  # fmt: skip
+
+
+def kv_events_replay(c: RunConfig) -> str | None:
+    """The replay endpoint: ``--kv-events-replay``, else the events' port + 1 (0 stays 0)."""
+    if c.kv_events_replay or not c.kv_events:
+        return c.kv_events_replay
+    head, _, port = c.kv_events.rpartition(":")
+    return f"{head}:{int(port) + 1 if int(port) else 0}"
+
 
 _KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
@@ -344,6 +370,9 @@ def validate(c: RunConfig) -> None:
     need(not c.handoff_all or bool(c.handoff_to or c.handoff_format == "vllm-example"),
          "--handoff-all needs a default target: --handoff-to ADDRESS, or --handoff-format "
          "vllm-example --handoff-dir DIR")
+    need(not c.kv_events_replay or bool(c.kv_events), "--kv-events-replay needs --kv-events")
+    need(not c.kv_events or kv_events_replay(c) != c.kv_events or c.kv_events.endswith(":0"),
+         "--kv-events and --kv-events-replay must differ")
     need(not (c.handoff_to or c.handoff_dir) or c.executor == "torch",
          "--handoff-to / --handoff-dir apply to --executor torch only")
     if c.handoff_to:

@@ -60,6 +60,8 @@ class Engine:
         self.vocab_size = vocab_size  # None: token ids are not checked (the sim executor)
         self.min_capacity = coordinator.intake.min_capacity
         self.block_size = coordinator.stage.block_size
+        events = coordinator.loop.events  # --kv-events: where they are published, else None
+        self.kv_events = None if events is None else dict(events.info)
         self._watchdog = watchdog
         self._ids = itertools.count()
         self.started_at = time.time()

@@ -24,7 +24,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from wavepp.config import RunConfig, check_for_world, load, stage_capacities, validate
+from wavepp.config import (
+    RunConfig,
+    check_for_world,
+    kv_events_replay,
+    load,
+    stage_capacities,
+    validate,
+)
 from wavepp.engine import Engine
 from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
@@ -43,6 +50,7 @@ from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.exec.watchdog import Watchdog
+from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
 from wavepp.plan import CostFit, CostModel, PlanContext
 from wavepp.policy import Policy, PolicyError, for_run
@@ -276,6 +284,26 @@ async def _watch_signals(watchdog: Watchdog | None, on_signal, scope: anyio.Canc
                 return
 
 
+def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool):
+    """Rank 0 with --kv-events: the publisher (bound now) and what feeds it."""
+    from wavepp.fleet.changes import Announcer, PipelineView
+    from wavepp.fleet.events import EventPublisher
+
+    try:
+        publisher = EventPublisher(c.kv_events, kv_events_replay(c), topic=c.kv_events_topic,
+                                   block_size=c.block_size)  # fmt: skip
+    except OSError as error:
+        raise SystemExit(f"wavepp: --kv-events: {error}") from None
+    view = PipelineView(world, c.block_size, cache_log.tokens.get)
+    info = {"endpoint": publisher.endpoint, "replay": publisher.replay_endpoint,
+            "topic": publisher.topic, "block_size": c.block_size, "recurrent": hybrid}
+    announcer = Announcer(view, publisher.publish, info)
+    log(f"KV events on {publisher.endpoint} (replay {publisher.replay_endpoint}, topic "
+        f"{publisher.topic!r}): blocks every stage holds"
+        + (", and the points every L stage can resume from (group 1)" if hybrid else ""))
+    return publisher, announcer
+
+
 async def rank_main(
     c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
@@ -352,14 +380,19 @@ async def rank_main(
                                   c.handoff_block_size)  # fmt: skip
         handoff_targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
                                          c.handoff_block_size, handoff.fingerprint.layer_kinds)
+    cache_log = (StageLog(rank, recurrent, report_limit(world)) if c.kv_events
+                 else None)  # fmt: skip
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent,
-                  policy=policy, handoff=handoff)  # fmt: skip
+                  policy=policy, handoff=handoff, cache_log=cache_log)  # fmt: skip
     if c.trace_out:
         stage.spans = []
     # Every stage is ready (pools zeroed, layers compiled) before rank 0 admits anything:
     # otherwise the run's first round waits out the slowest stage's start-up (2.2 s of a
     # 9.9 s run at P = 2 with --compile), inside the measured time.
-    await plane.all_min([1])
+    _, attention_only = await plane.all_min([1, int(not recurrent)])
+    publisher = announcer = None
+    if rank == 0 and c.kv_events:
+        publisher, announcer = start_kv_events(c, world, cache_log, hybrid=not attention_only)
 
     if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
         watchdog.stats_fn = lambda: _stage_figures(stage)
@@ -387,7 +420,7 @@ async def rank_main(
                     mode, min_capacity=min_capacity, vocab_size=vocab,
                     ring=c.ring or 2 * world, max_batch=c.max_batch,
                     heartbeat_s=c.heartbeat_s, log=log, num_stages=world,
-                    handoff_target=handoff_targets,
+                    handoff_target=handoff_targets, events=announcer,
                 )  # fmt: skip
                 engine = Engine(coordinator, vocab, watchdog,
                                 retain_finished=None if client is None else 10_000)  # fmt: skip
@@ -403,6 +436,8 @@ async def rank_main(
                     inner.start_soon(follow_rounds, plane, stage, mode)
                     inner.start_soon(follow_waves, stage, inbound, outbound, done)
             tg.cancel_scope.cancel()  # the run is over: stop watching signals
+    if publisher is not None:
+        publisher.close()
     if interrupted:  # a second Ctrl-C or SIGTERM must not lose the record being written
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)

@@ -17,10 +17,12 @@ import torch
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
 from wavepp.exec.handoff_send import BandJob, HandoffSender, HandoffSettings
+from wavepp.fleet.changes import StageLog
 from wavepp.policy import DEFAULT, ChunkSpan, Policy
 from wavepp.rounds.admission import Offer, StageBook
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.messages import (
+    CacheReport,
     ChunkMsg,
     HandoffOutcome,
     OracleAdmit,
@@ -54,6 +56,7 @@ class Stage:
         tokens_of: Callable[[RequestId], np.ndarray] | None = None,
         policy: Policy = DEFAULT,
         handoff: HandoffSettings | None = None,
+        cache_log: StageLog | None = None,
     ) -> None:
         self.index = index
         self.book = book
@@ -76,6 +79,7 @@ class Stage:
         self.handing_off: set[RequestId] = set()
         self.handoffs = (None if handoff is None
                          else HandoffSender(handoff, executor.band, self._handed_off))  # fmt: skip
+        self.cache_log = cache_log  # with --kv-events: what this stage cached and evicted
 
     # -- admission side -----------------------------------------------------------
 
@@ -118,6 +122,17 @@ class Stage:
             self.handing_off.discard(rid)
             self.handoffs.cancel(rid)
 
+    def forget(self, evicted: Sequence) -> None:
+        """Blocks a materialization or a round evicted: gone from the executor (and, with
+        KV events, reported to rank 0)."""
+        self.executor.forget(evicted)
+        if self.cache_log is not None and evicted:
+            self.cache_log.evicted(evicted)
+
+    def take_cache_report(self) -> CacheReport | None:
+        """This stage's cache changes since the last report (None without --kv-events)."""
+        return None if self.cache_log is None else self.cache_log.take(self.book.cache)
+
     # -- handoff ------------------------------------------------------------------
 
     def _hand_off(self, work: ChunkWork, admitted: Admitted, output: StageOutput) -> None:
@@ -152,7 +167,7 @@ class Stage:
         need = num_blocks_for(chunk.end, bs) - have
         if need > 0:
             self.book.cache, done = p.materialize(self.book.cache, rid, need)
-            self.executor.forget(done.evicted)  # KV only: snapshots are slot-addressed
+            self.forget(done.evicted)  # KV only: snapshots are slot-addressed
         held = claim.held()
         hashes = admitted.offer.hashes
         points: Sequence[int] = ()
@@ -163,7 +178,10 @@ class Stage:
                              starts_at_held=chunk.start == held * bs,
                              shared=tuple(chunk.shared))  # fmt: skip
             points = p.snapshot_placement(self.book.cache, span)
-        self.book.cache, snaps = p.reserve_snapshots(self.book.cache, rid, hashes, points)
+        before = self.book.cache
+        self.book.cache, snaps = p.reserve_snapshots(before, rid, hashes, points)
+        if self.cache_log is not None and snaps.points:
+            self.cache_log.snapshots_evicted(before, self.book.cache)
         resume = None
         if self.has_recurrent and chunk.start and chunk.start == admitted.point * bs:
             # its first chunk here: the recurrent state comes from the lease point's
@@ -194,8 +212,14 @@ class Stage:
         admitted = self.requests[work.request_id]
         p = self.policy
         end_blocks = work.end // self.block_size
-        self.book.cache = p.publish(self.book.cache, work.request_id, admitted.offer.hashes,
+        before = self.book.cache
+        self.book.cache = p.publish(before, work.request_id, admitted.offer.hashes,
                                     end_blocks)  # fmt: skip
+        if self.cache_log is not None:
+            tokens = self.tokens_of(work.request_id) if self.tokens_of is not None else None
+            self.cache_log.published(before, self.book.cache, admitted.offer.hashes,
+                                     before.claims[work.request_id].held(), end_blocks,
+                                     tokens, self.block_size)  # fmt: skip
         if work.is_last:
             if work.handoff and self.handoffs is not None:
                 self._hand_off(work, admitted, output)  # released when its band has ended

@@ -110,6 +110,24 @@ class HandoffOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ar
     ended_at: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # wall clock of that last chunk
 
 
+MAX_REPORT_HASHES = 1 << 20  # block hashes in one stage's CacheReport (8 MiB packed)
+
+
+class CacheReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One stage's cache changes since its last report, for rank 0's KV events
+    (``wavepp.fleet.changes``; docs/fleet.md). Every list is packed <u8 block hashes; each
+    entry is a transition of the stage's reported view (stored: was not in it, is now),
+    so rank 0 can count, per block, the stages that hold it."""
+
+    stage: Count
+    recurrent: bool  # the stage has L layers: its reuse points need a snapshot
+    stored: Annotated[bytes, msgspec.Meta(max_length=MAX_REPORT_HASHES * 8)]  # blocks cached
+    removed: Annotated[bytes, msgspec.Meta(max_length=MAX_REPORT_HASHES * 8)]  # blocks evicted
+    snapshots_stored: Annotated[bytes, msgspec.Meta(max_length=MAX_REPORT_HASHES * 8)]
+    #  blocks h_{k-1} after which the stage now holds a recurrent snapshot (the state at k)
+    snapshots_removed: Annotated[bytes, msgspec.Meta(max_length=MAX_REPORT_HASHES * 8)]
+
+
 class WaveMsg(_Msg, frozen=True):
     """A wave's descriptor; its activations follow as a tensor."""
 
@@ -124,6 +142,8 @@ class WaveMsg(_Msg, frozen=True):
     #  wall seconds each stage so far spent on this wave: cache effects + executor
     handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)] = []
     #  bands that stages 1.. settled since their last wave, carried on to rank 0
+    cache: Annotated[list[CacheReport], msgspec.Meta(max_length=MAX_STAGES)] = []
+    #  with --kv-events: cache changes of stages 1.. since their last wave, on to rank 0
 
 
 class Finished(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -144,6 +164,8 @@ class WaveDone(_Msg, frozen=True):
     #  wall seconds every stage spent on the wave (the cost planner's measurements)
     handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)] = []
     #  settled bands of stages 1..P-1 (WaveMsg.handoffs plus the last stage's own)
+    cache: Annotated[list[CacheReport], msgspec.Meta(max_length=MAX_STAGES)] = []
+    #  cache changes of stages 1..P-1 (WaveMsg.cache plus the last stage's own)
 
 
 class Span(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -207,6 +229,12 @@ def decode_untrusted(data: bytes | bytearray | memoryview, kind: object):
     for entry in getattr(message, "entries", ()):
         if len(entry.hashes) % 8:
             raise CodecError(f"hashes of {entry.request_id!r} are {len(entry.hashes)} bytes")
+    for report in getattr(message, "cache", ()):
+        for packed in (report.stored, report.removed, report.snapshots_stored,
+                       report.snapshots_removed):  # fmt: skip
+            if len(packed) % 8:
+                raise CodecError(f"stage {report.stage}'s cache report has a list of "
+                                 f"{len(packed)} bytes, not whole uint64s")  # fmt: skip
     return message
 
 

@@ -335,7 +335,7 @@ class Admitter:
         for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
             if ok:
                 self.stage.register(Admitted(offer, point))
-        self.stage.executor.forget(result.evicted)
+        self.stage.forget(result.evicted)
         self._apply(offers, result.admitted, result.points, epoch)
 
     def _admit_free(self) -> None:

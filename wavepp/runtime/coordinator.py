@@ -19,6 +19,7 @@ import anyio
 
 from wavepp.exec.planes import HostRoundsPlane, Link
 from wavepp.exec.stage import Stage
+from wavepp.fleet.changes import Announcer
 from wavepp.rounds.admission import RoundMode
 from wavepp.rungs import Rung
 from wavepp.runtime.admitter import Admitter
@@ -35,7 +36,7 @@ class Coordinator:
         done: Link | None, planner: WavePlanner, mode: RoundMode, *, min_capacity: int,
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
         log: Callable[[str], None], num_stages: int = 1,
-        handoff_target: HandoffTarget | None = None,
+        handoff_target: HandoffTarget | None = None, events: Announcer | None = None,
     ) -> None:  # fmt: skip
         self.rung = rung
         self.stage = stage
@@ -47,7 +48,8 @@ class Coordinator:
         self.admitter = Admitter(rung, plane, stage, self.intake, mode, max_batch,
                                  heartbeat_s, self._admitted)  # fmt: skip
         self.intake.on_end = self.admitter.ended
-        self.loop = StageZero(stage, planner, self.admitter, self.intake, outbound, done, ring)
+        self.loop = StageZero(stage, planner, self.admitter, self.intake, outbound, done, ring,
+                              events)  # fmt: skip
         self.has_completions = done is not None
         self.stopping = False
         stage.tokens_of = lambda rid: self.intake.records[rid].spec.tokens

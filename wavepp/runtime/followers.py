@@ -38,7 +38,7 @@ async def follow_rounds(plane: HostRoundsPlane, stage: Stage, mode: RoundMode) -
             for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
                 if ok:
                     stage.register(Admitted(offer, point))
-            stage.executor.forget(result.evicted)
+            stage.forget(result.evicted)
 
 
 async def follow_waves(
@@ -72,13 +72,17 @@ async def follow_waves(
                 times = [*wave.stage_s, stage.last_wave_s]
                 # bands this stage settled since its last wave ride on to rank 0
                 handoffs = [*wave.handoffs, *stage.take_handoff_outcomes()]
+                # and so do its cache changes, with --kv-events (wavepp.fleet.changes)
+                report = stage.take_cache_report()
+                cache = wave.cache if report is None else [*wave.cache, report]
                 if outbound is not None:
-                    wave = msgspec.structs.replace(wave, stage_s=times, handoffs=handoffs)
+                    wave = msgspec.structs.replace(wave, stage_s=times, handoffs=handoffs,
+                                                   cache=cache)  # fmt: skip
                     await to_sender_send.send((encode(wave), output.activations, outbound))
                 else:
                     message = WaveDone(wave.wave_id, finished(output, ended),
                                        cancelled=wave.cancels, stage_s=times,
-                                       handoffs=handoffs)  # fmt: skip
+                                       handoffs=handoffs, cache=cache)  # fmt: skip
                     await to_sender_send.send((encode(message), None, done))
 
     async def sender() -> None:

@@ -14,9 +14,11 @@ import msgspec
 
 from wavepp.exec.planes import Link
 from wavepp.exec.stage import Stage
+from wavepp.fleet.changes import Announcer
 from wavepp.plan import Wave
 from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
+    CacheReport,
     ChunkMsg,
     Finished,
     HandoffOutcome,
@@ -37,7 +39,7 @@ CARRIER_S = 0.02  # while bands are awaited and no wave flows: an empty wave thi
 class StageZero:
     def __init__(
         self, stage: Stage, planner: WavePlanner, admitter: Admitter, intake: Intake,
-        outbound: Link | None, done: Link | None, ring: int,
+        outbound: Link | None, done: Link | None, ring: int, events: Announcer | None = None,
     ) -> None:  # fmt: skip
         self.stage = stage
         self.planner = planner
@@ -46,6 +48,7 @@ class StageZero:
         self.outbound = outbound  # to stage 1; None when rank 0 is the only stage
         self.done_link = done  # from the last stage
         self.ring = ring
+        self.events = events  # with --kv-events: every stage's cache changes -> KV events
         self.in_flight = 0  # waves sent and not yet back from the last stage
         self.pending_cancels: list[RequestId] = []  # admitted, to drop with the next wave
         self.measuring: dict[int, Wave] = {}  # measured waves in flight, for the cost fit
@@ -59,7 +62,9 @@ class StageZero:
         admitter.work_ahead = self._work_ahead
 
     def complete(self, results: Sequence[Finished], cancelled: Sequence[str] = (),
-                 handoffs: Sequence[HandoffOutcome] = ()) -> None:  # fmt: skip
+                 handoffs: Sequence[HandoffOutcome] = (),
+                 cache: Sequence[CacheReport] = ()) -> None:  # fmt: skip
+        self._cache_changed(cache)
         for rid in cancelled:
             self.intake.settle_cancel(RequestId(rid))
         for item in results:
@@ -68,6 +73,11 @@ class StageZero:
         for outcome in [*handoffs, *self.stage.take_handoff_outcomes()]:
             self.intake.handoff_settled(outcome)
         self.intake.changed.notify()
+
+    def _cache_changed(self, cache: Sequence[CacheReport] = ()) -> None:
+        """Stages 1..'s reports (riding the waves) and stage 0's own, into KV events."""
+        if self.events is not None:
+            self.events.report([*cache, self.stage.take_cache_report()])
 
     def _carrier_due(self) -> bool:
         """Bands of stages 1.. settle while no wave may be flowing; their outcomes ride
@@ -131,6 +141,7 @@ class StageZero:
                     self.in_flight += 1
                     self.sent[wave.wave_id] = (wave, time.monotonic())
                     output, ended = await self.stage.execute(message, None)
+                    self._cache_changed()  # stage 0's evictions go out before the wave is back
                     if message.chunks and not message.chunks[0].free:
                         self.measuring[wave.wave_id] = wave
                     times = [self.stage.last_wave_s]
@@ -156,7 +167,8 @@ class StageZero:
             self.in_flight -= 1
             self._observe(message.wave_id, message.stage_s)
             self._published(message.wave_id)
-            self.complete(message.finished, message.cancelled, message.handoffs)
+            self.complete(message.finished, message.cancelled, message.handoffs,
+                          message.cache)  # fmt: skip
 
     def _published(self, wave_id: int) -> None:
         """A wave left the last stage: every stage ran it (waves run in the same order

@@ -372,6 +372,9 @@ class Frontend:
             value = getattr(self.engine, key, None)
             if isinstance(value, int):
                 info[key] = value
+        events = getattr(self.engine, "kv_events", None)
+        if isinstance(events, dict):  # where a router subscribes (docs/fleet.md)
+            info["kv_events"] = events
         body = {
             "object": "list",
             "data": [

@@ -1,0 +1,230 @@
+"""One replica's reusable view, kept from its KV events (docs/fleet.md).
+
+:class:`ReplicaIndex` holds what a replica announced: the blocks every stage holds
+(group 0) and, for a hybrid, the points every stage with L layers can resume from
+(group 1). Its prediction is the state core's own probe over those sets — the
+gallop + bisect of :func:`wavepp.state.longest_prefix`, then, for a hybrid,
+:func:`wavepp.state.snapshot_floor_linear` — so it is the point admission grants: the
+largest k ≤ the probe limit with blocks 0..k-1 held everywhere and a snapshot at k on
+every L stage (DESIGN §4).
+
+:func:`subscribe` keeps an index current from a publisher's PUB and replay sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from wavepp.fleet.events import (
+    MAX_BATCH_BYTES,
+    SNAPSHOT_GROUP,
+    AllBlocksCleared,
+    BlockStored,
+    EventsError,
+    KVEventBatch,
+    decode_batch,
+)
+from wavepp.state import BlockHash, longest_prefix, snapshot_floor_linear
+
+logger = logging.getLogger("wavepp.fleet")
+
+
+class ReplicaIndex:
+    """A replica's announced blocks and reuse points, fed by :meth:`apply`."""
+
+    def __init__(self, block_size: int, recurrent: bool | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be ≥ 1, got {block_size}")
+        self.block_size = block_size
+        self.blocks: set[BlockHash] = set()  # group 0: held by every stage
+        self.snapshots: set[BlockHash] = set()  # group 1: a snapshot after the block on
+        #                                         every L stage (the name the probe reads)
+        self.recurrent = bool(recurrent)  # a hybrid: points need group 1. None at start:
+        self._learn = recurrent is None  # learnt from the first group-1 event
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def clear(self) -> None:
+        """Forget every block (the replica's kind stays known)."""
+        self.blocks.clear()
+        self.snapshots.clear()
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.clear()
+                continue
+            group = event.group_idx or 0
+            if group == SNAPSHOT_GROUP and self._learn:
+                self.recurrent = True
+            table = self.snapshots if group == SNAPSHOT_GROUP else self.blocks
+            if group not in (0, SNAPSHOT_GROUP):
+                continue  # not a group WavePP publishes
+            hashes = [h for h in event.block_hashes if isinstance(h, int)]
+            if isinstance(event, BlockStored):
+                table.update(hashes)
+            else:
+                table.difference_update(hashes)
+
+    def predicted_blocks(self, hashes: Sequence[int], probe_limit: int) -> int:
+        """The reuse point, in blocks, admission would grant a prompt with these chained
+        block hashes: blocks held everywhere, then (a hybrid) down to a common snapshot."""
+        point = longest_prefix(self.blocks, hashes, max(probe_limit, 0))
+        if self.recurrent:
+            point = snapshot_floor_linear(self, hashes, point)  # type: ignore[arg-type]
+        return point
+
+
+# -- the subscriber ------------------------------------------------------------------
+
+
+@attrs.define
+class Feed:
+    """A running subscription: what the router shows of it."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    last_seq: int | None = None  # the latest batch applied
+    connected: bool = False  # a batch or a replay answer came within ``silent_s``
+    num_batches: int = 0
+    num_replays: int = 0
+    num_rebuilds: int = 0  # gaps no replay could fill: the index was cleared
+    num_refused: int = 0  # frames that were not a batch of the schema
+    last_heard: float = 0.0  # time.monotonic() of the last frame
+
+
+def subscribe(endpoint: str, replay_endpoint: str | None, index: ReplicaIndex,
+              topic: str = "", *, silent_s: float = 5.0,
+              replay_timeout_s: float = 2.0) -> _Subscription:  # fmt: skip
+    """Keep ``index`` current from a publisher: returns an awaitable to run as a task,
+    which also shows the feed's ``last_seq`` and ``connected`` (keep it to read them)."""
+    return _Subscription(Feed(endpoint, replay_endpoint, topic), index, silent_s,
+                         replay_timeout_s)  # fmt: skip
+
+
+class _Subscription:
+    """Awaitable (run it as a task) and carries the feed's figures (``last_seq``,
+    ``connected``) as attributes, so a caller can keep it either way."""
+
+    def __init__(self, feed: Feed, index: ReplicaIndex, silent_s: float,
+                 replay_timeout_s: float) -> None:  # fmt: skip
+        self.feed = feed
+        self.index = index
+        self.silent_s = silent_s
+        self.replay_timeout_s = replay_timeout_s
+
+    @property
+    def last_seq(self) -> int | None:
+        return self.feed.last_seq
+
+    @property
+    def connected(self) -> bool:
+        feed = self.feed
+        return feed.connected and time.monotonic() - feed.last_heard < self.silent_s
+
+    def __await__(self):
+        return self.run().__await__()
+
+    async def run(self) -> None:
+        """SUB to the publisher; ask the replay socket for the view at the start and on
+        every gap; a gap the replay cannot fill clears the index (rebuilt from what
+        follows). Runs until cancelled."""
+        import zmq
+        import zmq.asyncio
+
+        feed = self.feed
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, feed.topic.encode())
+        sub.connect(feed.endpoint)
+        try:
+            if feed.replay_endpoint is not None:
+                await self._replay(ctx, 0)  # what was announced before we came
+            while True:
+                try:
+                    frames = await _recv(sub, self.silent_s)
+                except TimeoutError:
+                    feed.connected = False
+                    continue
+                if len(frames) != 3 or len(frames[1]) != 8 or frames[0] != feed.topic.encode():
+                    feed.num_refused += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                feed.connected, feed.last_heard = True, time.monotonic()
+                last = feed.last_seq
+                if last is not None and seq <= last:
+                    continue  # already applied (from a replay)
+                if seq != (0 if last is None else last + 1):
+                    if feed.replay_endpoint is not None:
+                        await self._replay(ctx, 0 if last is None else last + 1)
+                        last = feed.last_seq
+                        if last is not None and seq <= last:
+                            continue
+                    if seq != (0 if last is None else last + 1):
+                        self.index.clear()  # missed for good: rebuild from here on
+                        feed.num_rebuilds += 1
+                self._apply(seq, frames[2])
+        finally:
+            sub.close(linger=0)
+            ctx.term()
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except EventsError as error:
+            self.feed.num_refused += 1
+            logger.warning("KV events from %s: batch %d refused: %s", self.feed.endpoint, seq,
+                           error)  # fmt: skip
+            self.index.clear()  # what it said is unknown: start again
+            self.feed.num_rebuilds += 1
+        else:
+            self.index.apply(batch)
+        self.feed.last_seq = seq
+        self.feed.num_batches += 1
+
+    async def _replay(self, ctx, start: int) -> None:
+        """Ask for every batch from ``start`` on; apply what comes until its end mark."""
+        import zmq
+
+        feed = self.feed
+        feed.num_replays += 1
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(feed.replay_endpoint)
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
+            while True:
+                frames = await _recv(dealer, self.replay_timeout_s)
+                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                    feed.num_refused += 1
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq < 0:
+                    feed.connected, feed.last_heard = True, time.monotonic()
+                    return
+                last = feed.last_seq
+                if last is not None and seq <= last:
+                    continue
+                self._apply(seq, frames[3])
+        except TimeoutError:
+            logger.warning("KV events: no replay answer from %s", feed.replay_endpoint)
+        finally:
+            dealer.close(linger=0)
+
+
+async def _recv(sock, timeout_s: float) -> list[bytes]:
+    import zmq
+
+    if not await sock.poll(timeout_s * 1000, zmq.POLLIN):
+        raise TimeoutError
+    return await sock.recv_multipart()
