@@ -228,6 +228,11 @@ def test_publisher_pub_frames_and_replay():
         pub.close()
 
 
+class _NoRoom(queue.Queue):
+    def put_nowait(self, item):
+        raise queue.Full
+
+
 def test_subscribe_learns_the_past_fills_gaps_and_shows_its_state():
     pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=BS,
                          buffer_steps=4)  # fmt: skip
@@ -246,8 +251,7 @@ def test_subscribe_learns_the_past_fills_gaps_and_shows_its_state():
                 assert index.predicted_blocks(h, 10) == 6 and feed.connected
                 # the next batch never reaches the PUB socket (its send queue is full):
                 # the subscriber sees a gap and gets it from the replay socket
-                saved, pub._queue = pub._queue, queue.Queue(maxsize=1)
-                pub._queue.put_nowait(None)
+                saved, pub._queue = pub._queue, _NoRoom()
                 pub.publish([removed([h[5]], 0)])
                 pub._queue = saved
                 pub.publish([stored([h[5]], h[4], [0] * BS, BS, 0)])
