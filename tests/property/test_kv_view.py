@@ -31,7 +31,8 @@ from wavepp.state import (
 BS = 4
 
 
-def _run(caches, logs, view, index, prompts, interval, published=None):
+def _run(caches, logs, view, index, prompts, interval, published=None, send=None):
+    """Run the prompts one by one; ``send`` gets every batch's events (a publisher)."""
     mode = RoundMode(block_size=BS, policy=DEFAULT)
     published = [] if published is None else published
     for n, tokens in enumerate(prompts):
@@ -66,6 +67,8 @@ def _run(caches, logs, view, index, prompts, interval, published=None):
             if all(r is None for r in reports):
                 break
             events = view.apply(r for r in reports if r is not None)
+            if events and send is not None:
+                send(events)
             if events:  # what a subscriber decodes
                 batch = decode_batch(encode_batch(KVEventBatch(ts=0.0, events=events)))
                 index.apply(batch)
