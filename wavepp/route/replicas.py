@@ -170,10 +170,9 @@ class Replica:
                 replay = self.events.get("replay")
                 replay = events_endpoint(replay, self.url) if replay else None
                 feed = subscribe(endpoint, replay, self.index, self.events.get("topic") or "")
+                self.feed = feed  # wavepp.fleet's: awaitable, and shows last_seq, connected
                 if inspect.isawaitable(feed):
                     tg.start_soon(_await, feed)
-                else:
-                    self.feed = feed
             self.state = "up"
             log(f"replica {self.name} {self.url} up (block size {self.block_size}, events "
                 f"{self.events['endpoint'] if self.events else 'none: predicted reuse 0'})")
