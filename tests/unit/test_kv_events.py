@@ -265,3 +265,20 @@ def test_subscribe_learns_the_past_fills_gaps_and_shows_its_state():
         anyio.run(main)
     finally:
         pub.close()
+
+
+def test_kv_events_options_are_checked():
+    from wavepp.config import OptionError, RunConfig, check_option, kv_events_replay, validate
+
+    assert kv_events_replay(RunConfig(kv_events="tcp://*:5557")) == "tcp://*:5558"
+    assert kv_events_replay(RunConfig(kv_events="tcp://127.0.0.1:0")) == "tcp://127.0.0.1:0"
+    assert kv_events_replay(RunConfig(kv_events="tcp://h:1", kv_events_replay="tcp://h:9")) \
+        == "tcp://h:9"
+    for bad in ("5557", "tcp://:5557", "tcp://h:65536", "ipc:///tmp/x", "tcp://h:x"):
+        with pytest.raises(OptionError, match="--kv-events must be tcp://HOST:PORT"):
+            check_option("kv_events", bad)
+    with pytest.raises(SystemExit, match="--kv-events-replay needs --kv-events"):
+        validate(RunConfig(kv_events_replay="tcp://h:9", budget=64, min_budget=64))
+    with pytest.raises(SystemExit, match="must differ"):
+        validate(RunConfig(kv_events="tcp://h:9", kv_events_replay="tcp://h:9", budget=64,
+                           min_budget=64))  # fmt: skip
