@@ -69,9 +69,21 @@ class Setup:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports on 127.0.0.1, all held while they are chosen."""
+    held = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _log(text: str) -> None:
@@ -140,8 +152,9 @@ def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | 
     """``count`` simulated pipelines of ``setup.stages`` stages; yields their URLs."""
     urls, started = [], []
     events = _has_kv_events()
+    ports = _free_ports(3 * count)  # each replica's HTTP, events and replay ports, distinct
     for i in range(count):
-        port = _free_port()
+        port, pub, replay = ports[3 * i : 3 * i + 3]
         argv = [sys.executable, "-m", "wavepp.serve.launch",
                 f"--nproc-per-node={setup.stages}", "--port", str(port), "--executor", "sim",
                 "--model", setup.model, "--time-scale", str(setup.time_scale),
@@ -149,7 +162,8 @@ def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | 
         if capacity_blocks is not None:
             argv += ["--capacity-blocks", str(capacity_blocks)]
         if events:
-            argv += ["--kv-events", f"tcp://127.0.0.1:{_free_port()}"]
+            argv += ["--kv-events", f"tcp://127.0.0.1:{pub}",
+                     "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]
         name = f"{label}-replica{i}"
         started.append((name, procs.start(name, argv)))
         urls.append(f"http://127.0.0.1:{port}")
