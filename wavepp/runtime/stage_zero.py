@@ -33,7 +33,7 @@ from wavepp.runtime.intake import Intake
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import RequestId
 
-CARRIER_S = 0.02  # while bands are awaited and no wave flows: an empty wave this often
+CARRIER_S = 0.005  # while bands are awaited and no wave flows: an empty wave this often
 
 
 class StageZero:
