@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from wavepp.bench._stats import percentile
 from wavepp.rounds.messages import StageReport
+from wavepp.stats import percentile
 
 
 def _p(values: Sequence[float], q: float) -> float | None:

@@ -39,3 +39,21 @@ def test_pure_package_does_not_import_torch(package):
     )  # fmt: skip
     assert done.returncode == 0, f"{package} imports torch or fails to import:\n{done.stderr}"
     assert int(done.stdout.strip()) >= 1
+
+
+def test_the_runtime_never_imports_the_benchmarks():
+    """``wavepp.bench`` is the layer above: no module outside it imports it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "wavepp"
+    offenders = []
+    for path in root.rglob("*.py"):
+        if "bench" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names
+                          if n == "wavepp.bench" or n.startswith("wavepp.bench.")]
+    assert not offenders, offenders

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, q in [0, 100]."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
-    return ordered[rank]
+from wavepp.stats import percentile as percentile  # re-exported for the benchmarks
 
 
 def emit(record: dict, json_path: str | None) -> None:
