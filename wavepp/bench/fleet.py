@@ -90,13 +90,6 @@ def _log(text: str) -> None:
     print(f"[bench.fleet] {text}", file=sys.stderr, flush=True)
 
 
-def _has_kv_events() -> bool:
-    """Whether this checkout's servers take ``--kv-events`` (issue 33's events)."""
-    import wavepp.config as config
-
-    return "kv_events" in {f.name for f in attrs.fields(config.RunConfig)}
-
-
 class Processes:
     """Child processes started here, stopped with SIGTERM (then SIGKILL) in reverse order."""
 
@@ -151,7 +144,6 @@ def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | 
              label: str) -> Iterator[list[str]]:  # fmt: skip
     """``count`` simulated pipelines of ``setup.stages`` stages; yields their URLs."""
     urls, started = [], []
-    events = _has_kv_events()
     ports = _free_ports(3 * count)  # each replica's HTTP, events and replay ports, distinct
     for i in range(count):
         port, pub, replay = ports[3 * i : 3 * i + 3]
@@ -161,9 +153,8 @@ def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | 
                 "--no-progress", "--log-level", "warning"]  # fmt: skip
         if capacity_blocks is not None:
             argv += ["--capacity-blocks", str(capacity_blocks)]
-        if events:
-            argv += ["--kv-events", f"tcp://127.0.0.1:{pub}",
-                     "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]
+        argv += ["--kv-events", f"tcp://127.0.0.1:{pub}",
+                 "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]
         name = f"{label}-replica{i}"
         started.append((name, procs.start(name, argv)))
         urls.append(f"http://127.0.0.1:{port}")
@@ -304,10 +295,6 @@ def run_bench(setup: Setup, logs: Path) -> dict:
     rows: list[dict] = []
     pools: dict = {}
     run = 0
-    events = _has_kv_events()
-    if not events:
-        _log("this checkout's servers have no --kv-events: prefix and cost routing see no "
-             "predicted reuse (they fall back on load)")
     try:
         for workload in setup.workloads:
             for n in setup.replicas:
@@ -333,7 +320,7 @@ def run_bench(setup: Setup, logs: Path) -> dict:
                         _log(_line(rows[-1]))
     finally:
         procs.stop_all()
-    return {"simulated": True, "setup": attrs.asdict(setup), "kv_events": events,
+    return {"simulated": True, "setup": attrs.asdict(setup), "kv_events": True,
             "pools_blocks": pools, "rows": rows}  # fmt: skip
 
 

@@ -97,15 +97,6 @@ def _free_port_pair() -> int:
     raise SystemExit("wavepp fleet: found no two consecutive free ports for the KV events")
 
 
-def _has_kv_events() -> bool:
-    """Whether this WavePP's servers take --kv-events (wavepp.config.RunConfig.kv_events)."""
-    import attrs
-
-    from wavepp.config import RunConfig
-
-    return "kv_events" in attrs.fields_dict(RunConfig)
-
-
 def _option(rest: list[str], name: str) -> str | None:
     for i, arg in enumerate(rest):
         if arg == name and i + 1 < len(rest):
@@ -182,12 +173,10 @@ def check(args: argparse.Namespace, rest: list[str]) -> None:
         raise SystemExit(2) from None
 
 
-def replica_command(args: argparse.Namespace, rest: list[str], index: int,
-                    events: bool) -> list[str]:  # fmt: skip
+def replica_command(args: argparse.Namespace, rest: list[str], index: int) -> list[str]:
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node",
            str(args.nproc_per_node), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
-    if events:
-        cmd += ["--kv-events", f"tcp://127.0.0.1:{_free_port_pair()}"]
+    cmd += ["--kv-events", f"tcp://127.0.0.1:{_free_port_pair()}"]
     if _option(rest, "--threads") is None:
         ranks = args.replicas * args.nproc_per_node
         cmd += ["--threads", str(max(1, (os.cpu_count() or 1) // ranks))]
@@ -220,11 +209,8 @@ def _give_up(children: list[Child], message: str) -> None:
 
 
 def _start_replicas(args, rest, children: list[Child], stopping: threading.Event) -> None:
-    events = _has_kv_events()
-    if not events:
-        log("this WavePP has no --kv-events: the router predicts no reuse")
     for i in range(args.replicas):
-        children.append(Child(f"replica r{i}", replica_command(args, rest, i, events)))
+        children.append(Child(f"replica r{i}", replica_command(args, rest, i)))
     deadline = time.monotonic() + args.start_timeout_s
     while not all(c.ready.is_set() for c in children):
         for i, child in enumerate(children):
