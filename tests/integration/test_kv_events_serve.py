@@ -63,9 +63,7 @@ def test_predicted_reuse_equals_granted_reuse(tmp_path, monkeypatch):
     import tests.integration.test_serve as serve_test
 
     monkeypatch.setattr(serve_test, "MODEL", OPTIONS)
-    from tests.integration.test_serve import free_port
-
-    server, url, _ = start_server(tmp_path, free_port())
+    server, url, _ = start_server(tmp_path)
     try:
         anyio.run(_check, url)
     finally:

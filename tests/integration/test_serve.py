@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,15 +29,11 @@ MAX_BODY = 64 * 1024
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
-    """python -m wavepp.serve.launch (torchrun --standalone ... -m wavepp.serve under it);
-    returns (the launcher's process, url, pid of the serving rank)."""
+def start_server(tmp_path) -> tuple[subprocess.Popen, str, int]:
+    """python -m wavepp.serve.launch (torchrun --standalone ... -m wavepp.serve under it) on
+    --port 0 (the server binds a free port and names it in its ready line: no window for
+    another process to take it); returns (the launcher's process, url, pid of the serving
+    rank)."""
     err = open(tmp_path / "server.err", "w")  # noqa: SIM115 (the child holds it)
     out = open(tmp_path / "server.out", "w")  # noqa: SIM115
     cmd = [
@@ -50,7 +45,7 @@ def start_server(tmp_path, port: int) -> tuple[subprocess.Popen, str, int]:
         "--host",
         "127.0.0.1",
         "--port",
-        str(port),
+        "0",
         *MODEL,
         "--concurrency",
         "8",
@@ -99,8 +94,7 @@ def check_bad_input(client: httpx.Client) -> None:
 
 
 def test_server_under_load_matches_offline_and_drains(tmp_path):
-    port = free_port()
-    server, url, pid = start_server(tmp_path, port)
+    server, url, pid = start_server(tmp_path)
     assert pid != server.pid  # the serving rank, under torchrun under the launcher
     try:
         load_cmd = [

@@ -30,17 +30,11 @@ pytestmark = pytest.mark.slow
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, int, Path]:
     err_path = tmp_path / "server.err"
     err = open(err_path, "w")  # noqa: SIM115 (the child holds it)
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node", "2",
-           "--host", "127.0.0.1", "--port", str(_free_port()), "--model", "tiny-hybrid",
+           "--host", "127.0.0.1", "--port", "0", "--model", "tiny-hybrid",
            "--capacity-blocks", "512", "--no-progress", "--dead-after-s", "5",
            "--json", str(tmp_path / "server.json"), *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)

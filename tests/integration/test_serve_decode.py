@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from tests.integration.test_serve import free_port, start_server
+from tests.integration.test_serve import start_server
 from wavepp.exec.checkpoint import write_checkpoint
 from wavepp.exec.model import BUILTIN, random_weights
 
@@ -41,7 +41,7 @@ def test_completions_decode_from_the_handed_off_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(serve_test, "MODEL", ["--model", "tiny-kimi", "--seed", "0",
                                               "--decode", "auto"])  # fmt: skip
-    proc, url, _ = start_server(tmp_path, free_port())
+    proc, url, _ = start_server(tmp_path)
     cfg = BUILTIN["tiny-kimi"]
     write_checkpoint(tmp_path / "kimi", cfg, random_weights(cfg, 0))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kimi").eval()

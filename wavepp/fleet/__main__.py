@@ -2,8 +2,9 @@
 [server and run options]``: N pipelines and a router on one node.
 
 Each replica is ``python -m wavepp.serve.launch --nproc-per-node P`` (its own ``torchrun
---standalone``) on a free port of 127.0.0.1, publishing its KV events on its own
-``--kv-events tcp://127.0.0.1:Q`` (replay on Q + 1); every other option goes to every
+--standalone``) on a free port of 127.0.0.1, publishing its KV events on
+``--kv-events tcp://127.0.0.1:0`` (free ports bound by the replica itself, which names them
+to the router in its ``/v1/models``); every other option goes to every
 replica as it is (``--json PATH`` becomes ``PATH`` with ``-r<i>`` before its suffix, one
 record per replica; ``--threads`` defaults to the node's cores over the N × P ranks). Once
 every replica listens, ``python -m wavepp.route`` starts over their URLs on ``--host`` and
@@ -23,7 +24,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -78,23 +78,6 @@ class Child:
 
     def join(self) -> None:
         self._thread.join(timeout=5)
-
-
-def _free_port_pair() -> int:
-    """A port Q with Q and Q + 1 free on 127.0.0.1 (events and their replay)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise SystemExit("wavepp fleet: found no two consecutive free ports for the KV events")
 
 
 def _option(rest: list[str], name: str) -> str | None:
@@ -176,7 +159,7 @@ def check(args: argparse.Namespace, rest: list[str]) -> None:
 def replica_command(args: argparse.Namespace, rest: list[str], index: int) -> list[str]:
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node",
            str(args.nproc_per_node), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
-    cmd += ["--kv-events", f"tcp://127.0.0.1:{_free_port_pair()}"]
+    cmd += ["--kv-events", "tcp://127.0.0.1:0"]  # free ports, bound by the replica
     if _option(rest, "--threads") is None:
         ranks = args.replicas * args.nproc_per_node
         cmd += ["--threads", str(max(1, (os.cpu_count() or 1) // ranks))]
