@@ -33,25 +33,14 @@ from wavepp.config import (
     validate,
 )
 from wavepp.engine import Engine
-from wavepp.exec.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.handoff_send import HandoffSettings
-from wavepp.exec.model import BUILTIN, build_stage, random_weights
-from wavepp.exec.planes import (
-    DataLimits,
-    PlaneError,
-    build_planes,
-    pick_data_plane,
-    pick_rounds_plane,
-    set_limits,
-)
-from wavepp.exec.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
-from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.exec.watchdog import Watchdog
 from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
+from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.plan import CostFit, CostModel, PlanContext
 from wavepp.policy import Policy, PolicyError, for_run
 from wavepp.rounds.admission import RoundMode, StageBook
@@ -62,8 +51,19 @@ from wavepp.runtime.feed import Feed
 from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.handoff import HandoffTargets, fingerprint
 from wavepp.runtime.planning import WavePlanner
+from wavepp.sim.executor import SimExecutor, StageCostModel
+from wavepp.sim.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
 from wavepp.state import audit, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
+from wavepp.transport.planes import (
+    DataLimits,
+    PlaneError,
+    build_planes,
+    pick_data_plane,
+    pick_rounds_plane,
+    set_limits,
+)
+from wavepp.transport.watchdog import Watchdog
 from wavepp.workload import (
     cold,
     conversation,
@@ -214,7 +214,7 @@ def auto_capacity(c: RunConfig, specs) -> int:
 
 def device_pools(c: RunConfig, world: int) -> list[StagePool] | None:
     """The sim's default pools: each stage's KV pool from its device memory minus its own
-    weights (``wavepp.exec.profiles.stage_pool``), or None where the executor is not the
+    weights (``wavepp.sim.profiles.stage_pool``), or None where the executor is not the
     sim or the weights leave no room (then the pools follow the workload). Every rank
     computes the same list."""
     if c.executor != "sim" or c.model not in MODELS:

@@ -1,7 +1,7 @@
 """Example policies: three-plus working alternatives and two deliberately broken ones.
 
 Each module exports ``POLICY``. Check one with
-``python -m wavepp.spec examples.policies.<name>:POLICY`` and run it with
+``python -m wavepp.checker examples.policies.<name>:POLICY`` and run it with
 ``torchrun --nproc-per-node 4 -m wavepp.main --policy examples.policies.<name>:POLICY``.
 
 Working: ``lfu`` (least frequently used eviction), ``recompute_cost`` (evict the tails

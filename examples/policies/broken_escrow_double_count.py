@@ -2,7 +2,7 @@
 
 It backs escrows with ``capacity - protected - escrowed`` and forgets the slots already
 materialized for running requests, so a slot handed to one request backs another's
-escrow too. ``python -m wavepp.spec`` rejects it: ``escrow_backed``.
+escrow too. ``python -m wavepp.checker`` rejects it: ``escrow_backed``.
 """
 
 import attrs

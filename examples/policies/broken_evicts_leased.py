@@ -3,7 +3,7 @@
 It frees the largest tails first (fewest victims per materialization) and counts a
 node's evictable tail as everything below its last child, ignoring the pins that
 leases and references put on it, so materialization may evict a block a live request
-holds. ``python -m wavepp.spec`` rejects it: ``leased_block_never_evicted``.
+holds. ``python -m wavepp.checker`` rejects it: ``leased_block_never_evicted``.
 """
 
 import attrs

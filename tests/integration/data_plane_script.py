@@ -12,7 +12,7 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from wavepp.exec.planes import DataLimits, build_planes, pick_data_plane
+from wavepp.transport.planes import DataLimits, build_planes, pick_data_plane
 
 SENDERS, WAVES, WIDTH, BUDGET = 4, 25, 96, 300
 

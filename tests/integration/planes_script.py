@@ -14,9 +14,9 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from wavepp.exec.planes import build_planes
 from wavepp.rounds.admission import Offer, RoundMode, StageBook, run_round
 from wavepp.state import block_hashes, cancel, empty_cache
+from wavepp.transport.planes import build_planes
 
 
 async def main(out_path: str) -> None:

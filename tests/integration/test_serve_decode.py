@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from tests.integration.test_serve import start_server
-from wavepp.exec.checkpoint import write_checkpoint
-from wavepp.exec.model import BUILTIN, random_weights
+from wavepp.model.builtin import BUILTIN, random_weights
+from wavepp.model.checkpoint import write_checkpoint
 
 pytestmark = pytest.mark.slow
 

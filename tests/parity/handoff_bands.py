@@ -10,11 +10,11 @@ import torch
 import transformers
 
 from tests.parity.families import MODELS, VOCAB, make_checkpoint, redraw
-from wavepp.exec.checkpoint import load_checkpoint
-from wavepp.exec.model import build_stage
 from wavepp.handoff.client import build_band
 from wavepp.handoff.hf import from_transformers_cache
 from wavepp.handoff.wire import fingerprint_from_hf_config
+from wavepp.model.builtin import build_stage
+from wavepp.model.checkpoint import load_checkpoint
 
 FAMILIES = ("llama", *MODELS)
 

@@ -8,11 +8,10 @@ import anyio
 import numpy as np
 import torch
 
-from wavepp.exec.families import FamilyConfig
-from wavepp.exec.model import ModelConfig, build_stage
-from wavepp.exec.profiles import split_layers
 from wavepp.exec.stage import Admitted, Stage
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model import FamilyConfig
+from wavepp.model.builtin import ModelConfig, build_stage
 from wavepp.plan import Pending, PlanContext, static
 from wavepp.rounds.admission import (
     Offer,
@@ -26,6 +25,7 @@ from wavepp.rounds.admission import (
     settle,
 )
 from wavepp.rounds.messages import ChunkMsg, WaveMsg
+from wavepp.sim.profiles import split_layers
 from wavepp.state import block_hashes, empty_cache, point_from_mask
 
 

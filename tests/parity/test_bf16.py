@@ -12,8 +12,8 @@ import torch
 
 from tests.parity.families import MODELS, make_checkpoint
 from tests.parity.harness import Pipeline
-from wavepp.exec.checkpoint import load_checkpoint
-from wavepp.exec.model import BUILTIN, build_stage, random_weights, reference_logits
+from wavepp.model.builtin import BUILTIN, build_stage, random_weights, reference_logits
+from wavepp.model.checkpoint import load_checkpoint
 
 # Per prompt, e = max |bf16 logits - fp32 logits| / max |fp32 logits|. Measured here
 # (median / largest e over 20 prompts): tiny-llama 0.013 / 0.017, tiny-hybrid 0.014 /

@@ -8,8 +8,8 @@ import torch
 
 from tests.parity.families import MODELS, hf_last_logits, make_checkpoint
 from tests.parity.harness import Pipeline
-from wavepp.exec.checkpoint import load_checkpoint
-from wavepp.exec.families import FamilyConfig, family_reference_logits
+from wavepp.model import FamilyConfig, family_reference_logits
+from wavepp.model.checkpoint import load_checkpoint
 
 TOL = 1e-4
 
@@ -88,7 +88,7 @@ def test_state_of_a_recurrent_layer_resumes_from_any_cut(family):
     _, _, cfg, weights = family
     if "L" not in cfg.pattern:
         pytest.skip("attention-only family")
-    from wavepp.exec.families import build_family_stage
+    from wavepp.model import build_family_stage
 
     stage = build_family_stage(cfg, range(cfg.num_layers), True, True, weights)
     mixer = stage.layer(0).mixer
@@ -102,12 +102,12 @@ def test_state_of_a_recurrent_layer_resumes_from_any_cut(family):
 
 
 def test_builtin_tiny_kimi_is_a_kimi_linear_checkpoint(tmp_path):
-    """``python -m wavepp.exec.checkpoint --model tiny-kimi`` writes a directory that
+    """``python -m wavepp.model.checkpoint --model tiny-kimi`` writes a directory that
     loads back to the same model and that transformers runs to the same logits."""
     import transformers
 
-    from wavepp.exec.checkpoint import write_checkpoint
-    from wavepp.exec.model import BUILTIN, random_weights
+    from wavepp.model.builtin import BUILTIN, random_weights
+    from wavepp.model.checkpoint import write_checkpoint
 
     cfg = BUILTIN["tiny-kimi"]
     weights = random_weights(cfg, seed=2)

@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from tests.parity.harness import Pipeline
-from wavepp.exec.checkpoint import load_checkpoint, write_checkpoint
-from wavepp.exec.model import BUILTIN, random_weights, reference_logits
+from wavepp.model.builtin import BUILTIN, random_weights, reference_logits
+from wavepp.model.checkpoint import load_checkpoint, write_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.parity.harness import Pipeline
-from wavepp.exec.families import FamilyConfig
-from wavepp.exec.model import BUILTIN, random_weights, reference_logits
+from wavepp.model import FamilyConfig
+from wavepp.model.builtin import BUILTIN, random_weights, reference_logits
 
 
 def _shrink(cfg):

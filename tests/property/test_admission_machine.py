@@ -1,13 +1,13 @@
 """The admission protocol's invariants (DESIGN §4) for the default policy.
 
-The state machine itself lives in :mod:`wavepp.spec.machines`, so that
-``python -m wavepp.spec pkg.mod:NAME`` runs the same checks against anyone's policy.
+The state machine itself lives in :mod:`wavepp.checker.machines`, so that
+``python -m wavepp.checker pkg.mod:NAME`` runs the same checks against anyone's policy.
 """
 
 from hypothesis import HealthCheck, settings
 
+from wavepp.checker import admission_machine
 from wavepp.policy import DEFAULT
-from wavepp.spec import admission_machine
 
 AdmissionMachine = admission_machine(DEFAULT)
 AdmissionMachine.TestCase.settings = settings(

@@ -5,8 +5,8 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from wavepp.checker import planner_property
 from wavepp.plan import PLANNERS, Pending, PlanContext, estimated_waves, fill, mpu_budget
-from wavepp.spec import planner_property
 
 queues = st.lists(st.integers(1, 40_000), min_size=1, max_size=12)
 contexts = st.builds(
@@ -40,7 +40,7 @@ def drain(planner, sizes, starts, ctx, arrivals):
 
 @pytest.mark.parametrize("name", sorted(PLANNERS))
 def test_every_token_planned_once_in_order_within_budget(name):
-    """The planner contract of ``python -m wavepp.spec``, for every built-in planner."""
+    """The planner contract of ``python -m wavepp.checker``, for every built-in planner."""
     planner_property(PLANNERS[name], max_examples=100)()
 
 

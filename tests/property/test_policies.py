@@ -1,4 +1,4 @@
-"""The checker (``python -m wavepp.spec``) passes every working example policy and
+"""The checker (``python -m wavepp.checker``) passes every working example policy and
 rejects each broken one, naming the invariant it breaks."""
 
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from wavepp.checker import INVARIANTS, check_policy
 from wavepp.policy import load_policy
-from wavepp.spec import INVARIANTS, check_policy
 
 WORKING = ["lfu", "recompute_cost", "smallest_fit", "fair_share", "interval_only", "counting"]
 BROKEN = {
@@ -43,7 +43,7 @@ def test_checker_rejects_a_broken_policy_naming_the_invariant(name):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "wavepp.spec", *args, "--derandomize", "--shrink-seconds", "10"],
+        [sys.executable, "-m", "wavepp.checker", *args, "--derandomize", "--shrink-seconds", "10"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 

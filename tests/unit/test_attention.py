@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wavepp.exec import attention as attn
-from wavepp.exec.attention import PagedBatch, paged_attention, write_paged
+from wavepp.model import attention as attn
+from wavepp.model.attention import PagedBatch, paged_attention, write_paged
 
 
 @attrs.frozen
@@ -152,8 +152,8 @@ def test_executor_in_bfloat16_on_cpu(model):
     import numpy as np
 
     from wavepp.exec.base import ChunkWork
-    from wavepp.exec.model import BUILTIN, build_stage, random_weights, reference_logits
     from wavepp.exec.torch_exec import TorchExecutor
+    from wavepp.model.builtin import BUILTIN, build_stage, random_weights, reference_logits
 
     cfg = BUILTIN[model]
     weights = random_weights(cfg, 3)

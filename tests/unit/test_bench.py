@@ -193,7 +193,7 @@ def test_torch_exec_bench_rows(tmp_path):
     assert all(r["max_abs_logit_diff"] < 1e-4 for r in rows), rows
     assert {r["cached"] for r in record["compile"]} == {0, 112}
     assert all(r["compiled_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in record["compile"])
-    from wavepp.exec import cpu_kernel
+    from wavepp.model import cpu_kernel
 
     if cpu_kernel.library() is not None:  # the kernel alone: fp32 and each bf16 path
         gflops = record["kernel_gflops"]

@@ -3,7 +3,6 @@
 import msgspec
 import pytest
 
-from wavepp.exec.planes import INLINE_MAX_BYTES, INLINE_MIN_BYTES, _inline_after
 from wavepp.rounds.messages import (
     AdmitEntry,
     AdmitRound,
@@ -19,6 +18,7 @@ from wavepp.rounds.messages import (
     pack_hashes,
     unpack_hashes,
 )
+from wavepp.transport.planes import INLINE_MAX_BYTES, INLINE_MIN_BYTES, _inline_after
 
 
 def test_round_trip_of_every_message():

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.test_attention import Chunk, copying_reference
-from wavepp.exec import cpu_kernel
-from wavepp.exec.attention import PagedBatch, paged_attention
+from wavepp.model import cpu_kernel
+from wavepp.model.attention import PagedBatch, paged_attention
 
 needs_kernel = pytest.mark.skipif(
     cpu_kernel.library() is None, reason=f"kernel unavailable: {cpu_kernel.unavailable()}"
@@ -153,8 +153,8 @@ def test_the_build_names_the_compiler_error():
 
 
 def test_pools_are_zeroed_and_ask_for_huge_pages():
-    from wavepp.exec.model import BUILTIN, build_stage, random_weights
     from wavepp.exec.torch_exec import TorchExecutor, huge_pages
+    from wavepp.model.builtin import BUILTIN, build_stage, random_weights
 
     cfg = BUILTIN["tiny-llama"]
     stage = build_stage(cfg, range(cfg.num_layers), True, True, random_weights(cfg, 0))

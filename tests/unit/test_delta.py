@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wavepp.exec.families.delta import chunk_delta, recurrent_delta
+from wavepp.model.delta import chunk_delta, recurrent_delta
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

@@ -5,10 +5,10 @@ import inspect
 import pytest
 
 from wavepp.exec.base import Executor
-from wavepp.exec.model import BUILTIN, build_stage, random_weights
-from wavepp.exec.profiles import DEVICES, MODELS, split_layers
-from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+from wavepp.sim.executor import SimExecutor, StageCostModel
+from wavepp.sim.profiles import DEVICES, MODELS, split_layers
 
 NAMES = ["run", "forget", "cancel", "memory_report", "prior_cost"]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from wavepp.exec.base import ChunkWork
-from wavepp.exec.fused import fusable
-from wavepp.exec.model import BUILTIN, build_stage, random_weights
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+from wavepp.model.fused import fusable
 
 BS = 16
 # Inductor builds its CPU kernels with the C++ compiler in $CXX (default g++).

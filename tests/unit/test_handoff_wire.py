@@ -14,8 +14,6 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from wavepp.exec.families import config_from_family
-from wavepp.exec.families.linear import GatedDeltaNet, KimiDeltaAttention
 from wavepp.handoff import wire
 from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
@@ -37,6 +35,8 @@ from wavepp.handoff.wire import (
     header_length,
     parse_address,
 )
+from wavepp.model import config_from_family
+from wavepp.model.linear import GatedDeltaNet, KimiDeltaAttention
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 3,

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from wavepp.exec.attention import PagedBatch
 from wavepp.exec.base import ChunkWork
-from wavepp.exec.model import BUILTIN, ModelConfig, build_stage, random_weights
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model.attention import PagedBatch
+from wavepp.model.builtin import BUILTIN, ModelConfig, build_stage, random_weights
 
 BS = 16
 # The last layer: GQA (llama), MLA with a MoE MLP (kimi), gated linear attention.

@@ -9,7 +9,7 @@ import struct
 import anyio
 import pytest
 
-from wavepp.exec.local_plane import (
+from wavepp.transport.unix import (
     BROADCAST,
     HELLO,
     MAGIC,

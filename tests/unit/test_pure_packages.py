@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-PURE = ["wavepp.state", "wavepp.plan", "wavepp.rounds", "wavepp.policy", "wavepp.spec"]
+PURE = ["wavepp.state", "wavepp.plan", "wavepp.rounds", "wavepp.policy", "wavepp.checker"]
 
 CHECK = """
 import importlib, pkgutil, sys

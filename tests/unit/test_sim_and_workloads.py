@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from wavepp.exec.profiles import DEVICES, MODELS, WEIGHT_FORMATS, split_layers
-from wavepp.exec.sim import StageCostModel, attention_pairs
+from wavepp.sim.executor import StageCostModel, attention_pairs
+from wavepp.sim.profiles import DEVICES, MODELS, WEIGHT_FORMATS, split_layers
 from wavepp.workload import cold, mixed, seeded, short_suffix
 
 
@@ -102,7 +102,7 @@ def test_workloads_are_deterministic_and_shaped():
 
 
 def test_stage_memory_figures_for_per_stage_pools():
-    from wavepp.exec.profiles import kv_block_bytes, stage_weight_bytes
+    from wavepp.sim.profiles import kv_block_bytes, stage_weight_bytes
 
     glm = MODELS["glm5-class"]
     stages = split_layers(glm.num_layers, 4)
@@ -116,8 +116,8 @@ def test_stage_memory_figures_for_per_stage_pools():
 
 def test_default_sim_pools_follow_each_stages_memory_and_weights():
     from wavepp.config import load
-    from wavepp.exec.profiles import POOL_HEADROOM, stage_pool, stage_weight_bytes
     from wavepp.main import device_pools
+    from wavepp.sim.profiles import POOL_HEADROOM, stage_pool, stage_weight_bytes
 
     qwen, h200 = MODELS["qwen3-next-80b"], DEVICES["h200"]
     stages = split_layers(qwen.num_layers, 4)

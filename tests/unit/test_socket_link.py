@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from wavepp.exec.planes import DataLimits, Link, PlaneError, SocketLink, _path_from_rank0
+from wavepp.transport.planes import DataLimits, Link, PlaneError, SocketLink, _path_from_rank0
 
 LIMITS = DataLimits.for_run(budget=512, width=64, dtype=torch.bfloat16, max_descriptor_bytes=4096)
 

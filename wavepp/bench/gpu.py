@@ -1,7 +1,7 @@
 """The GPU check (issue 13): run on a CUDA machine, ``python -m wavepp.bench.gpu --json out.json``.
 
 (a) **Parity on the GPU**: for each model family the project loads (Llama, and the
-    families of ``wavepp.exec.families`` whose tiny configs ``tests/parity/families.py``
+    families of ``wavepp.model`` whose tiny configs ``tests/parity/families.py``
     provides when the repository's tests are present), a tiny random checkpoint written
     by ``transformers``; WavePP's executor (one stage, prefix-reusing chunks through the
     paged pool) against ``transformers``' forward on the same GPU. fp32: max |Δlogit| ≤
@@ -82,9 +82,9 @@ def checkpoints(tmp: Path, seed: int, families: bool) -> dict[str, tuple[object,
 def parity(tmp: Path, seed: int, dtype: torch.dtype, device: str = "cuda",
            families: bool = True) -> list[dict]:  # fmt: skip
     from wavepp.exec.base import ChunkWork
-    from wavepp.exec.checkpoint import load_checkpoint
-    from wavepp.exec.model import build_stage
     from wavepp.exec.torch_exec import TorchExecutor
+    from wavepp.model.builtin import build_stage
+    from wavepp.model.checkpoint import load_checkpoint
 
     device = torch.device(device)
     rows = []
@@ -119,10 +119,10 @@ def parity(tmp: Path, seed: int, dtype: torch.dtype, device: str = "cuda",
 def throughput(tokens_n: int, chunk: int, repeats: int, seed: int) -> list[dict]:
     import transformers
 
-    from wavepp.exec import attention
     from wavepp.exec.base import ChunkWork
-    from wavepp.exec.model import ModelConfig, build_stage, random_weights
     from wavepp.exec.torch_exec import TorchExecutor
+    from wavepp.model import attention
+    from wavepp.model.builtin import ModelConfig, build_stage, random_weights
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     cfg = ModelConfig(vocab_size=32_000, d_model=2048, num_layers=8, pattern="A",

@@ -141,8 +141,8 @@ def bandwidth(args, model_config: dict, tmp: Path) -> list[dict]:
 
 
 def throughput(args, tmp: Path) -> dict:
-    from wavepp.exec.families.config import kimi_hf_config
-    from wavepp.exec.model import BUILTIN
+    from wavepp.model.builtin import BUILTIN
+    from wavepp.model.config import kimi_hf_config
 
     runs: dict[str, list[float]] = {"off": [], "on": []}
     for repeat in range(args.repeats):
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
-    from wavepp.exec.model import BUILTIN
+    from wavepp.model.builtin import BUILTIN
     from wavepp.runtime.handoff import model_hf_config
 
     if args.model not in BUILTIN or model_hf_config(args.model, BUILTIN[args.model]) is None:

@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from wavepp.exec.checkpoint import load_checkpoint
-from wavepp.exec.families import build_family_stage
+from wavepp.model import build_family_stage
+from wavepp.model.checkpoint import load_checkpoint
 
 
 def _configs(width: int):
@@ -106,8 +106,8 @@ def _kernel_callables(kind: str, mixer, h: torch.Tensor):
     """(WavePP's chunk_delta, transformers' chunked torch fallback) of the delta rule alone,
     on the layer's own q, k, v, gate and beta for h: [1, tokens, width]; both include the
     q/k L2 normalization."""
-    from wavepp.exec.families.common import l2norm, short_conv
-    from wavepp.exec.families.delta import chunk_delta
+    from wavepp.model.common import l2norm, short_conv
+    from wavepp.model.delta import chunk_delta
 
     with torch.inference_mode():
         x, extras = mixer._inputs(h[0])

@@ -25,9 +25,9 @@ from pathlib import Path
 
 from wavepp.bench.matrix import _RUNG_PLANNER, Cell, run_cell
 from wavepp.config import EXECUTOR_DEFAULTS
-from wavepp.exec.profiles import DEVICES, MODELS, split_layers
-from wavepp.exec.sim import SimExecutor, StageCostModel
 from wavepp.plan import PLANNERS, CostModel, Pending, PlanContext
+from wavepp.sim.executor import SimExecutor, StageCostModel
+from wavepp.sim.profiles import DEVICES, MODELS, split_layers
 
 
 def _chunks(prompt: int, size: int) -> list[tuple[int, int]]:

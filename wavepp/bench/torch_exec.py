@@ -10,9 +10,9 @@
    the whole prefix per chunk and layer, dense ``[n, m]`` mask) on the same executor,
    at the ``--attention-lengths`` (90% cached), same run.
 3. **``--compile`` rows**: the same stage eager and with ``--compile``
-   (``wavepp.exec.fused``), interleaved, at the ``--compile-lengths``, cold and 90%
+   (``wavepp.model.fused``), interleaved, at the ``--compile-lengths``, cold and 90%
    cached, with the largest logit difference.
-4. **Kernel rows**: WavePP's CPU attention kernel (``wavepp.exec.cpu_kernel``) against
+4. **Kernel rows**: WavePP's CPU attention kernel (``wavepp.model.cpu_kernel``) against
    the PyTorch path (``WAVEPP_CPU_KERNEL=0``) on the same executor, interleaved, at the
    ``--kernel-lengths``, cold and 90% cached, with the largest logit difference; and the
    kernel alone on one layer's shapes, the prompt's waves over a shuffled block table,
@@ -50,12 +50,12 @@ import torch
 import torch.nn.functional as F
 
 from wavepp.bench._stats import emit
-from wavepp.exec import cpu_kernel
-from wavepp.exec.attention import PagedBatch, paged_attention
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.device import default_threads
-from wavepp.exec.model import BUILTIN, ModelConfig, build_stage, random_weights
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model import cpu_kernel
+from wavepp.model.attention import PagedBatch, paged_attention
+from wavepp.model.builtin import BUILTIN, ModelConfig, build_stage, random_weights
 
 # The shape of the small Llama of the vLLM comparison (issue 12): hidden 256, 4 layers,
 # 4 heads / 2 KV heads, vocabulary 32,000.

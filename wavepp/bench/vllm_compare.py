@@ -115,9 +115,9 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
     import torch
 
     from wavepp.exec.base import ChunkWork
-    from wavepp.exec.checkpoint import load_checkpoint
-    from wavepp.exec.model import build_stage
     from wavepp.exec.torch_exec import TorchExecutor
+    from wavepp.model.builtin import build_stage
+    from wavepp.model.checkpoint import load_checkpoint
     from wavepp.plan import Pending, fill
 
     torch.set_num_threads(args.cores)

@@ -1,11 +1,11 @@
 """The torch executor: one stage of a real decoder LM over a paged pool (DESIGN §6).
 
-Each layer kind declares its cache (the seam in ``wavepp.exec.model``):
+Each layer kind declares its cache (the seam in ``wavepp.model.builtin``):
 
 - a **paged** kind names the per-token entries it keeps (K/V for GQA, the compressed
   latent for MLA); the stage holds one pool ``[capacity * block_size, *entry]`` per
   entry and layer, indexed by the slots the state reducers hand out, and the kind runs
-  the whole wave over it in one call per layer (``wavepp.exec.attention``);
+  the whole wave over it in one call per layer (``wavepp.model.attention``);
 - a **recurrent** kind names its state parts (the delta-rule state and the short
   convolution's state; or one state for gated linear attention). Running requests keep
   a live state; snapshots live in a preallocated pool ``[snapshot_capacity, *part]``
@@ -43,11 +43,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from wavepp.exec import cpu_kernel
-from wavepp.exec.attention import PagedBatch, paged_attention, to_queries
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.fused import FusedLayer, fusable
 from wavepp.exec.handoff_send import BandTensor, dtype_name, pool_rows
+from wavepp.model import cpu_kernel
+from wavepp.model.attention import PagedBatch, paged_attention, to_queries
+from wavepp.model.fused import FusedLayer, fusable
 from wavepp.state import BlockHash, RequestId
 
 _HUGE = 2 << 20  # bytes in a transparent huge page on x86-64
@@ -88,7 +88,7 @@ class TorchExecutor:
         pools and states follow it. ``snapshot_capacity``: slots of the snapshot pool
         (default ``capacity``: at most one snapshot per cached block). ``compile``: run
         Llama-shaped layers' token-wise work through ``torch.compile``
-        (``wavepp.exec.fused``), compiled here, before the first wave.
+        (``wavepp.model.fused``), compiled here, before the first wave.
         ``full_last_layer``: run the model's last layer for every token, as a plain
         forward does; by default its cache entries (keys and values, latents, recurrent
         states) are computed for every token and its outputs (attention, MLP) only for

@@ -1,6 +1,6 @@
 """Swappable policies (DESIGN §4a): every decision point of the protocol in one record.
 
-No torch here. ``python -m wavepp.spec pkg.mod:NAME`` checks a policy against the
+No torch here. ``python -m wavepp.checker pkg.mod:NAME`` checks a policy against the
 protocol's invariants; ``docs/policies.md`` documents every field's contract.
 """
 

@@ -9,7 +9,7 @@ life (DESIGN §4, §4a)::
 
 The defaults are the reducers of :mod:`wavepp.state` and reproduce the runtime's
 behaviour exactly. A researcher replaces single fields (``attrs.evolve(DEFAULT,
-eviction=...)``) and checks the result with ``python -m wavepp.spec pkg.mod:NAME``;
+eviction=...)``) and checks the result with ``python -m wavepp.checker pkg.mod:NAME``;
 ``docs/policies.md`` gives each field's contract.
 """
 

@@ -1,5 +1,5 @@
 """What the admission protocol needs from the rounds plane (implemented over Unix
-sockets in ``wavepp.exec.local_plane`` and over Gloo in ``wavepp.exec.planes``; over
+sockets in ``wavepp.transport.unix`` and over Gloo in ``wavepp.transport.planes``; over
 plain lists in tests)."""
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 
 import anyio
 
-from wavepp.exec.planes import HostRoundsPlane
 from wavepp.exec.stage import Admitted, Stage
 from wavepp.plan import Pending
 from wavepp.policy import FCFS
@@ -48,6 +47,7 @@ from wavepp.rounds.messages import (
 from wavepp.rungs import Admission, Rung
 from wavepp.runtime.intake import Intake
 from wavepp.state import RequestId, attention_hit, empty_inflight, inflight, num_blocks_for
+from wavepp.transport.planes import HostRoundsPlane
 
 MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited for",
                 "stages disagreed", "cancelled")  # fmt: skip

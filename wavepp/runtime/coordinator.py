@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from wavepp.exec.planes import HostRoundsPlane, Link
 from wavepp.exec.stage import Stage
 from wavepp.fleet.changes import Announcer
 from wavepp.rounds.admission import RoundMode
@@ -28,6 +27,7 @@ from wavepp.runtime.planning import WavePlanner
 from wavepp.runtime.records import Signal
 from wavepp.runtime.stage_zero import StageZero
 from wavepp.state import RequestId
+from wavepp.transport.planes import HostRoundsPlane, Link
 
 
 class Coordinator:

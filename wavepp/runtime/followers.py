@@ -8,7 +8,6 @@ import anyio
 import msgspec
 
 from wavepp.exec.base import StageOutput
-from wavepp.exec.planes import HostRoundsPlane, Link
 from wavepp.exec.stage import Admitted, Stage, offer_from_entry
 from wavepp.rounds.admission import RoundMode, run_round
 from wavepp.rounds.messages import (
@@ -23,6 +22,7 @@ from wavepp.rounds.messages import (
     encode,
 )
 from wavepp.state import RequestId
+from wavepp.transport.planes import HostRoundsPlane, Link
 
 
 async def follow_rounds(plane: HostRoundsPlane, stage: Stage, mode: RoundMode) -> None:

@@ -101,8 +101,8 @@ def model_hf_config(model: str, cfg) -> dict | None:
     """The Hugging Face ``config.json`` dict of the model this run computes with (a
     checkpoint directory's own, or the built-in model's equivalent); None for WavePP's
     own gated-linear-attention layout, which no Hugging Face class decodes."""
-    from wavepp.exec.families import FamilyConfig
-    from wavepp.exec.families.config import kimi_hf_config
+    from wavepp.model import FamilyConfig
+    from wavepp.model.config import kimi_hf_config
 
     path = Path(model) / "config.json"
     if path.exists():

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 import anyio
 import msgspec
 
-from wavepp.exec.planes import Link
 from wavepp.exec.stage import Stage
 from wavepp.fleet.changes import Announcer
 from wavepp.plan import Wave
@@ -32,6 +31,7 @@ from wavepp.runtime.followers import finished
 from wavepp.runtime.intake import Intake
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import RequestId
+from wavepp.transport.planes import Link
 
 CARRIER_S = 0.005  # while bands are awaited and no wave flows: an empty wave this often
 

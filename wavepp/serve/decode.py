@@ -52,9 +52,9 @@ def check_decode_option(value: str | None) -> str | None:
 
 def model_directory(model: str, seed: int, scratch: Path) -> Path:
     """A directory ``transformers`` loads for the server's model (writing tiny-kimi out)."""
-    from wavepp.exec.checkpoint import write_checkpoint
-    from wavepp.exec.families import FamilyConfig
-    from wavepp.exec.model import BUILTIN, random_weights
+    from wavepp.model import FamilyConfig
+    from wavepp.model.builtin import BUILTIN, random_weights
+    from wavepp.model.checkpoint import write_checkpoint
 
     if Path(model).is_dir() and (Path(model) / "config.json").exists():
         return Path(model)

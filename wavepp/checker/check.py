@@ -12,11 +12,11 @@ from hypothesis.internal.conjecture import engine as _engine
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
+from wavepp.checker.invariants import INVARIANTS, Violation
+from wavepp.checker.machines import admission_machine
+from wavepp.checker.planners import planner_property
 from wavepp.plan import PLANNERS
 from wavepp.policy import Policy
-from wavepp.spec.invariants import INVARIANTS, Violation
-from wavepp.spec.machines import admission_machine
-from wavepp.spec.planners import planner_property
 
 PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 """No ``explain`` phase: it traces every line and makes shrinking minutes slower."""

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.families.common import GatedRMSNorm, l2norm, short_conv
-from wavepp.exec.families.delta import chunk_delta, recurrent_delta
+from wavepp.model.common import GatedRMSNorm, l2norm, short_conv
+from wavepp.model.delta import chunk_delta, recurrent_delta
 
 State = dict[str, torch.Tensor]  # {"delta": [H, dk, dv], "conv": [K-1, channels]}
 

@@ -1,4 +1,4 @@
-"""The protocol's invariants as a checker for any policy (``python -m wavepp.spec``).
+"""The protocol's invariants as a checker for any policy (``python -m wavepp.checker``).
 
 The Hypothesis state machine of the admission protocol and the planner property live
 here, not in ``tests/``, so an installed package can check a researcher's policy; the
@@ -6,10 +6,10 @@ test suite runs the same machines against the default policy. Needs ``hypothesis
 No torch.
 """
 
-from wavepp.spec.check import Finding, Report, check_policy
-from wavepp.spec.invariants import INVARIANTS, Violation
-from wavepp.spec.machines import admission_machine
-from wavepp.spec.planners import planner_property
+from wavepp.checker.check import Finding, Report, check_policy
+from wavepp.checker.invariants import INVARIANTS, Violation
+from wavepp.checker.machines import admission_machine
+from wavepp.checker.planners import planner_property
 
 __all__ = [
     "INVARIANTS",

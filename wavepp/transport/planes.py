@@ -31,8 +31,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from wavepp.exec import local_plane
-from wavepp.exec.local_plane import LocalRoundsPlane, PlaneError, recv_exactly, send_all
+from wavepp.transport import unix as local_plane
+from wavepp.transport.unix import LocalRoundsPlane, PlaneError, recv_exactly, send_all
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8]
 _HEADER = 10  # int64 words: [magic, sender, desc_bytes, dtype code, ndim, dims...(5)]
@@ -177,7 +177,7 @@ async def pick_rounds_plane(
     """The rounds plane of the run (``--rounds-plane``), the same choice on every rank.
 
     ``local`` (and ``auto`` where torchrun put every rank on this host) builds a
-    :class:`~wavepp.exec.local_plane.LocalRoundsPlane`: rank 0 listens on a fresh Unix
+    :class:`~wavepp.transport.unix.LocalRoundsPlane`: rank 0 listens on a fresh Unix
     socket and sends its path over ``gloo``; the others connect. Where rank 0 cannot
     listen, ``auto`` stays on Gloo and ``local`` fails on every rank."""
     world = gloo.world_size

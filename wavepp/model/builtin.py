@@ -3,7 +3,7 @@
 Pure-attention configs follow the Llama layout and its weight names, so Llama-family
 checkpoints load as they are; hybrid configs add ``linear_attn`` layers under the same
 naming scheme. The published families (Kimi Linear, Qwen3-Next, MiniMax-M2) live in
-``wavepp.exec.families``; ``BUILTIN``, :func:`random_weights`, :func:`build_stage` and
+``wavepp.model``; ``BUILTIN``, :func:`random_weights`, :func:`build_stage` and
 :func:`reference_logits` take either kind of config.
 
 The layer-kind seam the executor relies on (every mixer, here and in the families):
@@ -34,15 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.attention import to_queries, write_paged
-from wavepp.exec.families import (
+from wavepp.model import (
     FamilyConfig,
     build_family_stage,
     family_random_weights,
     family_reference_logits,
 )
-from wavepp.exec.families.attn import masked_attention
-from wavepp.exec.families.common import StageBase
+from wavepp.model.attention import to_queries, write_paged
+from wavepp.model.attn import masked_attention
+from wavepp.model.common import StageBase
 
 
 @attrs.frozen

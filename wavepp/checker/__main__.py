@@ -1,4 +1,4 @@
-"""``python -m wavepp.spec pkg.mod:NAME``: check a policy against the protocol's invariants.
+"""``python -m wavepp.checker pkg.mod:NAME``: check a policy against the protocol's invariants.
 
 Runs the Hypothesis state machine of the admission protocol and the planner property
 against the named policy, prints every invariant as held or VIOLATED and, for each
@@ -14,7 +14,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m wavepp.spec",
+        prog="python -m wavepp.checker",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -31,15 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import hypothesis  # noqa: F401
     except ImportError:
-        print("wavepp.spec needs hypothesis: pip install 'hypothesis>=6.100'", file=sys.stderr)
+        print("wavepp.checker needs hypothesis: pip install 'hypothesis>=6.100'", file=sys.stderr)
         return 2
+    from wavepp.checker.check import check_policy
     from wavepp.policy import PolicyError, load_policy
-    from wavepp.spec.check import check_policy
 
     try:
         policy = load_policy(args.policy)
     except PolicyError as error:
-        print(f"wavepp.spec: {error}", file=sys.stderr)
+        print(f"wavepp.checker: {error}", file=sys.stderr)
         return 2
     report = check_policy(
         policy,

@@ -23,7 +23,7 @@ The contract, for any attention-like layer (GQA, MQA, MLA in absorbed form):
   leading slice of the latent entry) and MQA with ``KV = 1``.
 
 How it runs. On CPU in fp32 or bf16, with AVX-512 and a C compiler, WavePP's own kernel
-(``wavepp.exec.cpu_kernel``) serves the whole wave in one call: each new token attends
+(``wavepp.model.cpu_kernel``) serves the whole wave in one call: each new token attends
 to positions ``0..its own`` through its block table in one online-softmax pass, grouped
 heads sharing each pass over their keys (bf16 read as it is, sums in fp32). Otherwise
 (fp16, no AVX-512, CUDA without FlashInfer, ``WAVEPP_CPU_KERNEL=0``) each sequence
@@ -44,7 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
-from wavepp.exec import cpu_kernel
+from wavepp.model import cpu_kernel
 
 _SMALL_RUN = 256  # prefix runs shorter than this (rows) are gathered, not viewed in place
 _GATHER_ROWS = 4096  # most rows gathered into one piece

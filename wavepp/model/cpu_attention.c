@@ -1,4 +1,4 @@
-/* Paged causal attention for a whole wave, fp32 or bf16, AVX-512 (wavepp.exec.cpu_kernel).
+/* Paged causal attention for a whole wave, fp32 or bf16, AVX-512 (wavepp.model.cpu_kernel).
 
    Every new token of a sequence attends to the keys at positions 0..its own, read from
    the paged pool through the sequence's block table: the cached prefix and the chunk's

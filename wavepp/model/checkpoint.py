@@ -2,11 +2,11 @@
 
 - A Hugging Face directory (``config.json`` + ``*.safetensors``) as ``save_pretrained``
   writes it, of a Llama-family model (``model_type`` llama, SiLU MLP, default RoPE: an
-  ``A``-only ``ModelConfig``) or of one of the families in ``wavepp.exec.families``
+  ``A``-only ``ModelConfig``) or of one of the families in ``wavepp.model``
   (``kimi_linear``, ``qwen3_next``, ``minimax_m2``: a ``FamilyConfig``).
 - WavePP's own layout, for its gated-linear-attention hybrids: ``wavepp_config.json``
   (the ``ModelConfig`` fields) + ``model.safetensors`` with the same names,
-  ``linear_attn`` for L layers. ``python -m wavepp.exec.checkpoint --model tiny-hybrid
+  ``linear_attn`` for L layers. ``python -m wavepp.model.checkpoint --model tiny-hybrid
   --seed 0 --out DIR`` writes one; ``--model tiny-kimi`` writes a Kimi Linear directory.
 """
 
@@ -20,9 +20,9 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from wavepp.exec.families import FAMILIES, FamilyConfig, config_from_family
-from wavepp.exec.families.config import kimi_hf_config
-from wavepp.exec.model import BUILTIN, ModelConfig, random_weights
+from wavepp.model import FAMILIES, FamilyConfig, config_from_family
+from wavepp.model.builtin import BUILTIN, ModelConfig, random_weights
+from wavepp.model.config import kimi_hf_config
 
 OWN_CONFIG = "wavepp_config.json"
 SUPPORTED = ("llama", *FAMILIES)  # Hugging Face model_type values that load
@@ -99,7 +99,7 @@ def write_checkpoint(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m wavepp.exec.checkpoint",
+        prog="python -m wavepp.model.checkpoint",
         description="Write a built-in model with seeded random weights: tiny-kimi as a "
         "Hugging Face Kimi Linear directory, the others in WavePP's layout.",
     )

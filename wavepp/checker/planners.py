@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import hypothesis.strategies as st
 from hypothesis import Phase, given, settings
 
+from wavepp.checker.invariants import check, violated
 from wavepp.plan import CostModel, Pending, PlanContext, Planner, Wave
-from wavepp.spec.invariants import check, violated
 
 queues = st.lists(st.integers(1, 40_000), min_size=1, max_size=12)
 cost_models = st.builds(

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.profiles import KV_BYTES, WEIGHT_FORMATS, DeviceProfile, ModelProfile
+from wavepp.sim.profiles import KV_BYTES, WEIGHT_FORMATS, DeviceProfile, ModelProfile
 from wavepp.state import BlockHash, RequestId
 
 

@@ -3,7 +3,7 @@
 One call per layer runs paged causal attention for every chunk of a wave, fp32 or
 bf16, with AVX-512: each new token attends to positions ``0..its own`` read through its
 block table, in one online-softmax pass (no log-sum-exp merge of parts, no work above
-the diagonal beyond one tile). :func:`wavepp.exec.attention.paged_attention` calls it
+the diagonal beyond one tile). :func:`wavepp.model.attention.paged_attention` calls it
 for the CPU waves it fits (q and pools all fp32 or all bf16) and runs the portable
 PyTorch path otherwise.
 

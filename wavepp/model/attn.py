@@ -3,7 +3,7 @@
 
 Each declares the per-token entries it keeps in the paged pool (``cache_layout``): keys
 and values ``[KV, hd]`` for GQA, the compressed latent ``[1, rank + rope_dim]`` for MLA.
-``paged_forward`` runs a whole wave over the pool (``wavepp.exec.attention``); MLA
+``paged_forward`` runs a whole wave over the pool (``wavepp.model.attention``); MLA
 attends in the absorbed form, straight over the latents. ``full`` is the reference:
 ``project`` then ``attend`` over the prompt's own entries.
 """
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.attention import to_queries, write_paged
-from wavepp.exec.families.common import RMSNorm, rope_partial
+from wavepp.model.attention import to_queries, write_paged
+from wavepp.model.common import RMSNorm, rope_partial
 
 
 def masked_attention(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.families.common import SwiGLU
+from wavepp.model.common import SwiGLU
 
 _EXPERT_NAMES = {
     "kimi": ("w1", "w3", "w2"),

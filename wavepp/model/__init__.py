@@ -2,8 +2,8 @@
 gated attention, MoE with a shared expert) and MiniMax-M2 (attention + MoE), loaded
 from Hugging Face checkpoints as ``save_pretrained`` writes them."""
 
-from wavepp.exec.families.config import FAMILIES, FamilyConfig, config_from_family
-from wavepp.exec.families.model import (
+from wavepp.model.config import FAMILIES, FamilyConfig, config_from_family
+from wavepp.model.family import (
     FamilyStage,
     build_family_stage,
     family_random_weights,

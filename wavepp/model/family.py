@@ -13,11 +13,11 @@ import math
 import torch
 from torch import nn
 
-from wavepp.exec.families.attn import GQAttention, LatentAttention
-from wavepp.exec.families.common import RMSNorm, StageBase, SwiGLU
-from wavepp.exec.families.config import FamilyConfig
-from wavepp.exec.families.linear import GatedDeltaNet, KimiDeltaAttention
-from wavepp.exec.families.moe import SparseMoE
+from wavepp.model.attn import GQAttention, LatentAttention
+from wavepp.model.common import RMSNorm, StageBase, SwiGLU
+from wavepp.model.config import FamilyConfig
+from wavepp.model.linear import GatedDeltaNet, KimiDeltaAttention
+from wavepp.model.moe import SparseMoE
 
 _ROUTING = {"kimi_linear": "kimi", "qwen3_next": "qwen", "minimax_m2": "minimax"}
 

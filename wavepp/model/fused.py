@@ -10,10 +10,10 @@ tensors, shared by every layer of the same shapes:
 - :func:`swiglu_post`: output projection and residual, post-attention RMSNorm,
   SwiGLU MLP and residual.
 
-Attention stays in :mod:`wavepp.exec.attention` (compiled code never sees a block
+Attention stays in :mod:`wavepp.model.attention` (compiled code never sees a block
 table), so the cache effects are exactly the uncompiled ones. Only layers built from
-:class:`~wavepp.exec.model.Attention`, :class:`~wavepp.exec.model.MLP` and
-:class:`~wavepp.exec.model.RMSNorm` are fused; every other kind runs eagerly. Waves of
+:class:`~wavepp.model.builtin.Attention`, :class:`~wavepp.model.builtin.MLP` and
+:class:`~wavepp.model.builtin.RMSNorm` are fused; every other kind runs eagerly. Waves of
 one token run the same functions uncompiled (a size-1 dimension would be compiled
 again as a special case). Compiling needs a C++ compiler on CPU (Triton on CUDA); it
 happens when the executor is built, and Inductor caches the result across runs.
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.exec.attention import to_queries
-from wavepp.exec.model import MLP, Attention, RMSNorm, apply_rope, rms_norm
+from wavepp.model.attention import to_queries
+from wavepp.model.builtin import MLP, Attention, RMSNorm, apply_rope, rms_norm
 
 
 def gqa_pre(x, norm_w, eps: float, q_w, k_w, v_w, cos, sin, heads: int, kv_heads: int,

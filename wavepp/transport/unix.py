@@ -41,7 +41,7 @@ MAX_FRAME_BYTES = 64 << 20  # the largest payload a frame may announce (a broadc
 class PlaneError(RuntimeError):
     """A collective or transfer failed: a peer died, hung past the timeout, or sent junk.
 
-    (Defined here, where the torch-free plane needs it; ``wavepp.exec.planes`` exports it.)"""
+    (Defined here, where the torch-free plane needs it; ``wavepp.transport.planes`` exports it.)"""
 
 
 async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:

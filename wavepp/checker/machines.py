@@ -7,7 +7,7 @@ materialize, snapshot placement and reservation, publish, release, cancel — in
 interleavings, calling only the policy's functions. A plain reference model tracks, per
 stage, which prefixes are cached (as parent links, independently of the implementation's
 tree) and what every live request holds; every step is checked against it and each
-check names the invariant it guards (:mod:`wavepp.spec.invariants`).
+check names the invariant it guards (:mod:`wavepp.checker.invariants`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from wavepp.checker.invariants import Violation, check, violated
 from wavepp.policy import ChunkSpan, Policy
 from wavepp.rounds.admission import (
     Offer,
@@ -42,7 +43,6 @@ from wavepp.rounds.admission import (
     settle,
 )
 from wavepp.rounds.errors import ProtocolError
-from wavepp.spec.invariants import Violation, check, violated
 from wavepp.state import (
     ROOT_SEED,
     InvariantError,

@@ -1,0 +1,1 @@
+"""The simulated executor and the device and model profiles it costs waves with."""
