@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from wavepp.policy import DEFAULT, FCFS, EscrowCandidate
+from wavepp.policy import DEFAULT, EscrowCandidate
 from wavepp.policy import Policy as _Rules
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
@@ -53,8 +53,6 @@ from wavepp.state import (
     probe_linear,
     reuse_mask,
 )
-from wavepp.state import escrow as _default_escrow
-from wavepp.state import reconcile as _default_reconcile
 
 
 @attrs.frozen
@@ -106,9 +104,10 @@ def worth_offering(cache: StageCache, offers: Sequence[Offer], mode: RoundMode) 
     So the offers past the first one that cannot fit even then would be probed, leased,
     refused and released for nothing: that is most of a round's work when the pool is
     full and many requests wait. The first offer that cannot fit is still taken, so the
-    round refuses it and admission waits for room. Other escrow orders: every offer.
+    round refuses it and admission waits for room. An escrow order that does not
+    declare FCFS (:attr:`wavepp.policy.EscrowOrder.first_come_first_served`): every offer.
     """
-    if mode.policy.escrow_order is not FCFS:
+    if not mode.policy.escrow_order.first_come_first_served:
         return len(offers)
     room = cache.num_backable
     for i, offer in enumerate(offers):
@@ -393,14 +392,14 @@ def fell_back(bases: Sequence[int], agreed: Sequence[int]) -> list[bool]:
 
 def spare_room(cache: StageCache, offers: Sequence[Offer], mode: RoundMode) -> int:
     """Blocks this stage could still back after escrowing every offer's whole prompt
-    (as if nothing were reused), with this round's leases held; -1 where the policy
-    reconciles or escrows with reducers of its own.
+    (as if nothing were reused), with this round's leases held; -1 where the policy's
+    escrow and reconcile do not declare that this suffices
+    (:attr:`wavepp.policy.Policy.escrow_within_room`).
 
     Where the MIN of this over the stages is ≥ 0, every escrow of the round holds on
     every stage: reconciling only lowers leases (frees protection) and each escrow
     needs at most its prompt's blocks. Then the escrow flags need no collective."""
-    rules = mode.policy
-    if rules.escrow is not _default_escrow or rules.reconcile is not _default_reconcile:
+    if not mode.policy.escrow_within_room:
         return -1
     return cache.num_backable - sum(blocks_needed(o, mode.block_size) for o in offers)
 
