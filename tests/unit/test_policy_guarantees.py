@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import attrs
 import pytest
 
+from examples.policies.lfu import POLICY as LFU_POLICY
 from examples.policies.smallest_fit import smallest_first
 from wavepp import state
 from wavepp.checker import Violation, admission_machine
@@ -28,11 +29,13 @@ from wavepp.policy import (
     guarantees,
     guarantees_of,
 )
+from wavepp.rounds import ProtocolError
 from wavepp.rounds.admission import (
     Offer,
     RoundMode,
     StageBook,
     candidates,
+    round_over,
     run_round,
     settle,
     spare_room,
@@ -207,3 +210,11 @@ def test_the_checker_rejects_an_escrow_that_declares_room_falsely():
         settle(cache, [a], [0], RoundMode(B, policy=policy))
     assert caught.value.invariant == "guarantees_hold"
     assert "refused 3 blocks with 16 backable" in str(caught.value)
+
+
+def test_a_round_refuses_a_cache_that_evicts_in_another_order_than_the_policy():
+    mode = RoundMode(B, policy=LFU_POLICY)
+    with pytest.raises(ProtocolError, match="evicts in order 'lru' but policy 'lfu' names 'lfu'"):
+        round_over([empty_cache(16)], [offer("a", 1)], mode)
+    _, result = round_over([LFU_POLICY.empty_cache(16)], [offer("a", 1)], mode)
+    assert result.admitted == (True,)

@@ -182,7 +182,9 @@ class Policy:
     escrow: EscrowFn = state.escrow
     escrow_order: EscrowOrder = FCFS  # the order escrows are tried in, and the cut
     materialize: MaterializeFn = state.materialize
-    eviction: Eviction = LRU  # materialize's victim order (carried by the cache)
+    eviction: Eviction = LRU  # materialize's victim order: set here only. The cache
+    #   carries it (its victim index is sorted by it) from empty_cache below, and a round
+    #   refuses a cache whose order is not this one (rounds.admission.check_eviction)
     snapshot_placement: Placement = at_junctions
     reserve_snapshots: ReserveFn = state.reserve_snapshots
     publish: PublishFn = state.publish

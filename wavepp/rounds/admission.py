@@ -91,6 +91,19 @@ def Policy(
     return RoundMode(block_size=block_size, eager=eager, policy=policy)
 
 
+def check_eviction(cache: StageCache, mode: RoundMode) -> None:
+    """The victim order is the policy's (``Policy.eviction``); the cache carries it only
+    because its victim index is sorted by it (``Policy.empty_cache`` builds it so). A
+    cache built apart from the policy would evict in another order than the policy
+    names, so a round refuses it."""
+    if cache.eviction != mode.policy.eviction:
+        raise ProtocolError(
+            f"the stage cache evicts in order {cache.eviction.name!r} but policy "
+            f"{mode.policy.name!r} names {mode.policy.eviction.name!r}; build the cache "
+            "with Policy.empty_cache"
+        )
+
+
 def blocks_needed(offer: Offer, block_size: int) -> int:
     return num_blocks_for(offer.num_tokens, block_size)
 
@@ -459,6 +472,7 @@ async def run_round(
     ``anchors`` (rank 0's probe point of each offer, sent with the round: the first mask
     window ends there; None: at the probe limit, which only costs more AND rounds)."""
     t0 = time.perf_counter()
+    check_eviction(book.cache, mode)
     plane = _WorkClock(plane)  # type: ignore[assignment]  # the collectives, timed apart
     n = len(offers)
     tops = window_tops(offers, anchors)
@@ -507,6 +521,8 @@ def round_over(
     """:func:`run_round` over several stages' caches in one process (MIN and AND over
     a list): the oracle's free decisions, the parity harness, the property suite."""
     t0 = time.perf_counter()
+    for cache in caches:
+        check_eviction(cache, mode)
     caches = list(caches)
     n = len(offers)
     probed = [probe_points(c, offers, mode, timings) for c in caches]
