@@ -47,6 +47,11 @@ INVARIANTS: dict[str, str] = {
     "escrow_order_contract": (
         "the escrow order is a permutation and nobody after a blocking refusal is admitted"
     ),
+    # what the policy's functions declare
+    "guarantees_hold": (
+        "every promise a policy's function declares (wavepp.policy.Guarantee) holds: the "
+        "runtime takes faster paths on them"
+    ),
     # the planner
     "plan_within_budget": "every wave has 1..budget tokens and a budget within the run's M",
     "plan_in_order": "a request's chunks are consecutive and in order, each ≥ 1 token",

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from wavepp.checker.guarantees import check_escrow_order, keeping_promises
 from wavepp.checker.invariants import Violation, check, violated
 from wavepp.policy import ChunkSpan, Policy
 from wavepp.rounds.admission import (
@@ -171,7 +172,7 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
             eager: bool,
         ) -> None:
             self.policy = policy
-            self.mode = RoundMode(BLOCK, eager=eager, policy=policy)
+            self.mode = RoundMode(BLOCK, eager=eager, policy=keeping_promises(policy))
             with policy_step("empty_cache"):
                 self.caches = [
                     policy.empty_cache(
@@ -261,6 +262,7 @@ def admission_machine(policy: Policy) -> type[RuleBasedStateMachine]:
             with policy_step("escrow order"):
                 order = attempt_order(mode, cands)
                 admitted = cut(flags, mode, cands)
+            check_escrow_order(policy.escrow_order, cands, order)
             blocked = False
             for i in order:
                 check(

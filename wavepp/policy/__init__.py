@@ -1,5 +1,9 @@
 """Swappable policies (DESIGN §4a): every decision point of the protocol in one record.
 
+A function in the record declares what it promises beyond its field's contract with
+``@guarantees(Guarantee...)``; the runtime takes a faster path only on a declared
+promise, never by comparing a field to the default.
+
 No torch here. ``python -m wavepp.checker pkg.mod:NAME`` checks a policy against the
 protocol's invariants; ``docs/policies.md`` documents every field's contract.
 """
@@ -32,6 +36,7 @@ from wavepp.policy.record import (
     at_junctions,
     every_interval_and_end,
 )
+from wavepp.state import Guarantee, guarantees, guarantees_of
 
 __all__ = [
     "DEFAULT",
@@ -43,6 +48,7 @@ __all__ = [
     "ChunkSpan",
     "EscrowCandidate",
     "EscrowOrder",
+    "Guarantee",
     "Placement",
     "Policy",
     "PolicyError",
@@ -52,6 +58,8 @@ __all__ = [
     "every_interval_and_end",
     "for_run",
     "for_rung",
+    "guarantees",
+    "guarantees_of",
     "load_policy",
     "resolve",
     "resolve_eviction",

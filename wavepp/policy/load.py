@@ -14,7 +14,7 @@ import attrs
 from wavepp import state
 from wavepp.plan import PLANNERS
 from wavepp.policy.record import DEFAULT, EDF, Policy
-from wavepp.state import LRU, Eviction
+from wavepp.state import LRU, Eviction, Guarantee, guarantees_of
 
 POLICIES: dict[str, Policy] = {"default": DEFAULT, "edf": EDF}
 PROBES = {"gallop": state.probe, "linear": state.probe_linear}
@@ -103,12 +103,13 @@ def with_overrides(
 def for_rung(policy: Policy, *, linear_probe: bool, planner: str) -> Policy:
     """Fill what the rung decides and the policy leaves open.
 
-    R1's linear walk replaces the probe only where the policy kept the default one;
-    the rung's planner (``static``, ``mpu`` or ``cost``) is used where the policy names
-    none.
+    R1's linear walk replaces the probe where the policy's probe declares itself a
+    plain walk (``Guarantee.PLAIN_PROBE``: the default one, or a wrapper that only
+    observes it); the rung's planner (``static``, ``mpu`` or ``cost``) is used where
+    the policy names none.
     """
     changes: dict[str, Any] = {}
-    if linear_probe and policy.probe is state.probe:
+    if linear_probe and Guarantee.PLAIN_PROBE in guarantees_of(policy.probe):
         changes["probe"] = state.probe_linear
     if policy.planner is None:
         changes["planner"] = resolve_planner(planner)

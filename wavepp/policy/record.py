@@ -27,10 +27,13 @@ from wavepp.state import (
     LRU,
     BlockHash,
     Eviction,
+    Guarantee,
     Materialized,
     RequestId,
     SnapshotReservation,
     StageCache,
+    guarantees,
+    guarantees_of,
 )
 
 ProbeFn = Callable[[StageCache, Sequence[BlockHash], "int | None"], int]
@@ -145,11 +148,21 @@ class EscrowOrder:
     order: Callable[[Sequence[EscrowCandidate]], Sequence[int]]
     blocks: Callable[[EscrowCandidate], bool]
 
+    @property
+    def first_come_first_served(self) -> bool:
+        """Whether ``order`` declares arrival order and ``blocks`` that every refusal
+        blocks (:class:`wavepp.state.Guarantee`): then nothing after a refused offer is
+        admitted, and rank 0 stops offering past the first offer that cannot fit."""
+        in_arrival_order = Guarantee.ARRIVAL_ORDER in guarantees_of(self.order)
+        return in_arrival_order and Guarantee.EVERY_REFUSAL_BLOCKS in guarantees_of(self.blocks)
 
+
+@guarantees(Guarantee.ARRIVAL_ORDER)
 def arrival_order(candidates: Sequence[EscrowCandidate]) -> list[int]:
     return sorted(range(len(candidates)), key=lambda i: candidates[i].position)
 
 
+@guarantees(Guarantee.EVERY_REFUSAL_BLOCKS)
 def always(candidate: EscrowCandidate) -> bool:
     return True
 
@@ -169,7 +182,9 @@ class Policy:
     escrow: EscrowFn = state.escrow
     escrow_order: EscrowOrder = FCFS  # the order escrows are tried in, and the cut
     materialize: MaterializeFn = state.materialize
-    eviction: Eviction = LRU  # materialize's victim order (carried by the cache)
+    eviction: Eviction = LRU  # materialize's victim order: set here only. The cache
+    #   carries it (its victim index is sorted by it) from empty_cache below, and a round
+    #   refuses a cache whose order is not this one (rounds.admission.check_eviction)
     snapshot_placement: Placement = at_junctions
     reserve_snapshots: ReserveFn = state.reserve_snapshots
     publish: PublishFn = state.publish
@@ -186,6 +201,15 @@ class Policy:
     #   by their absolute deadline, then those without one by arrival. Classes stay
     #   strict either way. FCFS is the default: under sustained load EDF lets a stream of
     #   requests with deadlines starve those without one in the same class
+
+    @property
+    def escrow_within_room(self) -> bool:
+        """Whether ``escrow`` and ``reconcile`` declare that an escrow holds wherever the
+        stage has room for it (:class:`wavepp.state.Guarantee`): then a round whose
+        stages all have room for every offer's whole prompt needs no escrow collective
+        (``rounds.admission.spare_room``)."""
+        within_room = Guarantee.ESCROW_WITHIN_ROOM in guarantees_of(self.escrow)
+        return within_room and Guarantee.RECONCILE_ONLY_FREES in guarantees_of(self.reconcile)
 
     def empty_cache(
         self, capacity: int, *, has_recurrent: bool = False, snapshot_capacity: int | None = None

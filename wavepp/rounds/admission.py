@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from wavepp.policy import DEFAULT, FCFS, EscrowCandidate
+from wavepp.policy import DEFAULT, EscrowCandidate
 from wavepp.policy import Policy as _Rules
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
@@ -53,8 +53,6 @@ from wavepp.state import (
     probe_linear,
     reuse_mask,
 )
-from wavepp.state import escrow as _default_escrow
-from wavepp.state import reconcile as _default_reconcile
 
 
 @attrs.frozen
@@ -93,6 +91,19 @@ def Policy(
     return RoundMode(block_size=block_size, eager=eager, policy=policy)
 
 
+def check_eviction(cache: StageCache, mode: RoundMode) -> None:
+    """The victim order is the policy's (``Policy.eviction``); the cache carries it only
+    because its victim index is sorted by it (``Policy.empty_cache`` builds it so). A
+    cache built apart from the policy would evict in another order than the policy
+    names, so a round refuses it."""
+    if cache.eviction != mode.policy.eviction:
+        raise ProtocolError(
+            f"the stage cache evicts in order {cache.eviction.name!r} but policy "
+            f"{mode.policy.name!r} names {mode.policy.eviction.name!r}; build the cache "
+            "with Policy.empty_cache"
+        )
+
+
 def blocks_needed(offer: Offer, block_size: int) -> int:
     return num_blocks_for(offer.num_tokens, block_size)
 
@@ -106,9 +117,10 @@ def worth_offering(cache: StageCache, offers: Sequence[Offer], mode: RoundMode) 
     So the offers past the first one that cannot fit even then would be probed, leased,
     refused and released for nothing: that is most of a round's work when the pool is
     full and many requests wait. The first offer that cannot fit is still taken, so the
-    round refuses it and admission waits for room. Other escrow orders: every offer.
+    round refuses it and admission waits for room. An escrow order that does not
+    declare FCFS (:attr:`wavepp.policy.EscrowOrder.first_come_first_served`): every offer.
     """
-    if mode.policy.escrow_order is not FCFS:
+    if not mode.policy.escrow_order.first_come_first_served:
         return len(offers)
     room = cache.num_backable
     for i, offer in enumerate(offers):
@@ -393,14 +405,14 @@ def fell_back(bases: Sequence[int], agreed: Sequence[int]) -> list[bool]:
 
 def spare_room(cache: StageCache, offers: Sequence[Offer], mode: RoundMode) -> int:
     """Blocks this stage could still back after escrowing every offer's whole prompt
-    (as if nothing were reused), with this round's leases held; -1 where the policy
-    reconciles or escrows with reducers of its own.
+    (as if nothing were reused), with this round's leases held; -1 where the policy's
+    escrow and reconcile do not declare that this suffices
+    (:attr:`wavepp.policy.Policy.escrow_within_room`).
 
     Where the MIN of this over the stages is ≥ 0, every escrow of the round holds on
     every stage: reconciling only lowers leases (frees protection) and each escrow
     needs at most its prompt's blocks. Then the escrow flags need no collective."""
-    rules = mode.policy
-    if rules.escrow is not _default_escrow or rules.reconcile is not _default_reconcile:
+    if not mode.policy.escrow_within_room:
         return -1
     return cache.num_backable - sum(blocks_needed(o, mode.block_size) for o in offers)
 
@@ -460,6 +472,7 @@ async def run_round(
     ``anchors`` (rank 0's probe point of each offer, sent with the round: the first mask
     window ends there; None: at the probe limit, which only costs more AND rounds)."""
     t0 = time.perf_counter()
+    check_eviction(book.cache, mode)
     plane = _WorkClock(plane)  # type: ignore[assignment]  # the collectives, timed apart
     n = len(offers)
     tops = window_tops(offers, anchors)
@@ -508,6 +521,8 @@ def round_over(
     """:func:`run_round` over several stages' caches in one process (MIN and AND over
     a list): the oracle's free decisions, the parity harness, the property suite."""
     t0 = time.perf_counter()
+    for cache in caches:
+        check_eviction(cache, mode)
     caches = list(caches)
     n = len(offers)
     probed = [probe_points(c, offers, mode, timings) for c in caches]

@@ -33,7 +33,6 @@ import anyio
 
 from wavepp.exec.stage import Admitted, Stage
 from wavepp.plan import Pending
-from wavepp.policy import FCFS
 from wavepp.rounds.admission import Offer, RoundCounters, RoundMode, probe_points, run_round
 from wavepp.rounds.messages import (
     AdmitEntry,
@@ -219,7 +218,7 @@ class Admitter:
         # offer that cannot fit rank 0's backable room even at its attention hit (it is
         # refused and blocks until room is freed): the rest would be probed, leased and
         # released for nothing (``rounds.admission.worth_offering``).
-        room = cache.num_backable if self.mode.policy.escrow_order is FCFS else None
+        room = cache.num_backable if self.mode.policy.escrow_order.first_come_first_served else None
         for rid in self.intake.waiting.head():
             if len(batch) >= limit or (room is not None and room < 0):
                 break

@@ -17,6 +17,7 @@ from wavepp.state.cache import (
     tail_evictable,
 )
 from wavepp.state.errors import InvariantError, StateError, UnknownRequest
+from wavepp.state.guarantees import Guarantee, guarantees, guarantees_of
 from wavepp.state.hashing import (
     ROOT_SEED,
     as_tokens,
@@ -62,6 +63,7 @@ __all__ = [
     "BlockHash",
     "Claim",
     "Eviction",
+    "Guarantee",
     "InFlight",
     "InvariantError",
     "Materialized",
@@ -87,6 +89,8 @@ __all__ = [
     "empty_inflight",
     "escrow",
     "extend_block_hashes",
+    "guarantees",
+    "guarantees_of",
     "lease",
     "longest_prefix",
     "lru_key",

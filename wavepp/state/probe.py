@@ -12,6 +12,7 @@ import bisect
 from collections.abc import Container, Sequence
 
 from wavepp.state.cache import StageCache
+from wavepp.state.guarantees import Guarantee, guarantees
 from wavepp.state.ids import BlockHash
 
 
@@ -158,6 +159,7 @@ def snapshot_floor_linear(cache: StageCache, hashes: Sequence[BlockHash], point:
     return 0
 
 
+@guarantees(Guarantee.PLAIN_PROBE)
 def probe(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
     """The stage's local reuse point in blocks (attention hit, clamped to a snapshot)."""
     point, node = _walk(cache, hashes, limit)
@@ -166,6 +168,7 @@ def probe(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = No
     return point
 
 
+@guarantees(Guarantee.PLAIN_PROBE)
 def probe_linear(cache: StageCache, hashes: Sequence[BlockHash], limit: int | None = None) -> int:
     """The same answer as :func:`probe` by walking block by block (the R1 baseline)."""
     index = cache.index

@@ -19,6 +19,7 @@ import attrs
 from wavepp.state._txn import _Txn
 from wavepp.state.cache import Claim, Snapshot, StageCache
 from wavepp.state.errors import StateError, UnknownRequest
+from wavepp.state.guarantees import Guarantee, guarantees
 from wavepp.state.ids import ROOT, BlockHash, RequestId, SlotId
 from wavepp.state.probe import attention_hit, snapshot_floor
 
@@ -95,6 +96,7 @@ def _resume_block(cache: StageCache, hashes: Sequence[BlockHash], point: int) ->
     return hashes[point - 1] if cache.has_recurrent and point > 0 else None
 
 
+@guarantees(Guarantee.RECONCILE_ONLY_FREES)
 def reconcile(
     cache: StageCache, request_id: RequestId, hashes: Sequence[BlockHash], point: int
 ) -> tuple[StageCache, int]:
@@ -134,6 +136,7 @@ def agree(points: Iterable[int]) -> int:
     return min(points)
 
 
+@guarantees(Guarantee.ESCROW_WITHIN_ROOM)
 def escrow(cache: StageCache, request_id: RequestId, num_blocks: int) -> tuple[StageCache, bool]:
     """Reserve ``num_blocks`` for the suffix; no slot is taken and no victim chosen.
 
