@@ -55,14 +55,9 @@ from wavepp.sim.executor import SimExecutor, StageCostModel
 from wavepp.sim.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
 from wavepp.state import audit, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
-from wavepp.transport.planes import (
-    DataLimits,
-    PlaneError,
-    build_planes,
-    pick_data_plane,
-    pick_rounds_plane,
-    set_limits,
-)
+from wavepp.transport.base import PlaneError
+from wavepp.transport.frames import DataLimits
+from wavepp.transport.planes import build_planes
 from wavepp.transport.watchdog import Watchdog
 from wavepp.workload import (
     cold,
@@ -309,15 +304,9 @@ async def rank_main(
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
 ) -> tuple[dict | None, int]:  # fmt: skip
     device = pick_device(c.device) if c.executor == "torch" else None
-    gloo, inbound, outbound, done = build_planes(c.timeout_s, device=device)
-    plane = await pick_rounds_plane(gloo, c.rounds_plane, c.timeout_s, log)
-    (inbound, outbound, done), data_plane = await pick_data_plane(
-        gloo, c.data_plane, (inbound, outbound, done), c.timeout_s, log
-    )
-    if watchdog is not None:
-        for part in (plane, inbound, outbound, done):
-            if part is not None:
-                part.on_wait = watchdog.set_status
+    planes = await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
+                                on_wait=watchdog.set_status if watchdog is not None else None)
+    plane, (inbound, outbound, done) = planes.rounds, planes.links
     rung = RUNGS[c.rung]
     vocab = None if c.executor == "sim" else _vocab(c)
     specs, rejected, cancels = [], [], []
@@ -370,7 +359,7 @@ async def rank_main(
     mode = RoundMode(block_size=c.block_size, eager=rung.eager, policy=policy)
     snapshot_capacity = c.snapshot_capacity or capacity
     executor, recurrent = build_executor(c, rank, world, capacity, snapshot_capacity)
-    set_limits((inbound, outbound, done), data_limits(c, executor))
+    planes.set_limits(data_limits(c, executor))
     book = StageBook(policy.empty_cache(capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
     handoff = handoff_targets = None
@@ -490,7 +479,7 @@ async def rank_main(
         round_cpu_s=coordinator.admitter.round_cpu_s,
         simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
                                               "rounds_plane": plane.kind,
-                                              "data_plane": data_plane,
+                                              "data_plane": planes.data_kind,
                                               "capacity_blocks": [r.capacity for r in reports],
                                               **({} if feed else {"workload": "clients"})},
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Run by test_data_plane under torchrun (2 ranks): waves sent concurrently from several
 tasks arrive whole — each descriptor with its own tensor — and in order per sender, over
-the data plane given (``gloo`` or ``local``)."""
+the data plane given (``gloo`` or ``local``); the process groups made on the way."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from wavepp.transport.planes import DataLimits, build_planes, pick_data_plane
+from wavepp.transport.frames import DataLimits
+from wavepp.transport.planes import build_planes
 
 SENDERS, WAVES, WIDTH, BUDGET = 4, 25, 96, 300
 
@@ -23,11 +24,24 @@ def wave(sender: int, i: int) -> tuple[bytes, torch.Tensor]:
     return desc.encode(), torch.full((tokens, WIDTH), float(sender * 1000 + i))
 
 
+def counting_groups() -> list[list[int]]:
+    """The ranks of every process group made from here on."""
+    made, real = [], dist.new_group
+
+    def new_group(ranks=None, *args, **kwargs):
+        made.append(list(ranks or []))
+        return real(ranks, *args, **kwargs)
+
+    dist.new_group = new_group
+    return made
+
+
 async def main(out_path: str, kind: str) -> None:
+    groups = counting_groups()
     limits = DataLimits.for_run(BUDGET, WIDTH, torch.float32, 1 << 16)
-    gloo, *links = build_planes(30, limits)
-    (inbound, outbound, _), got = await pick_data_plane(gloo, kind, tuple(links), 30, print)
-    assert got == kind, (got, kind)
+    planes = await build_planes(30, "gloo", kind, limits=limits)
+    assert planes.data_kind == kind, (planes.data_kind, kind)
+    inbound, outbound = planes.inbound, planes.outbound
     if dist.get_rank() == 0:
 
         async def send_all(sender: int) -> None:
@@ -51,7 +65,7 @@ async def main(out_path: str, kind: str) -> None:
             mismatches.append(desc["i"])
         seen[desc["sender"]].append(desc["i"])
     with open(out_path, "w") as f:
-        json.dump({"mismatches": mismatches, "plain": plain, "order": seen}, f)
+        json.dump({"mismatches": mismatches, "plain": plain, "order": seen, "groups": groups}, f)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from wavepp.transport.planes import build_planes
 
 async def main(out_path: str) -> None:
     rank = dist.get_rank()
-    plane, inbound, outbound, _ = build_planes(30)
+    planes = await build_planes(30, "gloo", "gloo")
+    plane, inbound, outbound = planes.rounds, planes.inbound, planes.outbound
     result: dict = {}
 
     # A: a data-plane receive is pending on rank 1 while 20 rounds run.

@@ -1,6 +1,6 @@
 """The data plane keeps each wave's descriptor with its tensor under concurrent senders,
 over Gloo (both parts on CPU; the same code sends the tensor over NCCL on CUDA) and over
-Unix sockets (``--data-plane local``)."""
+Unix sockets (``--data-plane local``), which makes no Gloo group of its own."""
 
 import json
 
@@ -24,3 +24,7 @@ def test_descriptor_and_tensor_stay_together_under_concurrent_waves(tmp_path, ki
     assert sorted(order) == ["0", "1", "2", "3"]
     for sender, waves in order.items():
         assert waves == list(range(25)), f"sender {sender}'s waves arrived as {waves}"
+    # Gloo pair groups only for a Gloo data plane: descriptors and tensors, for the link
+    # 0 -> 1 and the completions 1 -> 0; over sockets the world group is the only one
+    want = [[0, 1]] * 4 if kind == "gloo" else []
+    assert result["groups"] == want

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.integration.conftest import torchrun
-from wavepp.transport.planes import INLINE_MAX_BYTES
+from wavepp.transport.frames import INLINE_MAX_BYTES
 
 pytestmark = pytest.mark.slow
 

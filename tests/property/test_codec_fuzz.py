@@ -139,7 +139,7 @@ class PlayedPeer:
 
     @staticmethod
     def link(words, limits):
-        from wavepp.transport.planes import Link
+        from wavepp.transport.gloo import GlooLink as Link
 
         class Played(Link):
             def _recv(self, tensor, group):
@@ -155,14 +155,14 @@ class PlayedPeer:
 
 
 def run_limits():
-    from wavepp.transport.planes import DataLimits
+    from wavepp.transport.frames import DataLimits
 
     return DataLimits.for_run(budget=512, width=128, dtype=torch.float32,
                               max_descriptor_bytes=1 << 16)  # fmt: skip
 
 
 def check_header(words):
-    from wavepp.transport.planes import PlaneError
+    from wavepp.transport.base import PlaneError
 
     CASES["count"] += 1
     limits = run_limits()
@@ -206,7 +206,7 @@ def test_data_plane_receive_checks_every_field_of_near_valid_headers(words):
 
 
 def test_data_plane_receive_accepts_the_runs_own_shapes_only():
-    from wavepp.transport.planes import PlaneError
+    from wavepp.transport.base import PlaneError
 
     link = PlayedPeer.link(VALID_HEADER, run_limits())
     desc, tensor = link.recv_blocking()

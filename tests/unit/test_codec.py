@@ -18,7 +18,7 @@ from wavepp.rounds.messages import (
     pack_hashes,
     unpack_hashes,
 )
-from wavepp.transport.planes import INLINE_MAX_BYTES, INLINE_MIN_BYTES, _inline_after
+from wavepp.transport.frames import INLINE_MAX_BYTES, INLINE_MIN_BYTES, inline_after
 
 
 def test_round_trip_of_every_message():
@@ -61,7 +61,7 @@ def test_a_wave_is_not_a_round_message():
 
 def test_the_broadcast_inline_room_grows_alike_on_every_rank_up_to_its_ceiling():
     room = INLINE_MIN_BYTES
-    assert _inline_after(room, 0) == _inline_after(room, 100) == room  # never shrinks
-    assert _inline_after(room, room + 1) == 2 * room
-    assert _inline_after(2 * room, 10) == 2 * room
-    assert _inline_after(room, 10 * INLINE_MAX_BYTES) == INLINE_MAX_BYTES
+    assert inline_after(room, 0) == inline_after(room, 100) == room  # never shrinks
+    assert inline_after(room, room + 1) == 2 * room
+    assert inline_after(2 * room, 10) == 2 * room
+    assert inline_after(room, 10 * INLINE_MAX_BYTES) == INLINE_MAX_BYTES

@@ -9,25 +9,21 @@ import struct
 import anyio
 import pytest
 
-from wavepp.transport.unix import (
-    BROADCAST,
-    HELLO,
-    MAGIC,
-    MIN,
-    LocalRoundsPlane,
-    PlaneError,
-)
+from wavepp.transport.base import PlaneError
+from wavepp.transport.frames import BROADCAST, HELLO, MIN
+from wavepp.transport.frames import ROUNDS_MAGIC as MAGIC
+from wavepp.transport.unix import SocketRoundsPlane
 
 HEADER = struct.Struct("<IB3xQ")
 
 
-async def _planes(world: int, timeout_s: float = 10.0) -> list[LocalRoundsPlane]:
-    path = LocalRoundsPlane.listen_path()
+async def _planes(world: int, timeout_s: float = 10.0) -> list[SocketRoundsPlane]:
+    path = SocketRoundsPlane.listen_path()
     listener = await anyio.create_unix_listener(path)
-    planes: list[LocalRoundsPlane | None] = [None] * world
+    planes: list[SocketRoundsPlane | None] = [None] * world
 
     async def one(rank: int) -> None:
-        planes[rank] = await LocalRoundsPlane.connect(
+        planes[rank] = await SocketRoundsPlane.connect(
             rank, world, path, timeout_s, listener if rank == 0 else None
         )
 
@@ -83,12 +79,12 @@ def test_one_rank_needs_no_socket():
 
 def test_the_socket_file_is_gone_once_everyone_is_in():
     async def main():
-        path = LocalRoundsPlane.listen_path()
+        path = SocketRoundsPlane.listen_path()
         listener = await anyio.create_unix_listener(path)
         planes = [None, None]
 
         async def one(rank):
-            planes[rank] = await LocalRoundsPlane.connect(
+            planes[rank] = await SocketRoundsPlane.connect(
                 rank, 2, path, 10.0, listener if rank == 0 else None
             )
 
@@ -102,12 +98,12 @@ def test_the_socket_file_is_gone_once_everyone_is_in():
 
 async def _rank0_and_raw_peer(world: int = 2):
     """Rank 0's plane and a raw socket that said hello as rank 1 (a hostile peer)."""
-    path = LocalRoundsPlane.listen_path()
+    path = SocketRoundsPlane.listen_path()
     listener = await anyio.create_unix_listener(path)
     box = {}
 
     async def zero():
-        box["plane"] = await LocalRoundsPlane.connect(0, world, path, 10.0, listener)
+        box["plane"] = await SocketRoundsPlane.connect(0, world, path, 10.0, listener)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(zero)
@@ -139,7 +135,7 @@ def test_a_bad_frame_is_refused_before_its_payload(header, says):
 
 def test_a_huge_broadcast_announcement_is_refused():
     async def main():
-        path = LocalRoundsPlane.listen_path()
+        path = SocketRoundsPlane.listen_path()
         listener = await anyio.create_unix_listener(path)
         box = {}
 
@@ -151,7 +147,7 @@ def test_a_huge_broadcast_announcement_is_refused():
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(zero_side)
-            plane = await LocalRoundsPlane.connect(1, 2, path, 10.0)
+            plane = await SocketRoundsPlane.connect(1, 2, path, 10.0)
         with anyio.fail_after(30):
             with pytest.raises(PlaneError, match="announced 1,099,511,627,776 bytes"):
                 await plane.broadcast(None)
@@ -162,11 +158,11 @@ def test_a_huge_broadcast_announcement_is_refused():
 
 def test_a_rank_number_said_twice_or_out_of_range_is_refused():
     async def main(said):
-        path = LocalRoundsPlane.listen_path()
+        path = SocketRoundsPlane.listen_path()
         listener = await anyio.create_unix_listener(path)
 
         async def zero():
-            await LocalRoundsPlane.connect(0, 3, path, 10.0, listener)
+            await SocketRoundsPlane.connect(0, 3, path, 10.0, listener)
 
         with anyio.fail_after(30):
             with pytest.raises(ExceptionGroup) as caught:

@@ -5,21 +5,26 @@ after a timeout; a message cut short fails within the timeout."""
 
 from __future__ import annotations
 
+import inspect
 import socket
 
 import anyio
 import pytest
 import torch
 
-from wavepp.transport.planes import DataLimits, Link, PlaneError, SocketLink, _path_from_rank0
+from wavepp.transport.base import Link, PlaneError
+from wavepp.transport.frames import DataLimits
+from wavepp.transport.gloo import GlooLink
+from wavepp.transport.planes import _path_from_rank0
+from wavepp.transport.unix import SocketLink
 
 LIMITS = DataLimits.for_run(budget=512, width=64, dtype=torch.bfloat16, max_descriptor_bytes=4096)
 
 
 def _pair(timeout_s: float = 10.0, limits: DataLimits = LIMITS):
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    sender = SocketLink(Link(None, 0, 1, limits), a, timeout_s)
-    receiver = SocketLink(Link(None, 0, 1, limits), b, timeout_s)
+    sender = SocketLink(0, 1, a, timeout_s, limits)
+    receiver = SocketLink(0, 1, b, timeout_s, limits)
     return sender, receiver, a
 
 
@@ -105,12 +110,29 @@ def test_a_message_cut_short_fails_within_the_timeout():
         anyio.run(receiver.recv, 4096)
 
 
-def test_the_blocking_calls_are_refused():
+@pytest.mark.parametrize("cls", [SocketLink, GlooLink])
+def test_both_links_do_what_the_link_protocol_says_with_the_same_signatures(cls):
+    """The runtime holds either link as a ``Link``: each has every member, with the
+    protocol's parameters, and neither is a subclass of the other."""
+    for name in ("send", "recv", "set_limits"):
+        want = inspect.signature(getattr(Link, name))
+        assert inspect.signature(getattr(cls, name)) == want, (cls, name)
+        assert inspect.iscoroutinefunction(getattr(cls, name)) == (name != "set_limits")
+    assert cls.kind in ("local", "gloo")
+    assert not issubclass(SocketLink, GlooLink) and not issubclass(GlooLink, SocketLink)
+
+
+def test_new_limits_bound_what_a_link_accepts():
     sender, receiver, _ = _pair()
-    with pytest.raises(TypeError, match="awaited"):
-        sender.send_blocking(b"x", None)
-    with pytest.raises(TypeError, match="awaited"):
-        receiver.recv_blocking(4096)
+    receiver.set_limits(DataLimits.for_run(budget=8, width=64, dtype=torch.bfloat16,
+                                           max_descriptor_bytes=4096))  # fmt: skip
+
+    async def main() -> None:
+        await sender.send(b"wave", torch.zeros(9, 64, dtype=torch.bfloat16))
+        await receiver.recv(4096)
+
+    with pytest.raises(PlaneError, match="9 tokens, the wave budget is 8"):
+        anyio.run(main)
 
 
 class _Rank0Says:

@@ -1,16 +1,24 @@
-"""What the admission protocol needs from the rounds plane (implemented over Unix
-sockets in ``wavepp.transport.unix`` and over Gloo in ``wavepp.transport.planes``; over
-plain lists in tests)."""
+"""The rounds plane: what the admission protocol and the runtime need from it.
+
+Implemented over Unix sockets (``wavepp.transport.unix.SocketRoundsPlane``) and over Gloo
+(``wavepp.transport.gloo.GlooRoundsPlane``); tests that drive only the admission protocol
+(:func:`wavepp.rounds.admission.run_round`) may pass any object with the four operations.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 
 class RoundsPlane(Protocol):
     rank: int
     world_size: int
+    kind: str  # "local" or "gloo", as --rounds-plane names it
+    lock: AbstractAsyncContextManager[Any]
+    """Held around a round: the plane has one user at a time (the WAVE task, or rank 0's
+    LOOP under R1), as every rank must call the same operations in the same order."""
 
     async def broadcast(self, payload: bytes | None) -> bytes:
         """Rank 0 passes its payload; every rank returns it."""

@@ -43,10 +43,10 @@ from wavepp.rounds.messages import (
     encode,
     pack_hashes,
 )
+from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import Admission, Rung
 from wavepp.runtime.intake import Intake
 from wavepp.state import RequestId, attention_hit, empty_inflight, inflight, num_blocks_for
-from wavepp.transport.planes import HostRoundsPlane
 
 MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited for",
                 "stages disagreed", "cancelled")  # fmt: skip
@@ -59,7 +59,7 @@ def _entry(offer: Offer) -> AdmitEntry:
 
 class Admitter:
     def __init__(
-        self, rung: Rung, plane: HostRoundsPlane, stage: Stage, intake: Intake,
+        self, rung: Rung, plane: RoundsPlane, stage: Stage, intake: Intake,
         mode: RoundMode, max_batch: int, heartbeat_s: float,
         on_admitted: Callable[[RequestId, int], None],
     ) -> None:  # fmt: skip

@@ -20,6 +20,7 @@ import anyio
 from wavepp.exec.stage import Stage
 from wavepp.fleet.changes import Announcer
 from wavepp.rounds.admission import RoundMode
+from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import Rung
 from wavepp.runtime.admitter import Admitter
 from wavepp.runtime.intake import HandoffTarget, Intake
@@ -27,12 +28,12 @@ from wavepp.runtime.planning import WavePlanner
 from wavepp.runtime.records import Signal
 from wavepp.runtime.stage_zero import StageZero
 from wavepp.state import RequestId
-from wavepp.transport.planes import HostRoundsPlane, Link
+from wavepp.transport.base import Link
 
 
 class Coordinator:
     def __init__(
-        self, rung: Rung, plane: HostRoundsPlane, stage: Stage, outbound: Link | None,
+        self, rung: Rung, plane: RoundsPlane, stage: Stage, outbound: Link | None,
         done: Link | None, planner: WavePlanner, mode: RoundMode, *, min_capacity: int,
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
         log: Callable[[str], None], num_stages: int = 1,

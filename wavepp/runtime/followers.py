@@ -21,11 +21,12 @@ from wavepp.rounds.messages import (
     decode_untrusted,
     encode,
 )
+from wavepp.rounds.plane import RoundsPlane
 from wavepp.state import RequestId
-from wavepp.transport.planes import HostRoundsPlane, Link
+from wavepp.transport.base import Link
 
 
-async def follow_rounds(plane: HostRoundsPlane, stage: Stage, mode: RoundMode) -> None:
+async def follow_rounds(plane: RoundsPlane, stage: Stage, mode: RoundMode) -> None:
     """WAVE on ranks > 0: take part in every round rank 0 opens, until Stop."""
     while True:
         message = decode_untrusted(await plane.broadcast(None), RoundMessage)

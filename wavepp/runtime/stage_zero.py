@@ -31,7 +31,7 @@ from wavepp.runtime.followers import finished
 from wavepp.runtime.intake import Intake
 from wavepp.runtime.planning import WavePlanner
 from wavepp.state import RequestId
-from wavepp.transport.planes import Link
+from wavepp.transport.base import Link
 
 CARRIER_S = 0.005  # while bands are awaited and no wave flows: an empty wave this often
 

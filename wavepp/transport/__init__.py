@@ -1,6 +1,11 @@
 """Transport: the rounds plane and the data-plane links between ranks (DESIGN §3, §10).
 
-- ``planes``: frames and their checks, and both planes over ``torch.distributed`` (Gloo);
-- ``unix``: the rounds plane and links over Unix sockets, for ranks that share one host;
-- ``watchdog``: heartbeats beside the planes, naming a dead or hung rank.
+- ``base``: the ``Link`` protocol (what a data-plane link does) and ``PlaneError``; the
+  rounds plane's protocol is ``wavepp.rounds.plane.RoundsPlane``;
+- ``frames``: every wire format and its checks, made before anything is allocated;
+- ``gloo``: both planes over ``torch.distributed`` (Gloo; NCCL for activations on GPUs);
+- ``unix``: both planes over Unix sockets, for ranks that share one host;
+- ``planes``: ``build_planes``, which picks and builds this rank's planes;
+- ``watchdog``: heartbeats beside the planes (over the rendezvous store), naming a dead
+  or hung rank.
 """
