@@ -18,9 +18,10 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import ROOT, torchrun
-from wavepp.serve.prom import families, parse_exposition, sample
+from wavepp.serve.prom import parse_exposition, sample
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +135,8 @@ def test_server_under_load_matches_offline_and_drains(tmp_path):
                 assert health.json() == {"status": "ok"}
                 metrics = client.get("/metrics")
                 assert metrics.status_code == 200
-                assert dict(families(metrics.text))["wavepp_results_total"] == "counter"
+                kinds = {f.name: f.type for f in text_string_to_metric_families(metrics.text)}
+                assert kinds["wavepp_results"] == "counter"  # wavepp_results_total
                 assert sample(parse_exposition(metrics.text), "wavepp_up") == 1
                 scrapes += 1
                 time.sleep(1.0)

@@ -9,10 +9,10 @@ import attrs
 import numpy as np
 import pytest
 
+from tests.fake_engine import FakeEngine
 from wavepp.bench import fleet
 from wavepp.bench.load import amain, parser, validate, with_arrivals
 from wavepp.serve.server import serve
-from wavepp.serve.testing import FakeEngine
 from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec, conversation
 

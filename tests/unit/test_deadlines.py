@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import anyio
 import httpx
 import numpy as np
 import pytest
 
+from tests.fake_engine import FakeEngine
 from wavepp.metrics import summarize
 from wavepp.policy import EDF, POLICIES, Policy, load_policy
 from wavepp.runtime.intake import Intake
 from wavepp.runtime.records import RequestRejected, Signal
 from wavepp.serve.api import ApiError, parse_completion, parse_prefill, result_body
 from wavepp.serve.app import build_app
-from wavepp.serve.prom import ServerMetrics, families, parse_exposition, sample
-from wavepp.serve.testing import FakeEngine
+from wavepp.serve.prom import ServerMetrics, parse_exposition, sample
 from wavepp.workload import RequestSpec, read_requests_file, trace
 
 CONFIG = {"rung": "R4", "workload": "test", "concurrency": 1}
@@ -160,11 +161,12 @@ async def test_http_answers_deadline_met_and_orders_a_class_by_deadline():
 
 
 def test_result_body_without_a_deadline_is_unchanged():
-    from wavepp.serve.testing import FakeResult
+    from wavepp.engine import Result
 
-    plain = FakeResult("r", "done", 1, 1.0, 4, 0, None, 1.0, 1.1, 1.2, 1.3)
+    plain = Result("r", "done", 1, 1.0, 4, 0, None, 1.0, 1.1, 1.2, 1.3)
     assert "deadline_met" not in result_body(plain)
-    timed = FakeResult("r", "done", 1, 1.0, 4, 0, None, 1.0, 1.1, 1.2, 1.3, 0.1, False)
+    timed = Result("r", "done", 1, 1.0, 4, 0, None, 1.0, 1.1, 1.2, 1.3, deadline_s=0.1,
+                   deadline_met=False)
     assert result_body(timed)["deadline_met"] is False
 
 
@@ -225,13 +227,18 @@ def test_record_reports_slo_attainment():
 
 
 def test_metrics_report_slo_attainment():
-    stats = {"with_deadline": 8, "deadlines_met": 6, "requests": {"done": 8}}
-    text = ServerMetrics().render(stats, healthy=True)
-    kinds = dict(families(text))
-    assert kinds["wavepp_engine_with_deadline_total"] == "counter"
-    assert kinds["wavepp_engine_deadlines_met_total"] == "counter"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(stats: dict) -> str:
+        engine = SimpleNamespace(stats=lambda: stats, health=lambda: (True, "ok"))
+        return ServerMetrics(engine, lambda: 0, dict).exposition().decode()
+
+    text = scrape({"with_deadline": 8, "deadlines_met": 6, "requests": {"done": 8}})
+    kinds = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert kinds["wavepp_engine_with_deadline"] == "counter"  # wavepp_..._total
+    assert kinds["wavepp_engine_deadlines_met"] == "counter"
     s = parse_exposition(text)
     assert sample(s, "wavepp_engine_slo_attainment") == 0.75
     assert sample(s, "wavepp_engine_deadlines_met_total") == 6
-    none = parse_exposition(ServerMetrics().render({"with_deadline": 0}, healthy=True))
+    none = parse_exposition(scrape({"with_deadline": 0}))
     assert sample(none, "wavepp_engine_slo_attainment") is None

@@ -169,7 +169,7 @@ def test_a_draining_replica_is_skipped_and_the_request_goes_elsewhere():
 
         async def draining(name, request, body):
             return httpx.Response(503, json={"error": {"message": "the server is draining and "
-                                  "takes no new requests", "type": "unavailable", "code": 503}})
+                                  "takes no new requests", "type": "draining", "code": 503}})
 
         fleet.behave["r0"] = draining
         router = fleet.router("round-robin")

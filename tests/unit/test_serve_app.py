@@ -8,12 +8,13 @@ import anyio
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fake_engine import FakeEngine, expected_first_token
 from wavepp.serve.api import parse_prefill
 from wavepp.serve.app import ServeOptions, build_app
-from wavepp.serve.prom import families, parse_exposition, sample
+from wavepp.serve.prom import parse_exposition, sample
 from wavepp.serve.server import serve
-from wavepp.serve.testing import FakeEngine, expected_first_token
 
 pytestmark = pytest.mark.anyio
 
@@ -206,8 +207,8 @@ async def test_health_and_metrics():
             await h.client.post("/v1/prefill", json={"tokens": [i + 1] * 40})
         await h.client.post("/v1/prefill", json={"tokens": []})
         text = (await h.client.get("/metrics")).text
-        kinds = dict(families(text))
-        assert kinds["wavepp_http_responses_total"] == "counter"
+        kinds = {f.name: f.type for f in text_string_to_metric_families(text)}
+        assert kinds["wavepp_http_responses"] == "counter"  # wavepp_http_responses_total
         assert kinds["wavepp_engine_admission_round_seconds"] == "summary"
         assert all(name.startswith("wavepp_") for name in kinds)
         samples = parse_exposition(text)
@@ -215,8 +216,10 @@ async def test_health_and_metrics():
         assert sample(samples, "wavepp_http_responses_total", route="/v1/prefill", code="200") == 3
         assert sample(samples, "wavepp_engine_requests", state="done") == 3
         assert sample(samples, "wavepp_engine_queue_depth") == 0
-        assert sample(samples, "wavepp_engine_stage_utilization", stage="1") is not None
-        assert sample(samples, "wavepp_engine_pool_capacity", stage="0") == 4096
+        assert sample(samples, "wavepp_engine_stages_utilization", stage="1") is not None
+        assert sample(samples, "wavepp_engine_stages_pool_capacity", stage="0") == 4096
+        assert sample(samples, "wavepp_table_size", table="requests") == 3
+        assert sample(samples, "wavepp_table_size", table="serve_handles") == 0
         assert sample(samples, "wavepp_up") == 1
         h.engine.healthy = (False, "rank 1 sent no heartbeat for 10.0 s (dead or hung)")
         sick = await h.client.get("/health")

@@ -10,10 +10,10 @@ import anyio
 import httpx
 import pytest
 
+from tests.fake_engine import FakeEngine
 from wavepp.ids import id_problem
 from wavepp.serve.app import ServeOptions
 from wavepp.serve.server import serve
-from wavepp.serve.testing import FakeEngine
 
 pytestmark = pytest.mark.anyio
 OPTIONS = ServeOptions(drain_timeout_s=1.0, header_timeout_s=0.5, body_timeout_s=30.0)

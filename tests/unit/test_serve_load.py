@@ -8,9 +8,9 @@ import anyio
 import numpy as np
 import pytest
 
+from tests.fake_engine import FakeEngine, expected_first_token
 from wavepp.bench.load import amain, parser, table, validate
 from wavepp.serve.server import serve
-from wavepp.serve.testing import FakeEngine, expected_first_token
 from wavepp.workload import read_requests_file
 
 pytestmark = pytest.mark.anyio

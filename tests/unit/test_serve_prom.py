@@ -1,11 +1,13 @@
-"""The Prometheus text format of the server's counters and the engine's stats."""
+"""``/metrics``: the server's instruments and the engine's stats in the Prometheus text format."""
 
 from __future__ import annotations
 
 import re
 
-from wavepp.serve.prom import ServerMetrics, families, parse_exposition, sample
-from wavepp.serve.testing import FakeResult
+from prometheus_client.parser import text_string_to_metric_families
+
+from wavepp.engine import Result
+from wavepp.serve.prom import ServerMetrics, parse_exposition, sample
 
 # The shape of wavepp.engine.Engine.stats().
 STATS = {
@@ -21,6 +23,7 @@ STATS = {
     "admission_round_seconds": [0.001, 0.002, 0.003, 0.004],
     "admission_rounds": 4,
     "uptime_s": 12.5,
+    "tables": {"records": 12, "waiting": 2},
     "note": "ignored",
     "nothing": None,
 }  # fmt: skip
@@ -29,37 +32,64 @@ LABEL = r'[a-zA-Z_]\w*="(?:[^"\\\n]|\\.)*"'
 LINE = re.compile(rf"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{{LABEL}(,{LABEL})*\}})? \S+$")
 
 
-def result(status: str, tokens: int, cached: int, at: float) -> FakeResult:
+class Stats:
+    """What ServerMetrics reads of an engine."""
+
+    def __init__(self, stats: dict, healthy: bool = True) -> None:
+        self._stats, self._healthy = stats, healthy
+
+    def stats(self) -> dict:
+        return self._stats
+
+    def health(self) -> tuple[bool, str]:
+        return self._healthy, "ok" if self._healthy else "rank 1 is gone"
+
+
+def metrics_of(stats: dict, clock=None, in_flight: int = 0, healthy: bool = True):
+    kwargs = {} if clock is None else {"clock": clock}
+    return ServerMetrics(Stats(stats, healthy), lambda: in_flight,  # type: ignore[arg-type]
+                         lambda: {"serve_handles": in_flight}, **kwargs)  # fmt: skip
+
+
+def kinds(text: str) -> dict[str, str]:
+    """Family name (a counter's without ``_total``) -> type."""
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def result(status: str, tokens: int, cached: int, at: float) -> Result:
     done = status == "done"
-    return FakeResult("r", status, 1 if done else None, 1.0 if done else None, tokens, cached,
-                      None, at - 0.3, at - 0.2, at - 0.1, at)  # fmt: skip
+    return Result("r", status, 1 if done else None, 1.0 if done else None, tokens, cached,
+                  None, at - 0.3, at - 0.2, at - 0.1, at)  # fmt: skip
 
 
 def test_every_line_is_valid_exposition_and_named_wavepp():
     now = [1000.0]
-    metrics = ServerMetrics(clock=lambda: now[0])
+    metrics = metrics_of(STATS, clock=lambda: now[0], in_flight=3)
     metrics.http_answer("/v1/prefill", 200)
     metrics.http_answer('/odd"route\n', 400)
     for status, tokens, cached in [("done", 100, 80), ("done", 50, 0), ("cancelled", 70, 0)]:
         metrics.observe(result(status, tokens, cached, now[0]))
     now[0] += 10
-    text = metrics.render(STATS, healthy=True)
+    text = metrics.exposition().decode()
     for line in text.splitlines():
         if line.startswith("#"):
             assert re.match(r"^# (HELP|TYPE) wavepp_\w+ .+$", line), line
         else:
             assert LINE.match(line), line
             assert line.startswith("wavepp_"), line
-    kinds = dict(families(text))
-    assert kinds["wavepp_engine_input_tokens_total"] == "counter"
-    assert kinds["wavepp_engine_admission_round_seconds"] == "summary"
-    assert kinds["wavepp_time_to_result_seconds"] == "histogram"
-    assert len(kinds) == len(set(kinds))
+    types = kinds(text)
+    assert types["wavepp_engine_input_tokens"] == "counter"
+    assert types["wavepp_engine_admission_round_seconds"] == "summary"
+    assert types["wavepp_time_to_result_seconds"] == "histogram"
+    assert types["wavepp_results"] == "counter"
+    assert len(re.findall(r"^# TYPE wavepp_up ", text, re.M)) == 1  # one family per name
     s = parse_exposition(text)
+    assert sample(s, "wavepp_up") == 1
     assert sample(s, "wavepp_engine_requests", state="running") == 3
     assert sample(s, "wavepp_engine_stages_utilization", stage="1") == 0.25
     assert sample(s, "wavepp_engine_stages_pool_free", stage="0") == 20
     assert sample(s, "wavepp_engine_good_hit_rate") == 0.75
+    assert sample(s, "wavepp_engine_input_tokens_total") == 5000
     assert sample(s, "wavepp_engine_admission_round_seconds_count") == 4
     assert abs(sample(s, "wavepp_engine_admission_round_seconds_sum") - 0.01) < 1e-12
     assert sample(s, "wavepp_engine_admission_round_seconds", quantile="0.5") == 0.003
@@ -73,9 +103,36 @@ def test_every_line_is_valid_exposition_and_named_wavepp():
     assert sample(s, "wavepp_time_to_result_seconds_bucket", le="0.5") == 2
     assert sample(s, "wavepp_time_to_result_seconds_bucket", le="+Inf") == 2
     assert sample(s, "wavepp_queue_seconds_count") == 2
+    assert sample(s, "wavepp_http_in_flight") == 3
+    assert sample(s, "wavepp_uptime_seconds") == 10
     assert sample(s, "wavepp_http_responses_total", route='/odd"route\n',
                   code="400") == 1  # fmt: skip
     assert "note" not in text and "nothing" not in text
     now[0] += 100  # the throughput window forgets old results
-    assert sample(parse_exposition(metrics.render({}, True)),
+    assert sample(parse_exposition(metrics.exposition().decode()),
                   "wavepp_throughput_tokens_per_second") == 0  # fmt: skip
+
+
+def test_table_sizes_name_the_engines_tables_and_the_servers():
+    metrics = metrics_of(STATS, in_flight=2)
+    metrics.observe(result("done", 10, 0, 1e12))  # one result in the throughput window
+    s = parse_exposition(metrics.exposition().decode())
+    sizes = {k: v for k, v in s.items() if k.startswith("wavepp_table_size{")}
+    assert sizes == {'wavepp_table_size{table="records"}': 12,
+                     'wavepp_table_size{table="waiting"}': 2,
+                     'wavepp_table_size{table="serve_handles"}': 2,
+                     'wavepp_table_size{table="serve_recent_results"}': 1}  # fmt: skip
+    assert not any(k.startswith("wavepp_engine_tables") for k in s)
+    without = parse_exposition(metrics_of({"queue_depth": 0}).exposition().decode())
+    assert sample(without, "wavepp_table_size", table="serve_handles") == 0  # no engine tables
+
+
+def test_each_server_has_its_own_registry():
+    """Two apps in one process (the tests do that) count apart and do not collide."""
+    one, two = metrics_of({}), metrics_of({}, healthy=False)
+    one.http_answer("/health", 200)
+    a = parse_exposition(one.exposition().decode())
+    b = parse_exposition(two.exposition().decode())
+    assert sample(a, "wavepp_http_responses_total", route="/health", code="200") == 1
+    assert sample(b, "wavepp_http_responses_total", route="/health", code="200") is None
+    assert (sample(a, "wavepp_up"), sample(b, "wavepp_up")) == (1, 0)

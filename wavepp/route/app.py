@@ -20,7 +20,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from wavepp.route.body import peek
@@ -28,6 +28,7 @@ from wavepp.route.replicas import MakeIndex, Subscribe, WatchOptions, log
 from wavepp.route.router import Router
 from wavepp.serve.api import ApiError
 from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, read_body
+from wavepp.serve.prom import CONTENT_TYPE
 from wavepp.serve.server import _h11_with_header_timeout, _Uvicorn, bind
 
 logger = logging.getLogger("wavepp.route")
@@ -66,7 +67,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
             return refuse(error)
 
     def refuse(error: ApiError) -> Response:
-        metrics.refused[error.status] += 1
+        metrics.refused_with(error.status)
         return _error(error)
 
     async def prefill(request: Request) -> Response:
@@ -91,8 +92,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
         return JSONResponse(body, status_code=200 if up and not router.draining else 503)
 
     async def prometheus(request: Request) -> Response:
-        return PlainTextResponse(metrics.render(router.replicas),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")  # fmt: skip
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def models(request: Request) -> Response:
         known = [r for r in router.replicas if r.model_body is not None]

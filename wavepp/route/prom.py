@@ -1,4 +1,4 @@
-"""The router's ``/metrics``: Prometheus text, every name ``wavepp_route_*``.
+"""The router's ``/metrics`` through ``prometheus_client``, every name ``wavepp_route_*``.
 
 Counters by replica (labels stay few: one value per replica, per policy, per reason):
 requests routed, prompt and cached tokens of their answers, the cached tokens the router
@@ -10,78 +10,98 @@ flight, the blocks its index holds.
 from __future__ import annotations
 
 import re
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from wavepp.route.replicas import STATES, Replica
-from wavepp.serve.prom import Exposition
 
 PREFIX = "wavepp_route_"
 
 
+class ReplicaCollector:
+    """At each scrape, the replicas' states, loads and indexes as gauges."""
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self.replicas = replicas
+
+    def collect(self) -> Iterator[Metric]:
+        replicas = self.replicas
+        yield GaugeMetricFamily(PREFIX + "replicas_up", "replicas taking requests",
+                                value=sum(1 for r in replicas if r.state == "up"))  # fmt: skip
+        yield GaugeMetricFamily(PREFIX + "replicas", "replicas the router was given",
+                                value=len(replicas))  # fmt: skip
+        state = GaugeMetricFamily(PREFIX + "replica_state", "1 for each replica's state",
+                                  labels=["replica", "state"])  # fmt: skip
+        in_flight = GaugeMetricFamily(PREFIX + "in_flight", "requests sent and not answered",
+                                      labels=["replica"])  # fmt: skip
+        blocks = GaugeMetricFamily(PREFIX + "index_blocks", "blocks the replica's events "
+                                   "announced", labels=["replica"])  # fmt: skip
+        for r in replicas:
+            for name in STATES:
+                state.add_metric([r.name, name], int(r.state == name))
+            in_flight.add_metric([r.name], len(r.flights))
+            if r.index is not None:
+                blocks.add_metric([r.name], r.index.num_blocks)
+        yield from (state, in_flight, blocks)
+
+
 class RouteMetrics:
-    def __init__(self, policy: str) -> None:
+    """The router's counters and gauges, in a registry of its own."""
+
+    def __init__(self, policy: str, replicas: Sequence[Replica]) -> None:
         self.policy = policy
-        self.requests: Counter[str] = Counter()  # replica -> requests sent there
-        self.answers: Counter[tuple[str, int]] = Counter()  # (replica, HTTP code) -> answers
-        self.predicted_tokens: Counter[str] = Counter()  # replica -> predicted cached tokens
-        self.prompt_tokens: Counter[str] = Counter()  # replica -> prompt tokens of done answers
-        self.cached_tokens: Counter[str] = Counter()  # replica -> cached tokens of done answers
-        self.predicted_answers: Counter[str] = Counter()  # done answers with a prediction
-        self.predicted_exact: Counter[str] = Counter()  # ... whose cached tokens equal it
-        self.retries: Counter[str] = Counter()  # reason -> requests sent again elsewhere
-        self.refused: Counter[int] = Counter()  # HTTP code -> answered by the router itself
+        self.registry = registry = CollectorRegistry()
+
+        def by_replica(name: str, help_text: str) -> Counter:
+            counter = Counter(PREFIX + name, help_text, ["replica", "policy"], registry=registry)
+            for r in replicas:  # every replica shows, at 0 until it counts
+                counter.labels(r.name, policy)
+            return counter
+
+        self.requests = by_replica("requests", "requests sent to a replica (retries included)")
+        self.prompt_tokens = by_replica("prompt_tokens", "prompt tokens of done answers")
+        self.cached_tokens = by_replica("cached_tokens", "cached tokens of done answers")
+        self.predicted_tokens = by_replica("predicted_cached_tokens",
+                                           "cached tokens predicted for done answers")
+        self.predicted_answers = by_replica("predicted_answers",
+                                            "done answers the router predicted")
+        self.predicted_exact = by_replica("predicted_exact",
+                                          "done answers whose cached tokens were as predicted")
+        self.answers = Counter(PREFIX + "answers", "replica answers passed on, by HTTP code",
+                               ["replica", "code"], registry=registry)  # fmt: skip
+        self.retries = Counter(PREFIX + "retries", "requests sent again to another replica",
+                               ["reason"], registry=registry)  # fmt: skip
+        self.refused = Counter(PREFIX + "refused", "requests the router answered itself",
+                               ["code"], registry=registry)  # fmt: skip
+        registry.register(ReplicaCollector(replicas))
+
+    def sent(self, replica: str) -> None:
+        self.requests.labels(replica, self.policy).inc()
+
+    def retried(self, reason: str) -> None:
+        self.retries.labels(reason).inc()
+
+    def refused_with(self, code: int) -> None:
+        self.refused.labels(str(code)).inc()
+
+    def passed_on(self, replica: str, code: int) -> None:
+        self.answers.labels(replica, str(code)).inc()
 
     def answered(self, replica: str, code: int, status: str | None, num_tokens: int | None,
                  cached: int | None, predicted: int) -> None:  # fmt: skip
-        self.answers[replica, code] += 1
+        self.passed_on(replica, code)
         if status == "done" and num_tokens is not None and cached is not None:
-            self.prompt_tokens[replica] += num_tokens
-            self.cached_tokens[replica] += cached
-            self.predicted_tokens[replica] += predicted
-            self.predicted_answers[replica] += 1
-            self.predicted_exact[replica] += int(cached == predicted)
+            labels = (replica, self.policy)
+            self.prompt_tokens.labels(*labels).inc(num_tokens)
+            self.cached_tokens.labels(*labels).inc(cached)
+            self.predicted_tokens.labels(*labels).inc(predicted)
+            self.predicted_answers.labels(*labels).inc()
+            self.predicted_exact.labels(*labels).inc(int(cached == predicted))
 
-    def render(self, replicas: Sequence[Replica]) -> str:
-        out = Exposition()
-        names = [r.name for r in replicas]
-        up = sum(1 for r in replicas if r.state == "up")
-        out.add(PREFIX + "replicas_up", "gauge", "replicas taking requests", up)
-        out.add(PREFIX + "replicas", "gauge", "replicas the router was given", len(replicas))
-        for r in replicas:
-            for state in STATES:
-                out.add(PREFIX + "replica_state", "gauge", "1 for each replica's state",
-                        int(r.state == state), {"replica": r.name, "state": state})  # fmt: skip
-            out.add(PREFIX + "in_flight", "gauge", "requests sent and not answered",
-                    len(r.flights), {"replica": r.name})  # fmt: skip
-            blocks = getattr(r.index, "num_blocks", None)
-            if blocks is not None:
-                out.add(PREFIX + "index_blocks", "gauge", "blocks the replica's events announced",
-                        blocks, {"replica": r.name})  # fmt: skip
-        counters = (
-            ("requests", "requests sent to a replica (retries included)", self.requests),
-            ("prompt_tokens", "prompt tokens of done answers", self.prompt_tokens),
-            ("cached_tokens", "cached tokens of done answers", self.cached_tokens),
-            ("predicted_cached_tokens", "cached tokens predicted for done answers",
-             self.predicted_tokens),
-            ("predicted_answers", "done answers the router predicted", self.predicted_answers),
-            ("predicted_exact", "done answers whose cached tokens were as predicted",
-             self.predicted_exact),
-        )  # fmt: skip
-        for name, help_text, counts in counters:
-            for replica in names:
-                labels = {"replica": replica, "policy": self.policy}
-                out.add(PREFIX + name, "counter", help_text, counts[replica], labels, "_total")
-        for (replica, code), n in sorted(self.answers.items()):
-            out.add(PREFIX + "answers", "counter", "replica answers passed on, by HTTP code", n,
-                    {"replica": replica, "code": str(code)}, "_total")  # fmt: skip
-        for reason, n in sorted(self.retries.items()):
-            out.add(PREFIX + "retries", "counter", "requests sent again to another replica", n,
-                    {"reason": reason}, "_total")  # fmt: skip
-        for code, n in sorted(self.refused.items()):
-            out.add(PREFIX + "refused", "counter", "requests the router answered itself", n,
-                    {"code": str(code)}, "_total")  # fmt: skip
-        return out.render()
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
 
 
 def _by_replica(samples: dict[str, float], name: str) -> dict[str, float]:

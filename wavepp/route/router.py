@@ -61,7 +61,7 @@ class Router:
         self.policy = policy
         self.policy_name = policy_name
         self.client = client
-        self.metrics = metrics or RouteMetrics(policy_name)
+        self.metrics = metrics or RouteMetrics(policy_name, self.replicas)
         self.seq = 0  # requests routed so far
         self.in_flight: dict[str, Replica | None] = {}  # request id -> replica it is at now
         self.recent: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
@@ -137,12 +137,12 @@ class Router:
                 self.in_flight[rid] = replica
             if peek.tree_key:
                 replica.tree.insert(peek.tree_key)
-            self.metrics.requests[replica.name] += 1
+            self.metrics.sent(replica.name)
             outcome = await self._attempt(route, peek, replica, view, len(failures) + 1)
             if isinstance(outcome, Response):
                 return outcome
             failures.append(f"{replica.name} ({replica.url}): {outcome.detail}")
-            self.metrics.retries[outcome.reason] += 1
+            self.metrics.retried(outcome.reason)
         if not failures:
             raise ApiError(503, "no replica is up: " + "; ".join(
                 f"{r.name} {r.state}" + (f" ({r.reason})" if r.reason else "")
@@ -214,10 +214,11 @@ class Router:
     async def _unavailable(self, replica: Replica, upstream: httpx.Response) -> _Retry:
         raw = await _read_capped(upstream)
         try:
-            message = str(msgspec.json.decode(raw)["error"]["message"])
-        except (msgspec.DecodeError, KeyError, TypeError):
-            message = raw[:200].decode(errors="replace")
-        state = "draining" if "draining" in message else "out"
+            error = msgspec.json.decode(raw)["error"]
+            message, kind = str(error["message"]), error.get("type")
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
+            message, kind = raw[:200].decode(errors="replace"), None
+        state = "draining" if kind == "draining" else "out"  # the server's error type
         replica.take_out(f"answered 503: {message}", state=state)
         return _Retry("unavailable", f"503 {message[:200]}")
 
@@ -255,7 +256,7 @@ class Router:
                 self._land(replica, flight)
                 if self.in_flight.get(flight.request_id or "") is replica:
                     self.in_flight.pop(flight.request_id or "", None)
-                self.metrics.answers[replica.name, upstream.status_code] += 1
+                self.metrics.passed_on(replica.name, upstream.status_code)
 
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers,
                                  media_type="text/event-stream")  # fmt: skip

@@ -3,8 +3,8 @@
 - :func:`build_app`: the Starlette application over an engine (``wavepp.engine``);
 - :func:`serve`: that app under uvicorn on rank 0's event loop, until the engine drains;
 - :mod:`wavepp.serve.api`: request bodies in, result bodies out (pure);
-- :mod:`wavepp.serve.prom`: the Prometheus text format;
-- :mod:`wavepp.serve.testing`: a stand-in engine without torch, for tests;
+- :mod:`wavepp.serve.protocol`: what the server asks of an engine (``ServedEngine``);
+- :mod:`wavepp.serve.prom`: ``/metrics`` through ``prometheus_client``;
 - ``python -m wavepp.serve.launch``: one node under a supervisor (SIGTERM drains, exit 0).
 """
 

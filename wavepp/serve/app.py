@@ -22,15 +22,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import anyio
 import attrs
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from wavepp.errors import RequestRejected
 from wavepp.handoff.client import DecodeError, decode
 from wavepp.serve.api import (
     STATUS_CODE,
@@ -43,7 +43,8 @@ from wavepp.serve.api import (
     parse_prefill,
     result_body,
 )
-from wavepp.serve.prom import ServerMetrics
+from wavepp.serve.prom import CONTENT_TYPE, ServerMetrics
+from wavepp.serve.protocol import ServedEngine, ServedHandle, ServedResult
 
 logger = logging.getLogger("wavepp.serve")
 
@@ -112,33 +113,29 @@ async def _off_loop_if_big(raw: bytes, parse, *args):
     return await anyio.to_thread.run_sync(parse, *args)
 
 
-def _rejection(error: ValueError) -> ApiError:
-    """The engine refused a submission: 503 while draining, 409 for a repeated id."""
-    message = str(error)
-    reason = getattr(error, "reason", None)  # wavepp.errors.RequestRejected's kind
-    if reason == "draining" or (reason is None and "draining" in message):
-        return ApiError(
-            503, f"the server is draining and takes no new requests ({message})", "unavailable"
-        )
-    if reason == "duplicate" or (reason is None and ("duplicate" in message
-                                                     or "already" in message)):
-        return ApiError(409, message)
-    return ApiError(400, message)
+def _rejection(error: RequestRejected) -> ApiError:
+    """The engine refused a submission; its ``reason`` picks the status: 503 while
+    draining (type ``draining``, what a router reads), 409 for an id in use, else 400."""
+    if error.reason == "draining":
+        return ApiError(503, f"the server is draining and takes no new requests ({error})",
+                        "draining")  # fmt: skip
+    return ApiError(409 if error.reason == "duplicate" else 400, str(error))
 
 
 class Frontend:
     """The routes' state: the engine, the options and the server's own counters."""
 
-    def __init__(self, engine: Any, options: ServeOptions, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: ServedEngine, options: ServeOptions) -> None:
         self.engine = engine
         self.options = options
-        self.metrics = metrics or ServerMetrics()
         self.fault: str | None = None  # the runtime can no longer answer: why
         self.closing = False  # shutting down: bodies still arriving are not waited for
-        self.handles: dict[str, Any] = {}  # request id -> handle, of requests in flight
+        self.in_flight = 0  # prefill requests submitted (or being submitted), not answered
+        self.handles: dict[str, ServedHandle] = {}  # request id -> handle, of those submitted
+        self._settled = anyio.Event()  # set (and replaced) each time ``handles`` empties
         self._reading: set[anyio.CancelScope] = set()  # handlers reading a body
         self._waiting: set[anyio.CancelScope] = set()  # handlers awaiting a result
-        self._cancel_reason: str | None = None  # why the requests in flight were cancelled
+        self.metrics = ServerMetrics(engine, lambda: self.in_flight, self.tables)
 
     # -- what the server does to every request in flight -----------------------------------
 
@@ -158,11 +155,23 @@ class Frontend:
     def cancel_in_flight(self, reason: str) -> int:
         """Cancel every request in flight (the drain ran out of time); they answer
         ``cancelled`` with ``reason`` as their error. Returns how many."""
-        self._cancel_reason = reason
-        return sum(1 for rid in list(self.handles) if self._cancel(rid, reason))
+        return sum(1 for rid in list(self.handles) if self.engine.cancel(rid, reason=reason))
 
-    def _cancel(self, request_id: str, reason: str) -> bool:
-        return bool(self.engine.cancel(request_id, reason=reason))
+    async def settled(self) -> None:
+        """Returns once no submitted request awaits its result."""
+        while self.handles:
+            await self._settled.wait()
+
+    def _forget(self, request_id: str) -> None:
+        self.handles.pop(request_id, None)
+        if not self.handles:
+            self._settled.set()
+            self._settled = anyio.Event()
+
+    def tables(self) -> dict[str, int]:
+        """The server's own tables and their sizes (``wavepp_table_size``)."""
+        return {"serve_handles": len(self.handles), "serve_body_reads": len(self._reading),
+                "serve_result_waits": len(self._waiting)}  # fmt: skip
 
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"the server cannot answer: {self.fault}", "unavailable")
@@ -188,19 +197,19 @@ class Frontend:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _run(self, request: Request, submission: Submission) -> Any:
+    async def _run(self, request: Request, submission: Submission) -> ServedResult:
         """Submit, await the result (cancelling on a disconnect), return it."""
         if self.fault:
             raise self._unavailable()
         limit = self.options.max_in_flight
-        if limit and self.metrics.in_flight >= limit:
+        if limit and self.in_flight >= limit:
             raise ApiError(
                 429,
-                f"the server is busy: {self.metrics.in_flight} requests in "
+                f"the server is busy: {self.in_flight} requests in "
                 f"flight (--max-in-flight {limit}); retry later",
                 "busy",
             )
-        self.metrics.in_flight += 1  # before the first await: the limit holds under races
+        self.in_flight += 1  # before the first await: the limit holds under races
         try:
             try:
                 handle = await self.engine.submit(
@@ -210,17 +219,17 @@ class Frontend:
                     handoff=submission.handoff,
                     deadline_s=submission.deadline_s,
                 )
-            except ValueError as error:  # RequestRejected is a ValueError
+            except RequestRejected as error:
                 raise _rejection(error) from None
             self.handles[handle.request_id] = handle
             try:
                 return await self._outcome(request, handle)
             finally:
-                self.handles.pop(handle.request_id, None)
+                self._forget(handle.request_id)
         finally:
-            self.metrics.in_flight -= 1
+            self.in_flight -= 1
 
-    async def _outcome(self, request: Request, handle: Any) -> Any:
+    async def _outcome(self, request: Request, handle: ServedHandle) -> ServedResult:
         """The handle's result; cancels the request if the client goes away first."""
         result = None
 
@@ -229,7 +238,7 @@ class Frontend:
                 message = await request.receive()
                 if message["type"] == "http.disconnect":
                     if self.engine.cancel(handle.request_id):
-                        self.metrics.disconnect_cancels += 1
+                        self.metrics.disconnect_cancels.inc()
                     return
 
         try:
@@ -294,7 +303,8 @@ class Frontend:
 
         return await self._guarded("/v1/completions", request, work)
 
-    async def _decoded(self, result: Any, body: CompletionBody) -> tuple[dict, int] | Response:
+    async def _decoded(self, result: ServedResult,
+                       body: CompletionBody) -> tuple[dict, int] | Response:  # fmt: skip
         """The prompt was prefilled and its cache handed to the decoder: its tokens."""
         handoff = result.handoff or {}
         if handoff.get("status") != "done":
@@ -313,7 +323,8 @@ class Frontend:
             raise ApiError(502, str(error), "decoder_error") from None
         return completion_body(result, body, self.options.detokenize, token_ids), 200
 
-    async def _events(self, result: Any, body: CompletionBody, stream) -> AsyncIterator[str]:
+    async def _events(self, result: ServedResult, body: CompletionBody,
+                      stream) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events as OpenAI clients read them: a chunk per batch of tokens,
         the last with its finish reason and the usage, then ``[DONE]``."""
         token_ids: list[int] = []
@@ -349,7 +360,7 @@ class Frontend:
 
     async def health(self, request: Request) -> Response:
         ok, why = self.engine.health()
-        draining = _is_draining(self.engine)
+        draining = self.engine.draining
         if ok and not draining and not self.fault:
             return self._answer("/health", {"status": "ok"}, 200)
         status = "failed" if self.fault else "draining" if ok else "unhealthy"
@@ -358,23 +369,17 @@ class Frontend:
         return _error_shaped(body, 503)
 
     async def prometheus(self, request: Request) -> Response:
-        ok, _ = self.engine.health()
-        text = self.metrics.render(self.engine.stats(), ok)
         self.metrics.http_answer("/metrics", 200)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
         info = {
             "vocab_size": self.engine.vocab_size,
             "tokenizer": self.options.tokenize is not None,
+            "block_size": self.engine.block_size,
         }
-        for key in ("block_size", "num_stages", "capacity_blocks"):
-            value = getattr(self.engine, key, None)
-            if isinstance(value, int):
-                info[key] = value
-        events = getattr(self.engine, "kv_events", None)
-        if isinstance(events, dict):  # where a router subscribes (docs/fleet.md)
-            info["kv_events"] = events
+        if self.engine.kv_events is not None:  # where a router subscribes (docs/fleet.md)
+            info["kv_events"] = self.engine.kv_events
         body = {
             "object": "list",
             "data": [
@@ -393,15 +398,8 @@ def _error_shaped(body: dict, status: int) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _is_draining(engine: Any) -> bool:
-    draining = getattr(engine, "draining", False)
-    return bool(draining() if callable(draining) else draining)
-
-
-def build_app(
-    engine: Any, options: ServeOptions | None = None, metrics: ServerMetrics | None = None
-) -> Starlette:
-    front = Frontend(engine, options or ServeOptions(), metrics)
+def build_app(engine: ServedEngine, options: ServeOptions | None = None) -> Starlette:
+    front = Frontend(engine, options or ServeOptions())
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)

@@ -1,32 +1,38 @@
-"""``GET /metrics``: the server's counters and the engine's stats in Prometheus text format.
+"""``GET /metrics`` through ``prometheus_client``: the server's instruments and the engine's stats.
 
-Two sources. :class:`ServerMetrics` counts what the server sees (HTTP answers, results
-as they finish, time to result, tokens and reuse, recent throughput). The engine's
-``stats()`` dict is rendered as it is, every figure a ``wavepp_`` sample: a number is a
-gauge, a dict of numbers one gauge with a label per key, a list of numbers one gauge
-per stage (or a summary for a list of seconds), a list of dicts one sample per stage
-and field. Names and label values are escaped as the exposition format requires.
+Each server has its own :class:`~prometheus_client.CollectorRegistry` holding two sources.
+The server's instruments count what it sees (HTTP answers, results as they finish, time to
+result, tokens and reuse, recent throughput). At each scrape, :class:`EngineCollector` turns
+the engine's ``stats()`` into families as it finds them, every figure a ``wavepp_engine_``
+sample: a number is a gauge (a counter for the figures in :data:`COUNTERS`), a dict of
+numbers one gauge with a label per key, ``{stage: {field: number}}`` one gauge per field
+with a ``stage`` label, a list of seconds a summary; ``stats()["tables"]`` and the
+server's own tables are ``wavepp_table_size{table=...}``.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from wavepp.serve.protocol import ServedEngine, ServedResult
 from wavepp.stats import percentile
 
 PREFIX = "wavepp_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 THROUGHPUT_WINDOW_S = 30.0
+QUANTILES = (0.5, 0.9, 0.99)
+RESULT_STATUSES = ("done", "cancelled", "rejected", "failed")
 
 # Label names for the engine's dicts of counts, by the dict's key; other dicts get "key".
-LABEL_OF = {"requests": "state", "counts": "state", "states": "state", "by_state": "state",
-            "handoffs": "outcome"}
+LABEL_OF = {"requests": "state", "handoffs": "outcome"}
 
 HELP = {
     "requests": "requests by state",
@@ -45,312 +51,209 @@ HELP = {
     "uptime_s": "seconds since the engine started",
 }
 
-# Engine figures that only grow: rendered as counters, ``_total`` appended.
+# Engine figures that only grow: rendered as counters (``_total`` appended).
 COUNTERS = {"input_tokens", "cached_tokens", "good_hits", "expecting_reuse", "admission_rounds",
             "with_deadline", "deadlines_met"}
 
-
-def escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def metric_name(*parts: str) -> str:
-    name = "_".join(p for p in parts if p)
-    name = re.sub(r"[^a-zA-Z0-9_]", "_", name)
-    if name[:1].isdigit():
-        name = "_" + name
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", "_".join(p for p in parts if p))
     return name if name.startswith(PREFIX) else PREFIX + name
 
 
-def _number(value: float) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _labels(labels: Mapping[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items())
-    return "{" + inner + "}"
-
-
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not (isinstance(value, float) and math.isnan(value))
+    return isinstance(value, int | float) and value == value  # NaN is no figure
 
 
-class Exposition:
-    """Collects families (HELP, TYPE, samples) and renders the text format."""
+class _Families:
+    """Families by name, so that samples found in any order land in one family each."""
 
     def __init__(self) -> None:
-        self._families: dict[str, tuple[str, str, list[str]]] = {}
+        self.by_name: dict[str, Metric] = {}
 
-    def add(
-        self,
-        name: str,
-        kind: str,
-        help_text: str,
-        value: float,
-        labels: Mapping[str, str] | None = None,
-        suffix: str = "",
-    ) -> None:
-        family = self._families.setdefault(name, (kind, help_text, []))
-        family[2].append(f"{name}{suffix}{_labels(labels or {})} {_number(value)}")
-
-    def summary(self, name: str, help_text: str, values: Sequence[float]) -> None:
-        for q in (0.5, 0.9, 0.99):
-            if values:
-                self.add(
-                    name, "summary", help_text, percentile(values, q * 100), {"quantile": str(q)}
-                )
-        self.add(name, "summary", help_text, len(values), suffix="_count")
-        self.add(name, "summary", help_text, float(sum(values)), suffix="_sum")
-
-    def histogram(
-        self,
-        name: str,
-        help_text: str,
-        buckets: Sequence[float],
-        counts: Sequence[int],
-        total: float,
-    ) -> None:
-        running = 0
-        for bound, count in zip(buckets, counts, strict=False):
-            running += count
-            self.add(
-                name, "histogram", help_text, running, {"le": _number(float(bound))}, "_bucket"
-            )
-        running += counts[len(buckets)]
-        self.add(name, "histogram", help_text, running, {"le": "+Inf"}, "_bucket")
-        self.add(name, "histogram", help_text, running, suffix="_count")
-        self.add(name, "histogram", help_text, total, suffix="_sum")
-
-    def render(self) -> str:
-        lines = []
-        for name, (kind, help_text, samples) in self._families.items():
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.extend(samples)
-        return "\n".join(lines) + "\n"
+    def gauge(self, name: str, help_text: str, value: float, **labels: str) -> None:
+        family = self.by_name.setdefault(name, GaugeMetricFamily(name, help_text,
+                                                                 labels=list(labels)))
+        family.add_metric(list(labels.values()), float(value))
 
 
-def add_stats(out: Exposition, stats: Mapping[str, Any], prefix: str = "") -> None:
-    """The engine's ``stats()`` as gauges (see the module docstring for the shapes)."""
+def engine_families(stats: Mapping[str, Any], prefix: str = PREFIX + "engine") -> Iterator[Metric]:
+    """The engine's ``stats()`` as metric families (the shapes: the module docstring)."""
+    out = _Families()
     for key, value in stats.items():
-        name = metric_name(prefix, str(key))
-        help_text = HELP.get(str(key), f"engine stats: {name.removeprefix(PREFIX + 'engine_')}")
-        if value is None or isinstance(value, str):
-            continue
-        if _is_number(value) and str(key) in COUNTERS:
-            out.add(name + "_total", "counter", help_text, value)
+        name, key = metric_name(prefix, str(key)), str(key)
+        help_text = HELP.get(key, f"engine stats: {name.removeprefix(PREFIX + 'engine_')}")
+        if _is_number(value) and key in COUNTERS:
+            yield CounterMetricFamily(name, help_text, value=float(value))
         elif _is_number(value):
-            out.add(name, "gauge", help_text, value)
+            out.gauge(name, help_text, value)
+        elif isinstance(value, Mapping) and value and all(
+                isinstance(v, Mapping) for v in value.values()):  # fmt: skip
+            for stage, fields in value.items():  # per stage: {stage: {field: number}}
+                for field, v in fields.items():
+                    if _is_number(v):
+                        out.gauge(metric_name(name, str(field)),
+                                  f"{help_text}: {field} per stage", v, stage=str(stage))
         elif isinstance(value, Mapping):
-            if (
-                value
-                and all(isinstance(v, Mapping) for v in value.values())
-                and all(str(k).isdigit() for k in value)
-            ):  # per stage: {stage: {field: number}}
-                _per_stage(out, name, help_text, value.items())
-            elif all(_is_number(v) for v in value.values()):
-                label = LABEL_OF.get(str(key), "key")
-                for k, v in value.items():
-                    out.add(name, "gauge", help_text, v, {label: str(k)})
-            else:
-                add_stats(out, value, prefix=name)
-        elif isinstance(value, Sequence):
-            if all(_is_number(v) for v in value):
-                if str(key).endswith(("seconds", "_s")):
-                    out.summary(name, help_text, [float(v) for v in value])
-                else:
-                    for stage, v in enumerate(value):
-                        out.add(name, "gauge", help_text, v, {"stage": str(stage)})
-            elif all(isinstance(v, Mapping) for v in value):
-                _per_stage(out, name, help_text, enumerate(value))
+            for k, v in value.items():
+                if _is_number(v):
+                    out.gauge(name, help_text, v, **{LABEL_OF.get(key, "key"): str(k)})
+        elif isinstance(value, Sequence) and not isinstance(value, str) and key.endswith(
+                ("seconds", "_s")) and all(_is_number(v) for v in value):  # fmt: skip
+            yield _summary(name, help_text, [float(v) for v in value])
+    yield from out.by_name.values()
+    hits, expecting = stats.get("good_hits"), stats.get("expecting_reuse")
+    if _is_number(hits) and _is_number(expecting) and expecting:
+        yield GaugeMetricFamily(prefix + "_good_hit_rate",
+                                "good hits / done requests expected to reuse a prefix",
+                                value=hits / expecting)  # fmt: skip
+    met, timed = stats.get("deadlines_met"), stats.get("with_deadline")
+    if _is_number(met) and _is_number(timed) and timed:
+        yield GaugeMetricFamily(
+            prefix + "_slo_attainment",
+            "SLO attainment: requests done by their deadline / ended requests with one",
+            value=met / timed)  # fmt: skip
 
 
-def _per_stage(out: Exposition, name: str, help_text: str, parts) -> None:
-    for stage, part in parts:
-        for field, v in part.items():
-            if _is_number(v):
-                out.add(
-                    metric_name(name, str(field)),
-                    "gauge",
-                    f"{help_text}: {field} per stage",
-                    v,
-                    {"stage": str(stage)},
-                )
+def _summary(name: str, help_text: str, values: Sequence[float]) -> Metric:
+    """Recent values as a summary: quantiles computed over them, their count and sum."""
+    family = Metric(name, help_text, "summary")
+    for q in QUANTILES if values else ():
+        family.add_sample(name, {"quantile": str(q)}, percentile(values, q * 100))
+    family.add_sample(name + "_count", {}, float(len(values)))
+    family.add_sample(name + "_sum", {}, float(sum(values)))
+    return family
 
 
-class Histogram:
-    def __init__(self, buckets: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)
-        self.total = 0.0
+class EngineCollector:
+    """A ``prometheus_client`` collector: at each scrape, the engine's health, its
+    ``stats()``, and the size of every table (the engine's and the server's)."""
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
+    def __init__(self, engine: ServedEngine, tables: Callable[[], Mapping[str, int]]) -> None:
+        self.engine = engine
+        self.tables = tables
+
+    def collect(self) -> Iterator[Metric]:
+        ok, _ = self.engine.health()
+        yield GaugeMetricFamily(PREFIX + "up", "1 while every rank answers heartbeats",
+                                value=int(ok))  # fmt: skip
+        stats = dict(self.engine.stats())
+        tables = {**stats.pop("tables", {}), **self.tables()}
+        yield from engine_families(stats)
+        sizes = GaugeMetricFamily(PREFIX + "table_size",
+                                  "entries in each of the engine's and the server's tables",
+                                  labels=["table"])  # fmt: skip
+        for table, size in sorted(tables.items()):
+            if _is_number(size):
+                sizes.add_metric([str(table)], float(size))
+        yield sizes
 
 
 class ServerMetrics:
-    """What the HTTP server itself counts. Single-threaded: the event loop's only."""
+    """What the HTTP server counts, and its exposition. Single-threaded: the event loop's.
 
-    def __init__(self, clock=time.time) -> None:
+    ``in_flight`` and ``tables`` are read at each scrape: the prefill requests awaiting
+    their result, and the server's tables by name ({name: entries})."""
+
+    def __init__(self, engine: ServedEngine, in_flight: Callable[[], int],
+                 tables: Callable[[], Mapping[str, int]], clock=time.time) -> None:  # fmt: skip
         self.clock = clock
         self.started_at = clock()
-        self.http: dict[tuple[str, int], int] = {}
-        self.results = dict.fromkeys(("done", "cancelled", "rejected", "failed"), 0)
-        self.disconnect_cancels = 0
-        self.drain_cancels = 0  # cancelled because the drain timeout ran out
-        self.in_flight = 0  # prefill HTTP requests awaiting their result
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
-        self.time_to_result = Histogram()
-        self.queue_time = Histogram()
+        self.registry = registry = CollectorRegistry()
         self._recent: deque[tuple[float, int]] = deque()  # (done_at, tokens) of done results
+        self._prompt_tokens = self._cached_tokens = 0
+        self.http = Counter(PREFIX + "http_responses", "HTTP answers by route and status",
+                            ["route", "code"], registry=registry)  # fmt: skip
+        self.results = Counter(PREFIX + "results", "finished requests by final status",
+                               ["status"], registry=registry)  # fmt: skip
+        for status in RESULT_STATUSES:
+            self.results.labels(status)
+        self.disconnect_cancels = Counter(
+            PREFIX + "disconnect_cancels", "requests cancelled because their client disconnected",
+            registry=registry)  # fmt: skip
+        self.drain_cancels = Counter(
+            PREFIX + "drain_cancels",
+            "requests cancelled because the drain timeout ran out (interrupted)",
+            registry=registry)  # fmt: skip
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens",
+                                     "prompt tokens of done requests (cached included)",
+                                     registry=registry)  # fmt: skip
+        self.cached_tokens = Counter(PREFIX + "cached_tokens",
+                                     "prompt tokens of done requests served from the cache",
+                                     registry=registry)  # fmt: skip
+        self.time_to_result = Histogram(PREFIX + "time_to_result_seconds",
+                                        "submission to result, done requests",
+                                        buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.queue_time = Histogram(PREFIX + "queue_seconds",
+                                    "submission to admission, done requests",
+                                    buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        gauges: list[tuple[str, str, Callable[[], float]]] = [
+            ("uptime_seconds", "seconds since the server started",
+             lambda: self.clock() - self.started_at),
+            ("http_in_flight", "prefill requests awaiting their result", in_flight),
+            ("reused_share", "cached / prompt tokens of done requests", self.reused_share),
+            ("throughput_tokens_per_second",
+             f"prompt tokens done per second over the last {THROUGHPUT_WINDOW_S:g} s",
+             self.throughput),
+        ]  # fmt: skip
+        for name, help_text, read in gauges:
+            Gauge(PREFIX + name, help_text, registry=registry).set_function(read)
+        registry.register(EngineCollector(engine, lambda: {**tables(), **self.tables()}))
 
     def http_answer(self, route: str, status: int) -> None:
-        self.http[(route, status)] = self.http.get((route, status), 0) + 1
+        self.http.labels(route, str(status)).inc()
 
-    def observe(self, result: Any) -> None:
+    def observe(self, result: ServedResult) -> None:
         """One finished request (from the engine's results stream)."""
-        self.results[result.status] = self.results.get(result.status, 0) + 1
+        self.results.labels(result.status).inc()
         if result.status != "done":
             return
-        self.prompt_tokens += result.num_tokens
-        self.cached_tokens += result.cached_tokens
+        self._prompt_tokens += result.num_tokens
+        self._cached_tokens += result.cached_tokens
+        self.prompt_tokens.inc(result.num_tokens)
+        self.cached_tokens.inc(result.cached_tokens)
         self.time_to_result.observe(max(result.done_at - result.submitted_at, 0.0))
         if result.admitted_at is not None:
             self.queue_time.observe(max(result.admitted_at - result.submitted_at, 0.0))
         self._recent.append((result.done_at, result.num_tokens))
+        self._trim()
 
-    def throughput(self) -> float:
-        """Prompt tokens (cached included) of the requests done in the last window, per second."""
+    def _trim(self) -> None:
         now = self.clock()
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
             self._recent.popleft()
-        window = min(THROUGHPUT_WINDOW_S, max(now - self.started_at, 1e-9))
+
+    def reused_share(self) -> float:
+        return self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0
+
+    def throughput(self) -> float:
+        """Prompt tokens (cached included) of the requests done in the last window, per second."""
+        self._trim()
+        window = min(THROUGHPUT_WINDOW_S, max(self.clock() - self.started_at, 1e-9))
         return sum(tokens for _, tokens in self._recent) / window
 
-    def render(self, stats: Mapping[str, Any], healthy: bool) -> str:
-        out = Exposition()
-        out.add(PREFIX + "up", "gauge", "1 while every rank answers heartbeats", int(healthy))
-        out.add(
-            PREFIX + "uptime_seconds",
-            "gauge",
-            "seconds since the server started",
-            self.clock() - self.started_at,
-        )
-        out.add(
-            PREFIX + "http_in_flight",
-            "gauge",
-            "prefill requests awaiting their result",
-            self.in_flight,
-        )
-        for (route, status), n in sorted(self.http.items()):
-            out.add(
-                PREFIX + "http_responses_total",
-                "counter",
-                "HTTP answers by route and status",
-                n,
-                {"route": route, "code": str(status)},
-            )
-        for status, n in sorted(self.results.items()):
-            out.add(
-                PREFIX + "results_total",
-                "counter",
-                "finished requests by final status",
-                n,
-                {"status": status},
-            )
-        out.add(
-            PREFIX + "disconnect_cancels_total",
-            "counter",
-            "requests cancelled because their client disconnected",
-            self.disconnect_cancels,
-        )
-        out.add(
-            PREFIX + "drain_cancels_total",
-            "counter",
-            "requests cancelled because the drain timeout ran out (interrupted)",
-            self.drain_cancels,
-        )
-        out.add(
-            PREFIX + "prompt_tokens_total",
-            "counter",
-            "prompt tokens of done requests (cached included)",
-            self.prompt_tokens,
-        )
-        out.add(
-            PREFIX + "cached_tokens_total",
-            "counter",
-            "prompt tokens of done requests served from the cache",
-            self.cached_tokens,
-        )
-        out.add(
-            PREFIX + "reused_share",
-            "gauge",
-            "cached / prompt tokens of done requests",
-            self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-        )
-        out.add(
-            PREFIX + "throughput_tokens_per_second",
-            "gauge",
-            f"prompt tokens done per second over the last {THROUGHPUT_WINDOW_S:g} s",
-            self.throughput(),
-        )
-        for name, hist, text in [
-            ("time_to_result_seconds", self.time_to_result, "submission to result, done requests"),
-            ("queue_seconds", self.queue_time, "submission to admission, done requests"),
-        ]:
-            out.histogram(PREFIX + name, text, hist.buckets, hist.counts, hist.total)
-        add_stats(out, stats, prefix=PREFIX + "engine")
-        hits, expecting = stats.get("good_hits"), stats.get("expecting_reuse")
-        if _is_number(hits) and _is_number(expecting) and expecting:
-            out.add(
-                PREFIX + "engine_good_hit_rate",
-                "gauge",
-                "good hits / done requests expected to reuse a prefix",
-                hits / expecting,
-            )
-        met, timed = stats.get("deadlines_met"), stats.get("with_deadline")
-        if _is_number(met) and _is_number(timed) and timed:
-            out.add(
-                PREFIX + "engine_slo_attainment",
-                "gauge",
-                "SLO attainment: requests done by their deadline / ended requests with one",
-                met / timed,
-            )
-        return out.render()
+    def tables(self) -> dict[str, int]:
+        return {"serve_recent_results": len(self._recent)}
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _key(name: str, labels: Mapping[str, str]) -> str:
+    escaped = (str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+               for v in labels.values())  # fmt: skip
+    inner = ",".join(f'{k}="{v}"' for k, v in sorted(zip(labels, escaped, strict=True)))
+    return f"{name}{{{inner}}}" if labels else name
 
 
 def parse_exposition(text: str) -> dict[str, float]:
-    """Samples of a text exposition as ``{'name{labels}': value}`` (for the load generator
-    and tests); comment lines are skipped."""
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        samples[key] = float(value)
-    return samples
+    """Samples of a text exposition as ``{'name{labels}': value}``, labels sorted by name
+    (for the load generator and tests; read them with :func:`sample`)."""
+    return {_key(s.name, s.labels): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def sample(samples: Mapping[str, float], name: str, **labels: str) -> float | None:
-    key = name + _labels(labels)
-    return samples.get(key)
-
-
-def families(text: str) -> Iterable[tuple[str, str]]:
-    """(name, type) of every ``# TYPE`` line."""
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            yield name, kind
+    return samples.get(_key(name, labels))

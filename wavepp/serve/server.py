@@ -29,12 +29,12 @@ import anyio
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from wavepp.serve.app import ServeOptions, _is_draining, build_app
-from wavepp.serve.prom import ServerMetrics
+from wavepp.serve.app import ServeOptions, build_app
+from wavepp.serve.protocol import ServedEngine
 
 logger = logging.getLogger("wavepp.serve")
 
-DRAIN_POLL_S = 0.05
+ENGINE_CHECK_S = 0.05
 SHUTDOWN_GRACE_S = 2.0  # after the drain, what uvicorn waits for handlers before cancelling
 
 
@@ -112,7 +112,7 @@ def _log(message: str) -> None:
 
 
 async def serve(
-    engine: Any,
+    engine: ServedEngine,
     host: str = "127.0.0.1",
     port: int = 8000,
     options: ServeOptions | None = None,
@@ -125,8 +125,7 @@ async def serve(
     accepted."""
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
-    metrics = ServerMetrics()
-    app = build_app(engine, options, metrics)
+    app = build_app(engine, options)
     front = app.state.front
     options = front.options
     config = uvicorn.Config(
@@ -143,31 +142,36 @@ async def serve(
 
     async def count_results() -> None:
         async for result in engine.results():
-            metrics.observe(result)
+            front.metrics.observe(result)
+
+    stopping = anyio.Event()  # the engine drains or has failed
+
+    async def follow_engine() -> None:
+        """The engine's state, checked every ENGINE_CHECK_S: it offers nothing to await
+        (SIGTERM's handler calls ``engine.drain()``, the watchdog's thread records a
+        fault). Everything else in the server awaits what this sets."""
+        while not engine.fault():
+            if engine.draining:
+                stopping.set()
+            await anyio.sleep(ENGINE_CHECK_S)
+        front.set_fault(engine.fault() or "")  # every handler answers 503 naming it, at once
+        stopping.set()
 
     async def stop_when_draining() -> None:
-        fault = getattr(engine, "fault", lambda: None)
-        while not _is_draining(engine) and not fault():
-            await anyio.sleep(DRAIN_POLL_S)
-        if fault():
-            front.set_fault(fault())
-        else:
+        await stopping.wait()
+        if not engine.fault():
             _log(f"draining: new requests get 503; {len(front.handles)} in flight get up to "
                  f"{options.drain_timeout_s:g} s (--drain-timeout-s)")  # fmt: skip
         with anyio.move_on_after(options.drain_timeout_s):
-            while front.handles and not fault():
-                await anyio.sleep(DRAIN_POLL_S)
-        if fault():
-            front.set_fault(fault())
-        elif front.handles:
+            await front.settled()  # a fault answers them all at once (follow_engine)
+        if front.handles and not engine.fault():
             reason = (f"cancelled: the server drained and its drain timeout "
                       f"({options.drain_timeout_s:g} s, --drain-timeout-s) ran out")  # fmt: skip
             count = front.cancel_in_flight(reason)
-            front.metrics.drain_cancels += count
+            front.metrics.drain_cancels.inc(count)
             _log(f"drain timeout: cancelled {count} requests still in flight")
         with anyio.move_on_after(SHUTDOWN_GRACE_S):  # their answers go out
-            while front.handles:
-                await anyio.sleep(DRAIN_POLL_S)
+            await front.settled()
         front.stop_reading()
         server.should_exit = True
 
@@ -185,6 +189,7 @@ async def serve(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(count_results)
+            tg.start_soon(follow_engine)
             tg.start_soon(stop_when_draining)
             tg.start_soon(announce)
             try:

@@ -1,7 +1,9 @@
-"""A stand-in engine with rank 0's engine interface, for the server's tests (no torch).
+"""A stand-in engine for the server's tests: no ranks, no model.
 
-It keeps the contract of ``wavepp.engine.Engine``: ``submit`` checks the prompt and
-raises a ``ValueError`` subclass with the reason, requests wait in a
+It keeps the contract of ``wavepp.engine.Engine`` (``wavepp.serve.protocol.ServedEngine``;
+``tests/unit/test_serve_protocol.py`` checks both): ``submit`` checks the prompt and
+raises :class:`wavepp.errors.RequestRejected` with its reason, results are
+``wavepp.engine.Result``, ``stats()`` has the engine's shape; requests wait in a
 :class:`~wavepp.queueing.WaitingQueue`, admission offers the queue's head and admits
 the longest prefix that fits a token capacity, an admitted batch "runs" for a time
 proportional to its uncached tokens, and every request ends with one result. The first
@@ -13,34 +15,16 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator
 
 import anyio
 import attrs
 import numpy as np
 
+from wavepp.engine import Result
+from wavepp.errors import RequestRejected
 from wavepp.queueing import WaitingQueue
-
-
-class FakeRejected(ValueError):
-    """The stand-in's ``RequestRejected``."""
-
-
-@attrs.frozen
-class FakeResult:
-    request_id: str
-    status: str
-    first_token: int | None
-    top_logit: float | None
-    num_tokens: int
-    cached_tokens: int
-    error: str | None
-    submitted_at: float
-    admitted_at: float | None
-    first_chunk_at: float | None
-    done_at: float
-    deadline_s: float | None = None
-    deadline_met: bool | None = None
 
 
 def expected_first_token(tokens, vocab_size: int) -> int:
@@ -56,7 +40,7 @@ class _Request:
     submitted_at: float
     deadline_s: float | None = None
     done: anyio.Event = attrs.field(factory=anyio.Event)
-    result: FakeResult | None = None
+    result: Result | None = None
     admitted_at: float | None = None
     cancelled: bool = False
     error: str | None = None
@@ -67,7 +51,7 @@ class FakeHandle:
         self._request = request
         self.request_id = request.request_id
 
-    async def result(self) -> FakeResult:
+    async def result(self) -> Result:
         await self._request.done.wait()
         assert self._request.result is not None
         return self._request.result
@@ -87,6 +71,7 @@ class FakeEngine:
     ) -> None:
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.kv_events: dict | None = None
         self.capacity_tokens = capacity_tokens
         self.tokens_per_s = tokens_per_s
         self.batch = batch
@@ -102,7 +87,8 @@ class FakeEngine:
         )
         self.tokens_in = 0
         self.tokens_cached = 0
-        self.round_seconds: list[float] = []
+        self.rounds = 0
+        self.round_seconds: deque[float] = deque(maxlen=1024)
         self.busy_s = 0.0
         self.started_at = time.time()
         self._wake = anyio.Event()
@@ -115,22 +101,22 @@ class FakeEngine:
     async def submit(self, tokens, *, request_id=None, priority=0, warmup=False,
                      handoff=None, deadline_s=None) -> FakeHandle:  # fmt: skip
         if self.draining:
-            raise FakeRejected("draining")
+            raise RequestRejected("draining: no new requests are taken", "draining")
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
-            raise FakeRejected("empty prompt")
+            raise RequestRejected("empty prompt (need at least one token)")
         if ((ids < 0) | (ids >= self.vocab_size)).any():
-            raise FakeRejected(f"token ids outside the vocabulary 0..{self.vocab_size - 1}")
+            raise RequestRejected(f"token ids outside the vocabulary 0..{self.vocab_size - 1}")
         if ids.size > self.capacity_tokens:
-            raise FakeRejected(
+            raise RequestRejected(
                 f"prompt of {ids.size:,} tokens can never fit: the smallest "
-                f"stage pool holds {self.capacity_tokens:,}"
+                f"stage pool holds {self.capacity_tokens:,}", "too_long"
             )
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
         if request_id in self.requests:
-            raise FakeRejected(f"duplicate request id {request_id!r}")
+            raise RequestRejected(f"duplicate request id {request_id!r}", "duplicate")
         now = time.time()
         request = _Request(request_id, ids.astype(np.int32), priority, now, deadline_s)
         self.requests[request_id] = request
@@ -149,8 +135,8 @@ class FakeEngine:
             self._finish(request, "cancelled")
         return True
 
-    async def results(self) -> AsyncIterator[FakeResult]:
-        send, receive = anyio.create_memory_object_stream[FakeResult](math.inf)
+    async def results(self) -> AsyncIterator[Result]:
+        send, receive = anyio.create_memory_object_stream[Result](math.inf)
         self._subscribers.append(send)
         try:
             async with receive:
@@ -161,15 +147,18 @@ class FakeEngine:
 
     def stats(self) -> dict:
         wall = max(time.time() - self.started_at, 1e-9)
+        stage = {"utilization": min(1.0, self.busy_s / wall), "pool_capacity":
+                 self.capacity_tokens, "pool_free": self.capacity_tokens - self._used()}
         return {
             "requests": dict(self.counts),
             "queue_depth": len(self.queue),
-            "tokens_in": self.tokens_in,
-            "tokens_cached": self.tokens_cached,
-            "stage_utilization": [min(1.0, self.busy_s / wall)] * 2,
-            "pool": [{"capacity": self.capacity_tokens, "used": self._used()}] * 2,
-            "admission_round_seconds": list(self.round_seconds[-1000:]),
-            "draining": self.draining,
+            "input_tokens": self.tokens_in,
+            "cached_tokens": self.tokens_cached,
+            "stages": {0: stage, 1: dict(stage)},
+            "admission_round_seconds": list(self.round_seconds),
+            "admission_rounds": self.rounds,
+            "uptime_s": wall,
+            "tables": {"requests": len(self.requests), "queue": len(self.queue)},
         }
 
     def health(self) -> tuple[bool, str]:
@@ -214,7 +203,7 @@ class FakeEngine:
         now = time.time()
         cached = self._cached_tokens(request.tokens) if status == "done" else 0
         done = status == "done"
-        request.result = FakeResult(
+        request.result = Result(
             request.request_id,
             status,
             expected_first_token(request.tokens, self.vocab_size) if done else None,
@@ -226,8 +215,8 @@ class FakeEngine:
             request.admitted_at,
             request.admitted_at if done else None,
             now,
-            request.deadline_s,
-            None if request.deadline_s is None
+            deadline_s=request.deadline_s,
+            deadline_met=None if request.deadline_s is None
             else done and now <= request.submitted_at + request.deadline_s,
         )
         self.counts[status] += 1
@@ -257,6 +246,7 @@ class FakeEngine:
             self.counts["running"] += 1
             self.running.append(request)
         self.round_seconds.append(time.perf_counter() - t0)
+        self.rounds += 1
 
     async def run(self) -> None:
         """Admit and run until drained (every request submitted has its result)."""
