@@ -135,7 +135,7 @@ class Engine:
         """A snapshot for metrics: counts, tokens, queue, reuse, every stage, rounds, and
         the size of every rank-0 table (``tables``)."""
         wall = max(time.time() - self.started_at, 1e-9)
-        figures = {self._c.stage_index(): self._c.stage_figures()}
+        figures = self._c.stage_figures()
         if self._watchdog is not None:  # the other stages' figures ride on their heartbeats
             figures.update(self._watchdog.peer_stats())
         stages = {rank: {"utilization": min(1.0, f.get("busy_s", 0.0) / wall),

@@ -149,6 +149,10 @@ class Coordinator:
             "admission_rounds": admitter.num_rounds,
         }
 
+    def stage_figures(self) -> dict[int, dict[str, float]]:
+        """Stage 0's busy seconds and pool, by its index."""
+        return {self.stage.index: self.stage.figures()}
+
     def sizes(self) -> dict[str, int]:
         """Every rank-0 table's size (a server's stay bounded)."""
         return {**self.table.sizes(), "planner_queue": len(self.planner.queue),

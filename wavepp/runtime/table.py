@@ -124,7 +124,7 @@ class RequestTable:
     def started(self, rid: RequestId, now: float) -> Record:
         """A chunk of ``rid`` left stage 0's planner (its first one starts it)."""
         record = self._live[rid]
-        if record.status is Status.ADMITTED:
+        if record.status is not Status.RUNNING:
             record.start(now)
         return record
 
