@@ -340,8 +340,7 @@ class Admitter:
                 self._seen_here.pop(offer.request_id, None)
                 self.inflight = inflight.end(self.inflight, offer.request_id)  # frees waiters
                 continue
-            record = self.table.admitted(offer.request_id, now)
-            record.miss_reason = self._explain(offer.request_id, point)
+            self.table.admitted(offer.request_id, now, self._explain(offer.request_id, point))
             self.inflight = inflight.add_producer(self.inflight, offer.request_id, offer.hashes,
                                                   done=point)  # fmt: skip
             self.on_admitted(offer.request_id, point)

@@ -139,9 +139,9 @@ class Record:
                               "is not a move of a request's life")  # fmt: skip
         self._status = to
 
-    def admit(self, now: float) -> None:
+    def admit(self, now: float, miss_reason: str | None = None) -> None:
         self._move(Status.ADMITTED)
-        self.admitted_at = now
+        self.admitted_at, self.miss_reason = now, miss_reason
 
     def start(self, now: float) -> None:
         """Its first chunk left stage 0's planner."""

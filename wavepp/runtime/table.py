@@ -116,10 +116,10 @@ class RequestTable:
 
     # -- the moves --------------------------------------------------------------------
 
-    def admitted(self, rid: RequestId, now: float) -> Record:
-        record = self._live[rid]
-        record.admit(now)
-        return record
+    def admitted(self, rid: RequestId, now: float, miss_reason: str | None = None) -> None:
+        """Every stage holds its room; ``miss_reason``: why it reuses < 80% of its
+        expected reuse (rank 0's view), or None."""
+        self._live[rid].admit(now, miss_reason)
 
     def started(self, rid: RequestId, now: float) -> Record:
         """A chunk of ``rid`` left stage 0's planner (its first one starts it)."""
