@@ -45,6 +45,7 @@ from wavepp.plan import CostFit, CostModel, PlanContext
 from wavepp.policy import Policy, PolicyError, for_run
 from wavepp.rounds.admission import RoundMode, StageBook
 from wavepp.rounds.messages import MAX_MESSAGE_BYTES, StageReport, decode_untrusted, encode
+from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import RUNGS, Admission
 from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.feed import Feed
@@ -57,7 +58,7 @@ from wavepp.state import audit, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
 from wavepp.transport.base import PlaneError
 from wavepp.transport.frames import DataLimits
-from wavepp.transport.planes import build_planes
+from wavepp.transport.planes import Planes, build_planes
 from wavepp.transport.watchdog import Watchdog
 from wavepp.workload import (
     cold,
@@ -299,18 +300,33 @@ def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool)
     return publisher, announcer
 
 
-async def rank_main(
-    c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
-    client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
-) -> tuple[dict | None, int]:  # fmt: skip
+async def open_planes(c: RunConfig, watchdog: Watchdog | None) -> Planes:
+    """The rounds plane and this rank's data-plane links, as configured."""
     device = pick_device(c.device) if c.executor == "torch" else None
-    planes = await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
-                                on_wait=watchdog.set_status if watchdog is not None else None)
-    plane, (inbound, outbound, done) = planes.rounds, planes.links
-    rung = RUNGS[c.rung]
+    return await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
+                              on_wait=watchdog.set_status if watchdog is not None else None)
+
+
+@attrs.frozen
+class Setup:
+    """What every rank agreed on before its stage is built."""
+
+    vocab: int | None  # None: ids are not checked (the sim executor)
+    specs: list  # rank 0's offline workload, in release order
+    rejected: list[dict]  # the lines of a requests file or trace refused
+    cancels: list  # (request id, seconds after measurement starts)
+    capacity: int  # this stage's pool, blocks
+    min_capacity: int  # the smallest stage pool
+    pools: list[StagePool] | None  # the sim's pools from device memory, else None
+
+
+async def agree_setup(c: RunConfig, rank: int, world: int, plane: RoundsPlane,
+                      offline: bool) -> Setup | None:  # fmt: skip
+    """The workload (rank 0, offline) and every stage's pool size; None when a requests
+    file holds no runnable request (every rank then ends the run)."""
     vocab = None if c.executor == "sim" else _vocab(c)
     specs, rejected, cancels = [], [], []
-    if rank == 0 and client is None:
+    if rank == 0 and offline:
         specs, rejected, cancels = build_workload(c, vocab or VOCAB)
         if c.handoff_all:  # every measured request hands its cache to the default target
             specs = [s if s.warmup else attrs.evolve(s, handoff=True) for s in specs]
@@ -323,11 +339,11 @@ async def rank_main(
         if rank == 0:
             each = "; ".join(f"stage {s} {pool.describe()}" for s, pool in enumerate(pools))
             log(f"KV pools from device memory (SIMULATED {c.sim_device}): {each}")
-    if rank == 0 and client is None and given and c.workload in ("file", "trace"):
+    if rank == 0 and offline and given and c.workload in ("file", "trace"):
         too_long = _too_long(specs, min(given), c.block_size)
         if specs and len(too_long) == len(specs):  # not one line fits: nothing to run
             specs, rejected = [], rejected + too_long
-    runnable = 0 if rank == 0 and client is None and not specs else 1
+    runnable = 0 if rank == 0 and offline and not specs else 1
     proposed = given[rank] if given else (auto_capacity(c, specs) if rank == 0 else 0)
     widest, runnable = await plane.all_min([-proposed, runnable])
     if not runnable:
@@ -338,7 +354,7 @@ async def rank_main(
             said = ": " + lines + more if rejected else ", the file is empty"
             log(f"{c.requests_file or c.trace}: no runnable request ({len(rejected)} lines "
                 f"rejected{said})")  # fmt: skip
-        return None, 2
+        return None
     capacity = given[rank] if given else -widest
     min_capacity = min(given) if given else capacity
     need = seeded_need(c, specs) if rank == 0 else 0
@@ -346,7 +362,7 @@ async def rank_main(
         log(f"this cell thrashes: its seeded prefixes and requests in flight need {need:,} "
             f"blocks, the smallest stage pool holds {min_capacity:,} (short by "
             f"{need - min_capacity:,}, {(need - min_capacity) / need:.0%})")  # fmt: skip
-    if rung.admission is Admission.FREE and capacity != min_capacity:
+    if RUNGS[c.rung].admission is Admission.FREE and capacity != min_capacity:
         # The oracle's rank 0 decides for every stage on its own cache, so every stage
         # gets the smallest pool. It stays an upper bound: in a round the agreed point
         # is at most the smallest pool's hit and an escrow must fit the smallest pool,
@@ -355,12 +371,30 @@ async def rank_main(
             log(f"oracle: every stage's pool is the smallest, {min_capacity:,} blocks "
                 "(rank 0 decides for all stages)")  # fmt: skip
         capacity = min_capacity
-    policy = pick_policy(c, rung)
-    mode = RoundMode(block_size=c.block_size, eager=rung.eager, policy=policy)
-    snapshot_capacity = c.snapshot_capacity or capacity
-    executor, recurrent = build_executor(c, rank, world, capacity, snapshot_capacity)
+    return Setup(vocab, specs, rejected, cancels, capacity, min_capacity, pools)
+
+
+@attrs.frozen
+class StageParts:
+    """This rank's stage and what it was built from."""
+
+    stage: Stage
+    executor: object
+    policy: Policy
+    mode: RoundMode
+    handoff_targets: HandoffTargets | None  # where rank 0 sends requests' caches
+    cache_log: StageLog | None  # with --kv-events
+
+
+def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup,
+                      planes: Planes) -> StageParts:  # fmt: skip
+    """The policy, the executor, the stage's cache book and its handoff settings."""
+    policy = pick_policy(c, RUNGS[c.rung])
+    mode = RoundMode(block_size=c.block_size, eager=RUNGS[c.rung].eager, policy=policy)
+    snapshot_capacity = c.snapshot_capacity or setup.capacity
+    executor, recurrent = build_executor(c, rank, world, setup.capacity, snapshot_capacity)
     planes.set_limits(data_limits(c, executor))
-    book = StageBook(policy.empty_cache(capacity, has_recurrent=recurrent,
+    book = StageBook(policy.empty_cache(setup.capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
     handoff = handoff_targets = None
     if c.executor == "torch":  # every stage can hand its band of a request's cache on
@@ -372,81 +406,74 @@ async def rank_main(
     cache_log = (StageLog(rank, recurrent, report_limit(world)) if c.kv_events
                  else None)  # fmt: skip
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent,
-                  policy=policy, handoff=handoff, cache_log=cache_log)  # fmt: skip
-    if c.trace_out:
-        stage.spans = []
-    # Every stage is ready (pools zeroed, layers compiled) before rank 0 admits anything:
-    # otherwise the run's first round waits out the slowest stage's start-up (2.2 s of a
-    # 9.9 s run at P = 2 with --compile), inside the measured time.
-    _, attention_only = await plane.all_min([1, int(not recurrent)])
-    publisher = announcer = None
-    if rank == 0 and c.kv_events:
-        publisher, announcer = start_kv_events(c, world, cache_log, hybrid=not attention_only)
+                  policy=policy, handoff=handoff, cache_log=cache_log,
+                  record_spans=bool(c.trace_out))  # fmt: skip
+    return StageParts(stage, executor, policy, mode, handoff_targets, cache_log)
 
-    if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
-        watchdog.stats_fn = lambda: _stage_figures(stage)
-    coordinator = feed = engine = None
-    interrupted: list[int] = []
 
-    def on_signal(signum: int) -> bool | None:
-        """Whether the signal ends the run now; None: it started a drain."""
-        if sigterm_drains and signum == signal.SIGTERM:
-            if engine is not None and not (watchdog is not None and watchdog.fatal):
-                log("SIGTERM: draining (no new requests; the running ones finish)")
-                engine.drain()
-            return None
-        interrupted.append(signum)
-        return True
+class RankZero:
+    """Rank 0's run: the coordinator, the engine, and the client that feeds it (the
+    offline workload, or ``client(engine)``)."""
 
-    with anyio.CancelScope() as scope:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_watch_signals, watchdog, on_signal, scope)
-            if stage.handoffs is not None:
-                tg.start_soon(stage.handoffs.run)
-            if rank == 0:
-                coordinator = Coordinator(
-                    rung, plane, stage, outbound, done, _wave_planner(c, world, executor, policy),
-                    mode, min_capacity=min_capacity, vocab_size=vocab,
-                    ring=c.ring or 2 * world, max_batch=c.max_batch,
-                    heartbeat_s=c.heartbeat_s, log=log, num_stages=world,
-                    handoff_target=handoff_targets, events=announcer,
-                )  # fmt: skip
-                engine = Engine(coordinator, vocab, watchdog,
-                                retain_finished=None if client is None else 10_000)  # fmt: skip
-                if client is None:
-                    feed = Feed(engine, specs, concurrency=c.concurrency, progress=c.progress,
-                                cancels=[(rid, after * c.time_scale) for rid, after in cancels],
-                                log=log)  # fmt: skip
-                    await coordinator.run(feed)
-                else:
-                    await _beside_the_runtime(coordinator, client, engine, watchdog)
-            else:
-                async with anyio.create_task_group() as inner:
-                    inner.start_soon(follow_rounds, plane, stage, mode)
-                    inner.start_soon(follow_waves, stage, inbound, outbound, done)
-            tg.cancel_scope.cancel()  # the run is over: stop watching signals
-    if publisher is not None:
-        publisher.close()
-    if interrupted:  # a second Ctrl-C or SIGTERM must not lose the record being written
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)
+    def __init__(self, c: RunConfig, world: int, setup: Setup, planes: Planes,
+                 parts: StageParts, announcer, watchdog: Watchdog | None,
+                 client: Callable[[Engine], Awaitable[None]] | None) -> None:  # fmt: skip
+        self.client = client
+        self.watchdog = watchdog
+        stage = parts.stage
+        self.coordinator = Coordinator(
+            RUNGS[c.rung], planes.rounds, stage, planes.outbound, planes.done,
+            _wave_planner(c, world, parts.executor, parts.policy), parts.mode,
+            min_capacity=setup.min_capacity, vocab_size=setup.vocab,
+            ring=c.ring or 2 * world, max_batch=c.max_batch, heartbeat_s=c.heartbeat_s,
+            log=log, num_stages=world, handoff_target=parts.handoff_targets,
+            events=announcer, retain_ended=None if client is None else RETAIN_ENDED,
+            timeline=bool(c.trace_out),
+        )  # fmt: skip
+        self.engine = Engine(self.coordinator, vocab_size=setup.vocab,
+                             min_capacity=setup.min_capacity, block_size=stage.block_size,
+                             kv_events=None if announcer is None else announcer.info,
+                             watchdog=watchdog)  # fmt: skip
+        self.feed = None
+        if client is None:
+            self.feed = Feed(self.engine, setup.specs, concurrency=c.concurrency,
+                             progress=c.progress, log=log,
+                             cancels=[(rid, after * c.time_scale)
+                                      for rid, after in setup.cancels])  # fmt: skip
 
-    # Leak check on every stage, gathered on rank 0 (locally only when interrupted:
-    # the planes may hold abandoned transfers).
+    async def run(self) -> None:
+        if self.feed is not None:
+            await self.coordinator.run(self.feed)
+        else:
+            await _beside_the_runtime(self.coordinator, self.client, self.engine,
+                                      self.watchdog)  # fmt: skip
+
+
+async def follow(planes: Planes, parts: StageParts) -> None:
+    """Ranks > 0: follow rank 0's rounds and run the waves it sends."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follow_rounds, planes.rounds, parts.stage, parts.mode)
+        tg.start_soon(follow_waves, parts.stage, planes.inbound, planes.outbound, planes.done)
+
+
+def stage_report(rank: int, parts: StageParts, interrupted: bool) -> StageReport:
+    """This stage's figures and its leak check (done locally only when interrupted: the
+    planes may hold abandoned transfers)."""
+    stage, book = parts.stage, parts.stage.book
     error = ""
     try:
         audit(book.cache)
-    except Exception as failure:  # reported, and fails the run below
+    except Exception as failure:  # reported, and fails the run
         error = str(failure)
     use = usage(book.cache)
-    memory = executor.memory_report()
+    memory = parts.executor.memory_report()
     if not use.balanced and not error and not interrupted:
         held = ", ".join(f"{rid} {claim}" for rid, claim in list(book.cache.claims.items())[:5])
         error = f"stage {rank} still holds claims at the end: {held}"
         log(error)
-    report = StageReport(
+    return StageReport(
         stage=rank, busy_s=stage.busy_s, first_start=stage.first_start or 0.0,
-        last_end=stage.last_end, num_waves=stage.num_waves, probe_us=book.probe_us[-4096:],
+        last_end=stage.last_end, num_waves=stage.num_waves, probe_us=list(book.probe_us),
         leases=use.num_leases, escrowed=use.num_escrowed, referenced=use.num_referenced,
         pending=use.num_pending, cached=use.num_cached, free=use.num_free,
         capacity=use.capacity, balanced=use.balanced and not error, error=error,
@@ -456,51 +483,115 @@ async def rank_main(
         kv_bytes=int(memory.get("kv_pool_bytes", 0)),
         snapshot_bytes=int(memory.get("snapshot_bytes", 0)),
     )  # fmt: skip
+
+
+def run_record(c: RunConfig, world: int, zero: RankZero, reports: list[StageReport],
+               setup: Setup, planes: Planes, parts: StageParts,
+               interrupted: int | None) -> dict:  # fmt: skip
+    """Rank 0's JSON record of the run."""
+    book, feed = zero.coordinator.run_book(), zero.feed
+    records = book.records
+    measure_start = feed.measure_start if feed else zero.engine.started_at
+    measure_end = (feed.measure_end if feed else None) or time.time()
+    simulated = parts.executor.simulated
+    record = summarize(
+        records, reports, measure_start=measure_start or measure_end, measure_end=measure_end,
+        round_seconds=book.round_seconds, num_rounds=book.num_rounds,
+        time_scale=c.time_scale, round_cpu_s=book.round_cpu_s,
+        simulated=simulated, config={**attrs.asdict(c), "stages": world,
+                                     "rounds_plane": planes.rounds.kind,
+                                     "data_plane": planes.data_kind,
+                                     "capacity_blocks": [r.capacity for r in reports],
+                                     **({} if feed else {"workload": "clients"})},
+    )  # fmt: skip
+    record["rejected"] = setup.rejected
+    record["handoff"] = book.handoff_totals  # requests by outcome
+    record["policy"] = parts.policy.describe()
+    record["pools_from"] = ("--capacity-blocks" if c.capacity_blocks.strip() not in ("", "0")
+                            else "device memory" if setup.pools else "workload")  # fmt: skip
+    # Of admitted requests, summed over rounds: agreed point below some stage's hit,
+    # lowest lease below the MIN of the probes, no common point in the first mask window.
+    record["admission_counters"] = book.counters.to_json()
+    if interrupted:
+        ended = sum(1 for r in records if r.done_at is not None and not r.spec.warmup)
+        total = len(feed.specs) - sum(1 for s in feed.specs if s.warmup) if feed else len(records)
+        record["interrupted"] = signal.Signals(interrupted).name
+        log(f"interrupted after {ended} of {total} requests")
+    if c.trace_out:
+        write_trace(c.trace_out, chrome_trace(reports, book.round_spans, simulated))
+        log(f"wrote timeline {c.trace_out}")
+    return record
+
+
+async def rank_main(
+    c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
+    client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
+) -> tuple[dict | None, int]:  # fmt: skip
+    planes = await open_planes(c, watchdog)
+    setup = await agree_setup(c, rank, world, planes.rounds, offline=client is None)
+    if setup is None:
+        return None, 2
+    parts = build_stage_parts(c, rank, world, setup, planes)
+    stage = parts.stage
+    # Every stage is ready (pools zeroed, layers compiled) before rank 0 admits anything:
+    # otherwise the run's first round waits out the slowest stage's start-up (2.2 s of a
+    # 9.9 s run at P = 2 with --compile), inside the measured time.
+    _, attention_only = await planes.rounds.all_min([1, int(not stage.has_recurrent)])
+    publisher = announcer = None
+    if rank == 0 and c.kv_events:
+        publisher, announcer = start_kv_events(c, world, parts.cache_log,
+                                               hybrid=not attention_only)  # fmt: skip
+    if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
+        watchdog.stats_fn = stage.figures
+    zero = (RankZero(c, world, setup, planes, parts, announcer, watchdog, client)
+            if rank == 0 else None)  # fmt: skip
+    interrupted: list[int] = []
+
+    def on_signal(signum: int) -> bool | None:
+        """Whether the signal ends the run now; None: it started a drain."""
+        if sigterm_drains and signum == signal.SIGTERM:
+            if zero is not None and not (watchdog is not None and watchdog.fatal):
+                log("SIGTERM: draining (no new requests; the running ones finish)")
+                zero.engine.drain()
+            return None
+        interrupted.append(signum)
+        return True
+
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_watch_signals, watchdog, on_signal, scope)
+            if stage.handoffs is not None:
+                tg.start_soon(stage.handoffs.run)
+            await (zero.run() if zero is not None else follow(planes, parts))
+            tg.cancel_scope.cancel()  # the run is over: stop watching signals
+    if publisher is not None:
+        publisher.close()
+    if interrupted:  # a second Ctrl-C or SIGTERM must not lose the record being written
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+    # Leak check on every stage, gathered on rank 0.
+    report = stage_report(rank, parts, bool(interrupted))
     if interrupted:
         status = 128 + interrupted[0]
         log(f"interrupted by {signal.Signals(interrupted[0]).name}; stage {rank} holds "
-            f"{use.num_leases} leases, {use.num_escrowed} escrowed and {use.num_pending} "
+            f"{report.leases} leases, {report.escrowed} escrowed and {report.pending} "
             f"pending blocks")  # fmt: skip
         if rank != 0:
             return None, status
         reports = [report]
     else:
-        gathered = await plane.gather(encode(report))
+        gathered = await planes.rounds.gather(encode(report))
         if rank != 0:
             return None, 0 if report.balanced else 1
         reports = [decode_untrusted(raw, StageReport) for raw in gathered]
         status = 0 if all(r.balanced for r in reports) else 1
-    records = list(coordinator.records.values()) + coordinator.intake.rejected
-    measure_start = feed.measure_start if feed else engine.started_at
-    measure_end = (feed.measure_end if feed else None) or time.time()
-    record = summarize(
-        records, reports, measure_start=measure_start or measure_end, measure_end=measure_end,
-        round_seconds=coordinator.admitter.round_seconds, time_scale=c.time_scale,
-        round_cpu_s=coordinator.admitter.round_cpu_s,
-        simulated=executor.simulated, config={**attrs.asdict(c), "stages": world,
-                                              "rounds_plane": plane.kind,
-                                              "data_plane": planes.data_kind,
-                                              "capacity_blocks": [r.capacity for r in reports],
-                                              **({} if feed else {"workload": "clients"})},
-    )  # fmt: skip
-    record["rejected"] = rejected
-    record["handoff"] = dict(coordinator.intake.handoff_totals)  # requests by outcome
-    record["policy"] = policy.describe()
-    record["pools_from"] = ("--capacity-blocks" if c.capacity_blocks.strip() not in ("", "0")
-                            else "device memory" if pools else "workload")  # fmt: skip
-    # Of admitted requests, summed over rounds: agreed point below some stage's hit,
-    # lowest lease below the MIN of the probes, no common point in the first mask window.
-    record["admission_counters"] = coordinator.admitter.counters.to_json()
-    if interrupted:
-        ended = sum(1 for r in records if r.done_at is not None and not r.spec.warmup)
-        total = len(feed.specs) - sum(1 for s in feed.specs if s.warmup) if feed else len(records)
-        record["interrupted"] = signal.Signals(interrupted[0]).name
-        log(f"interrupted after {ended} of {total} requests")
-    if c.trace_out:
-        write_trace(c.trace_out, chrome_trace(reports, coordinator.admitter.round_spans,
-                                              executor.simulated))  # fmt: skip
-        log(f"wrote timeline {c.trace_out}")
+    record = run_record(c, world, zero, reports, setup, planes, parts,
+                        interrupted[0] if interrupted else None)  # fmt: skip
     return record, status
+
+
+RETAIN_ENDED = 10_000  # a server: ended requests whose ids stay taken (wavepp.ids.ID_RULE)
 
 
 FAULT_GRACE_S = 2.0  # how long a client may answer its callers once the runtime failed
@@ -537,12 +628,6 @@ def _reason(error: BaseException) -> str:
     while leaves and isinstance(leaves[0], BaseExceptionGroup):
         leaves = list(leaves[0].exceptions)
     return "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(error)
-
-
-def _stage_figures(stage: Stage) -> dict[str, float]:
-    use = usage(stage.book.cache)  # a value: safe to read from the watchdog's thread
-    return {"busy_s": stage.busy_s, "cached": use.num_cached, "free": use.num_free,
-            "capacity": use.capacity}  # fmt: skip
 
 
 def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePlanner:

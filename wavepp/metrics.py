@@ -29,9 +29,10 @@ def _deadline_met(record) -> bool | None:
 def summarize(
     records: Sequence, reports: Sequence[StageReport], *, measure_start: float,
     measure_end: float, round_seconds: Sequence[float], time_scale: float, simulated: bool,
-    config: dict, round_cpu_s: Sequence[float] = (),
+    config: dict, round_cpu_s: Sequence[float] = (), num_rounds: int | None = None,
 ) -> dict:  # fmt: skip
-    """Figures in simulated seconds where the executor is simulated (real / time_scale)."""
+    """Figures in simulated seconds where the executor is simulated (real / time_scale).
+    ``round_seconds``: the recent rounds' times, of ``num_rounds`` (default: as many)."""
     measured = [r for r in records if not r.spec.warmup]
     ok = [r for r in measured if r.error is None and r.done_at is not None]
     unfinished = [r for r in measured if r.done_at is None]  # an interrupted run
@@ -75,7 +76,7 @@ def summarize(
         "admission_p99_ms": (_p(round_seconds, 99) or 0.0) * 1e3 if round_seconds else None,
         "admission_cpu_p50_ms": _p(round_cpu_s, 50) * 1e3 if round_cpu_s else None,
         "admission_cpu_p99_ms": _p(round_cpu_s, 99) * 1e3 if round_cpu_s else None,
-        "admission_rounds": len(round_seconds),
+        "admission_rounds": len(round_seconds) if num_rounds is None else num_rounds,
         "makespan_s": span,
         "measured_requests": len(measured),
         # how the measured requests that did not finish ended, each counted once

@@ -44,8 +44,8 @@ class Pipeline:
             executor = TorchExecutor(modules, capacity, block_size)
             recurrent = any(cfg.kind(i) == "L" for i in layers)
             book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
-            self.stages.append(Stage(s, book, executor, block_size, snapshot_interval, recurrent,
-                                     self.tokens.__getitem__ if s == 0 else None))  # fmt: skip
+            self.stages.append(Stage(s, book, executor, block_size, snapshot_interval,
+                                     recurrent))  # fmt: skip
         self.wave_id = 0
 
     def admit(self, rid: str, tokens: np.ndarray) -> int:
@@ -92,8 +92,9 @@ class Pipeline:
                           [ChunkMsg(c.request_id, c.start, c.end, c.num_tokens, False)
                            for c in wave.chunks])  # fmt: skip
             x = None
-            for st in self.stages:
-                output, _ = anyio.run(st.execute, msg, x)
+            prompts = {c.request_id: self.tokens[c.request_id] for c in wave.chunks}
+            for st in self.stages:  # stage 0 embeds the prompts, the others take activations
+                output, _ = anyio.run(st.execute, msg, x, prompts if st.index == 0 else None)
                 x = output.activations
             firsts.update(output.results)
         return {rid: (points[rid], firsts[rid][0]) for rid, _ in requests}

@@ -16,7 +16,8 @@ from tests.fake_engine import FakeEngine
 from wavepp.metrics import summarize
 from wavepp.policy import EDF, POLICIES, Policy, load_policy
 from wavepp.runtime.intake import Intake
-from wavepp.runtime.records import RequestRejected, Signal
+from wavepp.runtime.records import RequestRejected
+from wavepp.runtime.table import RequestTable
 from wavepp.serve.api import ApiError, parse_completion, parse_prefill, result_body
 from wavepp.serve.app import build_app
 from wavepp.serve.prom import ServerMetrics, parse_exposition, sample
@@ -29,8 +30,27 @@ def spec(rid: str, deadline_s: float | None = None, warmup: bool = False) -> Req
     return RequestSpec(rid, np.arange(8, dtype=np.int32), warmup, 0, deadline_s=deadline_s)
 
 
-def intake(order: str) -> Intake:
-    return Intake(4, 1000, None, Signal(), lambda line: None, queue_order=order)
+class Book:
+    """The intake and the request table it queues into (rank 0's side, no runtime)."""
+
+    def __init__(self, order: str) -> None:
+        self.table = RequestTable(lambda line: None, queue_order=order)
+        self.intake = Intake(self.table, 4, 1000, None)
+        self.records = {}  # every submitted record, by id
+
+    def submit(self, spec: RequestSpec) -> None:
+        self.records[spec.request_id] = self.intake.submit(spec)
+
+    def run_to_end(self, rid: str) -> None:
+        """Admit it, start it, and let its first token come back."""
+        self.table.waiting.remove(rid)
+        self.table.admitted(rid, self.records[rid].released_at)
+        self.table.started(rid, self.records[rid].released_at)
+        self.table.finish(rid, 0, 7, 1.0)
+
+
+def intake(order: str) -> Book:
+    return Book(order)
 
 
 def run(fn) -> None:
@@ -62,7 +82,7 @@ def test_intake_queues_by_the_policy_order(order, expected):
         book = intake(order)
         for rid, due in [("a", None), ("b", 50.0), ("c", 10.0), ("d", None)]:
             book.submit(spec(rid, due))
-        assert book.waiting.head() == expected
+        assert book.table.waiting.head() == expected
 
     run(main)
 
@@ -75,17 +95,18 @@ def test_results_say_whether_the_deadline_was_met():
             book.submit(spec(rid, due))
         book.records["late"].released_at -= 10.0  # submitted 10 s ago: its 1 s has passed
         for rid in ("in-time", "late", "none"):
-            book.waiting.remove(rid)
-            book.finish(rid, 0, 7, 1.0)
-        book.waiting.remove("gone")
-        book.settle_cancel("gone")
-        book.waiting.remove("broke")
-        book.fail("broke", "rank 1 died")
+            book.run_to_end(rid)
+        book.table.waiting.remove("gone")
+        book.table.ask_cancel("gone", "cancelled")
+        book.table.settle_cancel("gone")
+        book.table.waiting.remove("broke")
+        book.table.fail("broke", "rank 1 died")
         results = {rid: book.records[rid].result() for rid in book.records}
         assert {rid: r.deadline_met for rid, r in results.items()} == {
             "in-time": True, "late": False, "none": None, "gone": False, "broke": False}
         assert results["in-time"].deadline_s == 60.0 and results["none"].deadline_s is None
-        assert (book.with_deadline, book.deadlines_met) == (4, 1)
+        assert (book.table.with_deadline, book.table.deadlines_met) == (4, 1)
+        assert book.table.num_unfinished == 0 and not book.table.get("late")
         assert results["late"].to_json()["deadline_met"] is False
 
     run(main)
@@ -97,7 +118,8 @@ def test_a_bad_deadline_is_rejected_and_leaves_no_trace(bad):
         book = intake("edf")
         with pytest.raises(RequestRejected, match="deadline_s must be a number of seconds"):
             book.submit(spec("a", bad))
-        assert "a" not in book.records and not book.waiting and book.num_unfinished == 0
+        assert not book.table.taken("a") and not book.table.waiting
+        assert book.table.num_unfinished == 0
         book.submit(spec("a", 1))  # the id is still free; an int is a number of seconds
 
     run(main)
@@ -207,10 +229,7 @@ def test_record_reports_slo_attainment():
             book.submit(spec(rid, due, warm))
         book.records["b"].released_at -= 10.0
         for rid in ("w", "a", "b", "c"):
-            book.waiting.remove(rid)
-            book.finish(rid, 0, 1, 1.0)
-        for record in book.records.values():
-            record.admitted_at = record.released_at
+            book.run_to_end(rid)
         # "d" never ended (an interrupted run): missed
         record = summarize(list(book.records.values()), [], measure_start=0.0, measure_end=1.0,
                            round_seconds=[], time_scale=1.0, simulated=True, config=CONFIG)

@@ -373,8 +373,9 @@ def main(argv: list[str] | None = None) -> None:
                    "in alternating order (default 3)")  # fmt: skip
     p.add_argument("--budget", type=int, help="WavePP --budget (default: WavePP's own)")
     p.add_argument("--block-size", type=int, help="WavePP --block-size (default: WavePP's own)")
-    p.add_argument("--cores", type=int, help="WavePP --threads: P=1 with this many, P=2 with "
-                   "half each (default: WavePP's own, the node's cores over its ranks)")  # fmt: skip
+    p.add_argument("--cores", type=int,
+                   help="WavePP --threads: P=1 with this many, P=2 with half each (default: "
+                   "WavePP's own, the node's cores over its ranks)")  # fmt: skip
     p.add_argument("--stage", action="store_true",
                    help="also time the row's waves on one bare stage, no runtime")  # fmt: skip
     p.add_argument("--compile", action="store_true",

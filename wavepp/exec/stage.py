@@ -1,14 +1,15 @@
 """One pipeline stage's execution side (the LOOP of DESIGN §3), minus the transport.
 
-``Stage.execute`` takes a wave descriptor and incoming activations, applies the cache
-effects the reducers decide — materialize just before first use, publish computed
-blocks, release finished requests — and runs the executor in between.
+``Stage.execute`` takes a wave descriptor and incoming activations (on stage 0: the
+wave's prompts, from rank 0's request table), applies the cache effects the reducers
+decide — materialize just before first use, publish computed blocks, release finished
+requests — and runs the executor in between.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
 import anyio
 import attrs
@@ -30,7 +31,7 @@ from wavepp.rounds.messages import (
     WaveMsg,
     unpack_hashes,
 )
-from wavepp.state import RequestId, block_table, num_blocks_for, resume_slot
+from wavepp.state import RequestId, block_table, num_blocks_for, resume_slot, usage
 
 
 @attrs.frozen
@@ -53,18 +54,18 @@ class Stage:
         block_size: int,
         snapshot_interval: int,
         has_recurrent: bool,
-        tokens_of: Callable[[RequestId], np.ndarray] | None = None,
         policy: Policy = DEFAULT,
         handoff: HandoffSettings | None = None,
         cache_log: StageLog | None = None,
+        record_spans: bool = False,
     ) -> None:
+        """``record_spans``: keep every wave's span, for the timeline (--trace-out)."""
         self.index = index
         self.book = book
         self.executor = executor
         self.block_size = block_size
         self.snapshot_interval = snapshot_interval
         self.has_recurrent = has_recurrent
-        self.tokens_of = tokens_of  # stage 0 of the torch executor: a request's token ids
         self.policy = policy  # every cache effect below goes through its reducers
         self.requests: dict[RequestId, Admitted] = {}
         self._arrivals: dict[RequestId, anyio.Event] = {}
@@ -72,7 +73,7 @@ class Stage:
         self.first_start: float | None = None
         self.last_end = 0.0
         self.num_waves = 0
-        self.spans: list[Span] | None = None  # set to a list to record the timeline
+        self.spans: list[Span] | None = [] if record_spans else None  # the timeline
         self.last_wave_s = 0.0  # wall seconds of the last wave executed here
         # Requests that ended here and whose band is on its way: their claims stay held
         # (blocks leased and referenced) until the sender settles them (docs/handoff.md).
@@ -129,13 +130,28 @@ class Stage:
         if self.cache_log is not None and evicted:
             self.cache_log.evicted(evicted)
 
+    def figures(self) -> dict[str, float]:
+        """Busy seconds and the pool's blocks, for metrics (the cache is a value: safe to
+        read from the watchdog's thread)."""
+        use = usage(self.book.cache)
+        return {"busy_s": self.busy_s, "cached": use.num_cached, "free": use.num_free,
+                "capacity": use.capacity}  # fmt: skip
+
+    def sizes(self) -> dict[str, int]:
+        """How many entries this stage's per-request books hold."""
+        return {"stage_requests": len(self.requests), "stage_arrivals": len(self._arrivals),
+                "stage_handing_off": len(self.handing_off),
+                "stage_probe_us": len(self.book.probe_us),
+                "stage_refusals": len(self.book.refusals)}  # fmt: skip
+
     def take_cache_report(self) -> CacheReport | None:
         """This stage's cache changes since the last report (None without --kv-events)."""
         return None if self.cache_log is None else self.cache_log.take(self.book.cache)
 
     # -- handoff ------------------------------------------------------------------
 
-    def _hand_off(self, work: ChunkWork, admitted: Admitted, output: StageOutput) -> None:
+    def _hand_off(self, work: ChunkWork, admitted: Admitted, output: StageOutput,
+                  prompt: np.ndarray | None) -> None:  # fmt: skip
         rid = work.request_id
         token, logit = output.results.get(rid, (-1, 0.0))
         states = self.executor.take_final(rid) if self.has_recurrent else {}
@@ -143,7 +159,7 @@ class Stage:
         self.handoffs.submit(BandJob(
             request_id=rid, target=admitted.offer.handoff, num_tokens=work.num_tokens,
             block_table=work.block_table, states=states,
-            tokens=self.tokens_of(rid) if self.tokens_of is not None else None,
+            tokens=prompt,
             first_token=token, top_logit=logit,
         ))  # fmt: skip
 
@@ -159,7 +175,8 @@ class Stage:
 
     # -- execution side -----------------------------------------------------------
 
-    def _prepare(self, chunk: ChunkMsg, admitted: Admitted) -> ChunkWork:
+    def _prepare(self, chunk: ChunkMsg, admitted: Admitted,
+                 prompt: np.ndarray | None) -> ChunkWork:  # fmt: skip
         bs, p = self.block_size, self.policy
         rid = chunk.request_id
         claim = self.book.cache.claims[rid]
@@ -190,9 +207,6 @@ class Stage:
             if resume is None:
                 raise ProtocolError(f"stage {self.index}: no snapshot to resume {rid!r} at "
                                     f"token {chunk.start}")  # fmt: skip
-        tokens = None
-        if self.tokens_of is not None:
-            tokens = self.tokens_of(rid)[chunk.start : chunk.end]
         return ChunkWork(
             request_id=rid,
             start=chunk.start,
@@ -203,12 +217,13 @@ class Stage:
             free=chunk.free,
             snapshot_slots=snaps.slots,
             resume_slot=resume,
-            tokens=tokens,
+            tokens=None if prompt is None else prompt[chunk.start : chunk.end],
             handoff=(self.handoffs is not None and bool(admitted.offer.handoff)
                      and chunk.end == chunk.num_tokens),
         )
 
-    def _publish(self, work: ChunkWork, output: StageOutput) -> None:
+    def _publish(self, work: ChunkWork, output: StageOutput,
+                 prompt: np.ndarray | None) -> None:  # fmt: skip
         admitted = self.requests[work.request_id]
         p = self.policy
         end_blocks = work.end // self.block_size
@@ -216,22 +231,26 @@ class Stage:
         self.book.cache = p.publish(before, work.request_id, admitted.offer.hashes,
                                     end_blocks)  # fmt: skip
         if self.cache_log is not None:
-            tokens = self.tokens_of(work.request_id) if self.tokens_of is not None else None
             self.cache_log.published(before, self.book.cache, admitted.offer.hashes,
                                      before.claims[work.request_id].held(), end_blocks,
-                                     tokens, self.block_size)  # fmt: skip
+                                     prompt, self.block_size)  # fmt: skip
         if work.is_last:
             if work.handoff and self.handoffs is not None:
-                self._hand_off(work, admitted, output)  # released when its band has ended
+                self._hand_off(work, admitted, output, prompt)  # released when its band ended
             else:
                 self.book.cache = p.release(self.book.cache, work.request_id)
             del self.requests[work.request_id]
             self._arrivals.pop(work.request_id, None)
 
     async def execute(
-        self, wave: WaveMsg, activations: torch.Tensor | None
+        self, wave: WaveMsg, activations: torch.Tensor | None,
+        prompts: Mapping[RequestId, np.ndarray] | None = None,
     ) -> tuple[StageOutput, list[tuple[RequestId, int]]]:
-        """Run one wave on this stage; returns the output and (request, cached tokens) ended."""
+        """Run one wave on this stage; returns the output and (request, cached tokens) ended.
+
+        ``prompts``: stage 0's input, each chunk's request's token ids (the whole prompt:
+        the chunk's slice is embedded, the whole is handed on and published with KV
+        events); None on the other stages, which take ``activations``."""
         if wave.oracle and self.index != 0:  # rank 0 decided them on its own cache
             self.apply_oracle(wave.oracle)
         works = []
@@ -244,7 +263,7 @@ class Stage:
                 waited += time.perf_counter() - w0
             else:
                 admitted = self.requests[chunk.request_id]
-            works.append(self._prepare(chunk, admitted))
+            works.append(self._prepare(chunk, admitted, _prompt(prompts, chunk.request_id)))
         started = time.time()
         if not works:  # a wave that only carries cancels
             for rid in wave.cancels:
@@ -262,7 +281,7 @@ class Stage:
                 ended.append(
                     (work.request_id, self.requests[work.request_id].point * self.block_size)
                 )
-            self._publish(work, output)
+            self._publish(work, output, _prompt(prompts, work.request_id))
         for rid in wave.cancels:  # none of their chunks come after this wave
             self.drop(RequestId(rid))
         # This stage's whole time on the wave — cache effects, executor, publishing; not
@@ -274,3 +293,7 @@ class Stage:
             self.last_end = time.time()
             self.num_waves += 1
         return output, ended
+
+
+def _prompt(prompts: Mapping[RequestId, np.ndarray] | None, rid: RequestId) -> np.ndarray | None:
+    return None if prompts is None else prompts[rid]

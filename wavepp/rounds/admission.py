@@ -33,6 +33,7 @@ the oracle, the parity harness and the property suite use it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -460,7 +461,7 @@ class StageBook:
 
     def __init__(self, cache: StageCache) -> None:
         self.cache = cache
-        self.probe_us: list[float] = []
+        self.probe_us: deque[float] = deque(maxlen=4096)  # recent hint-probe latencies
         self.refusals: dict[RequestId, int] = {}  # rounds each waiting offer was refused
 
 

@@ -10,21 +10,35 @@ from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.feed import Feed
 from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.intake import Intake
+from wavepp.runtime.pace import Pace
 from wavepp.runtime.planning import WavePlanner
-from wavepp.runtime.records import ProtocolError, Record, RequestRejected, Result, Signal
+from wavepp.runtime.records import (
+    ProtocolError,
+    Record,
+    RequestRejected,
+    Result,
+    Signal,
+    Status,
+    StatusError,
+)
 from wavepp.runtime.stage_zero import StageZero
+from wavepp.runtime.table import RequestTable
 
 __all__ = [
     "Admitter",
     "Coordinator",
     "Feed",
     "Intake",
+    "Pace",
     "ProtocolError",
     "Record",
     "RequestRejected",
+    "RequestTable",
     "Result",
     "Signal",
     "StageZero",
+    "Status",
+    "StatusError",
     "WavePlanner",
     "follow_rounds",
     "follow_waves",

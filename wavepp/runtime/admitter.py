@@ -6,8 +6,8 @@
 - ``FREE`` (oracle): rank 0 decides alone, without collectives and without charging
   their time; the decisions ride with the next wave to every stage.
 
-A refused head blocks admission until a request that held room ends (the intake's
-``capacity_epoch`` moves): rounds are not re-run when nothing could have changed.
+A refused head blocks admission until a request that held room ends (the request
+table's ``capacity_epoch`` moves): rounds are not re-run when nothing could have changed.
 
 In-flight prefix sharing (DESIGN §4b): a queued request whose leading blocks an
 admitted request (or one offered earlier in the same round) is computing, beyond what
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import anyio
 
@@ -45,11 +47,27 @@ from wavepp.rounds.messages import (
 )
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import Admission, Rung
-from wavepp.runtime.intake import Intake
+from wavepp.runtime.table import RequestTable
 from wavepp.state import RequestId, attention_hit, empty_inflight, inflight, num_blocks_for
 
 MISS_REASONS = ("no snapshot near the hit", "evicted", "in flight and not waited for",
                 "stages disagreed", "cancelled")  # fmt: skip
+
+
+HISTORY = 4096  # rounds whose times are kept (a server runs for weeks)
+
+
+class Pacing(Protocol):
+    """How long admitted work would take (``wavepp.runtime.pace.Pace``)."""
+
+    def recompute_s(self, tokens: int, prefix: int, ahead: Sequence[tuple[int, int]]) -> float:
+        """Seconds until a request admitted now would have computed ``tokens`` after
+        ``prefix`` itself, behind the work ``ahead`` of it."""
+        ...
+
+    def work_ahead(self) -> list[tuple[int, int]]:
+        """(tokens, prefix) of the admitted work not yet planned."""
+        ...
 
 
 def _entry(offer: Offer) -> AdmitEntry:
@@ -59,27 +77,34 @@ def _entry(offer: Offer) -> AdmitEntry:
 
 class Admitter:
     def __init__(
-        self, rung: Rung, plane: RoundsPlane, stage: Stage, intake: Intake,
-        mode: RoundMode, max_batch: int, heartbeat_s: float,
-        on_admitted: Callable[[RequestId, int], None],
+        self, rung: Rung, plane: RoundsPlane, stage: Stage, table: RequestTable,
+        mode: RoundMode, max_batch: int, heartbeat_s: float, pacing: Pacing,
+        on_admitted: Callable[[RequestId, int], None], timeline: bool = False,
     ) -> None:  # fmt: skip
+        """``pacing``: whether waiting for a producer beats recomputing (0 s: never
+        wait). ``on_admitted(request, agreed point in blocks)``: plan it. ``timeline``:
+        keep every round's span for ``--trace-out``."""
         self.rung = rung
         self.plane = plane
         self.stage = stage
-        self.intake = intake
+        self.table = table
         self.mode = mode  # the rung's reservation mode and the policy in use
         self.max_batch = max_batch
         self.heartbeat_s = heartbeat_s
-        self.on_admitted = on_admitted  # (request, agreed point in blocks): plan it
+        self.pacing = pacing
+        self.on_admitted = on_admitted
         self.in_round: set[RequestId] = set()  # offered to the round under way
         self.refused_at_epoch: int | None = None  # blocked until the capacity epoch moves
         self.oracle_admits: list[OracleAdmit] = []  # FREE: to ride with the next wave
         self.round_id = 0
-        self.round_seconds: list[float] = []  # wall seconds of each round
-        self.round_cpu_s: list[float] = []  # rank 0's CPU seconds in each round's own steps
-        self.round_spans: list[tuple[float, float, int]] = []  # (start, end, requests) wall
+        self.num_rounds = 0  # admission rounds over the run
+        self.round_seconds: deque[float] = deque(maxlen=HISTORY)  # wall seconds, recent rounds
+        self.round_cpu_s: deque[float] = deque(maxlen=HISTORY)  # rank 0's CPU seconds in
+        #                                                   recent rounds' own steps
+        self._recent_spans: deque[float] = deque(maxlen=16)  # wall seconds, broadcast
+        #                                           included, of recent rounds but the first
+        self.timeline: list[tuple[float, float, int]] | None = [] if timeline else None
         self.counters = RoundCounters()  # disagreements, roll-backs, fallbacks: summed
-        self.stopping = False
         # Producers (admitted or offered, unfinished) and the queued requests waiting for
         # their blocks: a prefix among the producers' blocks is being computed.
         self.inflight = empty_inflight()
@@ -88,13 +113,6 @@ class Admitter:
         # within what recomputing its whole prefix would take.
         self.waited: dict[RequestId, int] = {}
         self.num_waits = 0  # requests held back for a producer, over the run
-        # (tokens, prefix tokens, (tokens, prefix) of the work planned before it) ->
-        # seconds the request would take to compute them itself if admitted now, and the
-        # admitted work not yet planned; stage 0's LOOP installs both. 0: never wait.
-        self.recompute_s: Callable[[int, int, Sequence[tuple[int, int]]], float] = (
-            lambda tokens, prefix, ahead: 0.0
-        )
-        self.work_ahead: Callable[[], list[tuple[int, int]]] = list
         # waiter -> (when it started waiting, the recompute it was weighed against): at
         # its deadline the estimate is redone with what has been measured since
         self._wait_basis: dict[RequestId, tuple[float, int, int, list[tuple[int, int]]]] = {}
@@ -103,14 +121,35 @@ class Admitter:
     # -- shared by every mode ---------------------------------------------------------
 
     def blocked(self) -> bool:
-        return self.refused_at_epoch == self.intake.capacity_epoch
+        return self.refused_at_epoch == self.table.capacity_epoch
+
+    def sizes(self) -> dict[str, int]:
+        """How many entries each of the admitter's books holds."""
+        return {"admitter_round_seconds": len(self.round_seconds),
+                "admitter_round_cpu_s": len(self.round_cpu_s),
+                "admitter_timeline": len(self.timeline or ()),
+                "admitter_in_round": len(self.in_round),
+                "admitter_oracle_admits": len(self.oracle_admits),
+                "admitter_producers": len(self.inflight.producers),
+                "admitter_waits": len(self.inflight.waits),
+                "admitter_waited": len(self.waited),
+                "admitter_seen": len(self._seen_here)}  # fmt: skip
+
+    def _forget_ended(self) -> None:
+        """Requests that ended (done, cancelled, failed, rejected) no longer compute their
+        blocks: requests waiting for them may go."""
+        for rid in self.table.take_ended():
+            self.inflight = inflight.end(self.inflight, rid)
+            self.waited.pop(rid, None)
+            self._wait_basis.pop(rid, None)
 
     def ready(self) -> bool:
         """Some queued request may be offered now (not only requests held back)."""
-        if not self.intake.waiting or self.blocked():
+        self._forget_ended()
+        if not self.table.waiting or self.blocked():
             return False
         waits = self.inflight.waits
-        if len(self.intake.waiting) > len(waits):
+        if len(self.table.waiting) > len(waits):
             return True
         now = time.monotonic()
         self._revise(now)
@@ -124,13 +163,14 @@ class Admitter:
         prompts costs each plan no more than 64 probes."""
         if self.blocked():
             return []
+        self._forget_ended()
         cache, bs, out, tokens = self.stage.book.cache, self.mode.block_size, [], 0
-        for rid in self.intake.waiting.head(min(self.max_batch, 64)):
+        for rid in self.table.waiting.head(min(self.max_batch, 64)):
             if tokens >= enough_tokens:
                 break
             if rid in self.inflight.waits:
                 continue
-            offer = self.intake.records[rid].offer
+            offer = self.table[rid].offer
             start = self.mode.policy.probe(cache, offer.hashes, offer.probe_limit) * bs
             out.append(Pending(rid, start, offer.num_tokens))
             tokens += offer.num_tokens - start
@@ -141,11 +181,11 @@ class Admitter:
         long a waiting request takes to reach the planner. The run's first round is left
         out — it pays the rounds plane's first use (over Gloo, 1.5-3x a later one here) —
         so this is 0 until a second round has run."""
-        spans = self.round_spans[1:][-16:]
-        return statistics.median(end - start for start, end, _ in spans) if spans else 0.0
+        return statistics.median(self._recent_spans) if self._recent_spans else 0.0
 
     def next_deadline(self) -> float | None:
         """When the earliest held-back request may go whatever its producer does."""
+        self._forget_ended()
         self._revise(time.monotonic())
         times = (inflight.deadline(self.inflight, rid) for rid in self.inflight.waits)
         return min((t for t in times if t is not None), default=None)
@@ -160,7 +200,7 @@ class Admitter:
             if at is None or at > now or rid not in self._wait_basis:
                 continue
             began, tokens, prefix, ahead = self._wait_basis[rid]
-            again = began + self.mode.policy.in_flight_wait * self.recompute_s(
+            again = began + self.mode.policy.in_flight_wait * self.pacing.recompute_s(
                 tokens, prefix, ahead
             )
             if again > at:
@@ -178,8 +218,8 @@ class Admitter:
         if producer is None or shared <= local:
             return False
         bs = self.mode.block_size
-        ahead = [*self.work_ahead(), *ahead]
-        budget_s = factor * self.recompute_s((shared - local) * bs, local * bs, ahead)
+        ahead = [*self.pacing.work_ahead(), *ahead]
+        budget_s = factor * self.pacing.recompute_s((shared - local) * bs, local * bs, ahead)
         if budget_s <= 0:
             return False
         self.inflight = inflight.start_wait(self.inflight, rid, producer, shared, now + budget_s)
@@ -192,7 +232,7 @@ class Admitter:
         """(producer, shared, published): the live producer holding the longest prefix
         ``rid`` shares, how many blocks that is, and how many of them are published
         everywhere or were already waited for (never again); ``(None, 0, 0)`` if none."""
-        offer = self.intake.records[rid].offer
+        offer = self.table[rid].offer
         producer, shared = inflight.shared_prefix(self.inflight, offer.hashes, offer.probe_limit)
         if producer is None:
             return None, 0, 0
@@ -213,13 +253,14 @@ class Admitter:
         ahead: list[tuple[int, int]] = []  # (tokens, prefix) the batch so far will compute
         cache, now = self.stage.book.cache, time.monotonic()
         bs = self.mode.block_size
+        self._forget_ended()
         self._revise(now)
         # Under FCFS nothing after a refusal is admitted, so the batch ends with the first
         # offer that cannot fit rank 0's backable room even at its attention hit (it is
         # refused and blocks until room is freed): the rest would be probed, leased and
         # released for nothing (``rounds.admission.worth_offering``).
         room = cache.num_backable if self.mode.policy.escrow_order.first_come_first_served else None
-        for rid in self.intake.waiting.head():
+        for rid in self.table.waiting.head():
             if len(batch) >= limit or (room is not None and room < 0):
                 break
             if rid in self.inflight.waits:
@@ -227,7 +268,7 @@ class Admitter:
                     continue
                 self.inflight = inflight.stop_wait(self.inflight, rid)
                 self._wait_basis.pop(rid, None)
-            o = self.intake.records[rid].offer
+            o = self.table[rid].offer
             local = self.mode.policy.probe(cache, o.hashes, o.probe_limit)
             if self._holds_back(rid, now, ahead):
                 continue
@@ -243,14 +284,14 @@ class Admitter:
             hit = attention_hit(cache, o.hashes, o.probe_limit)
             if room is not None:
                 room -= num_blocks_for(o.num_tokens, bs) - hit
-            if self.intake.records[rid].spec.expected_reuse > 0:
+            if self.table[rid].spec.expected_reuse > 0:
                 self._seen_here[rid] = (hit, local)  # rank 0's own view, to explain a miss
         self.in_round.update(batch)
-        return [self.intake.records[rid].offer for rid in batch], self.intake.capacity_epoch
+        return [self.table[rid].offer for rid in batch], self.table.capacity_epoch
 
     def _explain(self, rid: RequestId, point: int) -> str | None:
         """Why a request expecting reuse got less than 80% of it (rank 0's view), or None."""
-        record = self.intake.records[rid]
+        record = self.table[rid]
         seen = self._seen_here.pop(rid, None)
         expected = record.spec.expected_reuse // self.mode.block_size
         if seen is None or point >= 0.8 * expected:
@@ -266,22 +307,17 @@ class Admitter:
             return "no snapshot near the hit"
         return "evicted"
 
-    def ended(self, rid: RequestId) -> None:
-        """A request ended (done, cancelled, failed, rejected): its blocks are no longer
-        being computed, and requests waiting for them may go."""
-        self.inflight = inflight.end(self.inflight, rid)
-        self.waited.pop(rid, None)
-        self._wait_basis.pop(rid, None)
-
     def progress(self, rid: RequestId, end_token: int) -> None:
         """A chunk of ``rid`` ending at ``end_token`` left the last stage: its blocks are
         published on every stage."""
+        self._forget_ended()
         self.inflight = inflight.progress(self.inflight, rid, end_token // self.mode.block_size)
 
     def sending(self, rid: RequestId, start_token: int, end_token: int) -> list[int]:
         """A chunk of ``rid`` enters the pipeline: the block counts in it where requests
         waiting for ``rid`` branch off (recurrent stages save snapshots there)."""
         bs = self.mode.block_size
+        self._forget_ended()
         self.inflight = inflight.sent(self.inflight, rid, end_token // bs)
         return list(inflight.junctions(self.inflight, rid, start_token // bs, end_token // bs))
 
@@ -292,27 +328,26 @@ class Admitter:
         not a prefix of the round (only FCFS's cut is); every refusal blocks further
         rounds until room is freed."""
         now = time.time()
+        self._forget_ended()  # requests that ended while the round ran
         self.in_round.clear()
         taken = [o.request_id for o, ok in zip(offers, admitted, strict=True) if ok]
         if len(taken) < len(offers):
             self.refused_at_epoch = epoch
-        self.intake.waiting.pop_admitted(taken)
+        self.table.waiting.pop_admitted(taken)
         for offer, ok, point in zip(offers, admitted, points, strict=True):
             if not ok:
                 self._seen_here.pop(offer.request_id, None)
                 self.inflight = inflight.end(self.inflight, offer.request_id)  # frees waiters
                 continue
-            record = self.intake.records[offer.request_id]
-            record.admitted_at, record.status = now, "admitted"
-            record.miss_reason = self._explain(offer.request_id, point)
+            self.table.admitted(offer.request_id, now, self._explain(offer.request_id, point))
             self.inflight = inflight.add_producer(self.inflight, offer.request_id, offer.hashes,
                                                   done=point)  # fmt: skip
             self.on_admitted(offer.request_id, point)
-        for rid in self.intake.waiting.head():  # cancelled while offered, and refused
-            if self.intake.records[rid].cancelled:
-                self.intake.waiting.remove(rid)
-                self.intake.settle_cancel(rid)
-        self.intake.changed.notify()
+        for rid in self.table.waiting.head():  # cancelled while offered, and refused
+            if self.table[rid].cancelled:
+                self.table.waiting.remove(rid)
+                self.table.settle_cancel(rid)
+        self.table.changed.notify()
 
     async def _round(self, limit: int) -> None:
         offers, epoch = self._offers(limit)
@@ -327,9 +362,14 @@ class Admitter:
                 encode(AdmitRound(self.round_id, [_entry(o) for o in offers], anchors))
             )
             result = await run_round(self.plane, self.stage.book, offers, self.mode, anchors)
+        ended = time.time()
+        self.num_rounds += 1
         self.round_seconds.append(result.seconds)
         self.round_cpu_s.append(result.cpu_s)
-        self.round_spans.append((started, time.time(), len(offers)))
+        if self.num_rounds > 1:  # the first pays the rounds plane's first use
+            self._recent_spans.append(ended - started)
+        if self.timeline is not None:
+            self.timeline.append((started, ended, len(offers)))
         self.counters += result.counters
         for offer, ok, point in zip(offers, result.admitted, result.points, strict=True):
             if ok:
@@ -340,7 +380,7 @@ class Admitter:
     def _admit_free(self) -> None:
         """The oracle: the same decisions as a round, on rank 0's cache, for free."""
         t0, cpu = time.perf_counter(), time.thread_time()
-        offers, epoch = self._offers(len(self.intake.waiting))
+        offers, epoch = self._offers(len(self.table.waiting))
         if not offers:  # every ready request was held back for a producer
             return
         book, p = self.stage.book, self.mode.policy
@@ -358,6 +398,7 @@ class Admitter:
             book.cache = cache
             self.stage.register(Admitted(offer, point))
             self.oracle_admits.append(OracleAdmit(_entry(offer), point))
+        self.num_rounds += 1
         self.round_seconds.append(time.perf_counter() - t0)
         self.round_cpu_s.append(time.thread_time() - cpu)
         for offer in offers[len(flags) :]:  # not tried after the refusal: back to waiting
@@ -384,7 +425,7 @@ class Admitter:
         """Batched rounds (ROUNDS mode) and heartbeats (every mode), then Stop."""
         rounds = self.rung.admission is Admission.ROUNDS
         last = time.monotonic()
-        while not (self.stopping and not self.intake.num_unfinished):
+        while not (self.table.closed and not self.table.num_unfinished):
             if rounds and self.ready():
                 await self._round(self.max_batch)
                 last = time.monotonic()
@@ -394,7 +435,7 @@ class Admitter:
             deadline = self.next_deadline()  # a held-back request may go then
             if deadline is not None:
                 timeout = min(timeout, max(deadline - time.monotonic(), 0.0) + 1e-3)
-            await self.intake.changed.wait(timeout=timeout)
+            await self.table.changed.wait(timeout=timeout)
             if time.monotonic() - last >= self.heartbeat_s:
                 self.round_id += 1
                 async with self.plane.lock:

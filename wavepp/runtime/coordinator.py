@@ -16,19 +16,36 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
+import attrs
 
 from wavepp.exec.stage import Stage
 from wavepp.fleet.changes import Announcer
-from wavepp.rounds.admission import RoundMode
+from wavepp.rounds.admission import RoundCounters, RoundMode
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import Rung
 from wavepp.runtime.admitter import Admitter
-from wavepp.runtime.intake import HandoffTarget, Intake
+from wavepp.runtime.intake import Intake
+from wavepp.runtime.pace import Pace
 from wavepp.runtime.planning import WavePlanner
-from wavepp.runtime.records import Signal
+from wavepp.runtime.records import Record, Result
 from wavepp.runtime.stage_zero import StageZero
+from wavepp.runtime.table import HandoffTarget, RequestTable
 from wavepp.state import RequestId
 from wavepp.transport.base import Link
+from wavepp.workload import RequestSpec
+
+
+@attrs.frozen
+class RunBook:
+    """What rank 0's run leaves for its JSON record."""
+
+    records: list[Record]  # every request, in submission order, the rejected ones last
+    num_rounds: int
+    round_seconds: list[float]  # the recent rounds' wall seconds
+    round_cpu_s: list[float]
+    round_spans: list[tuple[float, float, int]]  # with a timeline: every round's
+    counters: RoundCounters
+    handoff_totals: dict[str, int]
 
 
 class Coordinator:
@@ -38,31 +55,37 @@ class Coordinator:
         vocab_size: int | None, ring: int, max_batch: int, heartbeat_s: float,
         log: Callable[[str], None], num_stages: int = 1,
         handoff_target: HandoffTarget | None = None, events: Announcer | None = None,
+        retain_ended: int | None = None, timeline: bool = False,
     ) -> None:  # fmt: skip
-        self.rung = rung
-        self.stage = stage
-        self.log = log
-        self.intake = Intake(stage.block_size, min_capacity, vocab_size, Signal(), log,
-                             num_stages=num_stages, handoff_target=handoff_target,
-                             queue_order=mode.policy.queue_order)  # fmt: skip
+        """``retain_ended``: how many ended requests' ids stay taken (a server); None
+        keeps every record for the run's record. ``timeline``: keep every round's span."""
+        self.table = RequestTable(log, num_stages=num_stages, handoff_target=handoff_target,
+                                  queue_order=mode.policy.queue_order,
+                                  retain_ended=retain_ended)  # fmt: skip
+        self.intake = Intake(self.table, stage.block_size, min_capacity, vocab_size,
+                             handoff_target)  # fmt: skip
         self.planner = planner
-        self.admitter = Admitter(rung, plane, stage, self.intake, mode, max_batch,
-                                 heartbeat_s, self._admitted)  # fmt: skip
-        self.intake.on_end = self.admitter.ended
-        self.loop = StageZero(stage, planner, self.admitter, self.intake, outbound, done, ring,
-                              events)  # fmt: skip
+        pace = Pace(planner, num_stages)
+        self.admitter = Admitter(rung, plane, stage, self.table, mode, max_batch, heartbeat_s,
+                                 pace, self._admitted, timeline)  # fmt: skip
+        self.loop = StageZero(stage, planner, self.admitter, self.table, pace, outbound, done,
+                              ring, events)  # fmt: skip
+        self.stage = stage
         self.has_completions = done is not None
-        self.stopping = False
-        stage.tokens_of = lambda rid: self.intake.records[rid].spec.tokens
 
-    @property
-    def records(self):
-        return self.intake.records
+    # -- requests -------------------------------------------------------------------
+
+    def submit(self, spec: RequestSpec, priority: object = 0) -> Record:
+        """Check and queue a request (``Intake.submit``: raises RequestRejected)."""
+        return self.intake.submit(spec, priority)
+
+    def taken(self, rid: RequestId) -> bool:
+        return self.table.taken(rid)
 
     def _admitted(self, rid: RequestId, point: int) -> None:
-        record = self.intake.records[rid]
+        record = self.table[rid]
         if record.cancelled:  # cancelled during its round: drop it on every stage
-            self.loop.pending_cancels.append(rid)
+            self.loop.drop_everywhere(rid)
         else:
             self.planner.add(rid, point * self.stage.block_size, record.offer.num_tokens)
 
@@ -74,28 +97,74 @@ class Coordinator:
         escrow, slots and references after the chunks already in flight. Returns False
         if the request is unknown or already over.
         """
-        record = self.intake.records.get(rid)
-        if record is None or record.done_at is not None or record.cancelled:
+        if self.table.ask_cancel(rid, reason) is None:
             return False
-        record.cancelled, record.error = True, reason
         if rid in self.admitter.in_round:
             pass  # settled by the admitter when the round returns
-        elif rid in self.intake.waiting:
-            self.intake.waiting.remove(rid)
-            self.intake.settle_cancel(rid)
+        elif rid in self.table.waiting:
+            self.table.waiting.remove(rid)
+            self.table.settle_cancel(rid)
         else:
             self.planner.drop(rid)
-            self.loop.pending_cancels.append(rid)
-        self.intake.changed.notify()
+            self.loop.drop_everywhere(rid)
         return True
+
+    def subscribe(self) -> anyio.abc.ObjectReceiveStream[Result]:
+        """Every result from now on, as requests end."""
+        return self.table.subscribe()
+
+    # -- the run's state --------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Take no new requests; the run ends when the submitted ones have ended."""
+        self.table.drain()
+
+    @property
+    def draining(self) -> bool:
+        return self.table.draining
+
+    def num_unfinished(self) -> int:
+        return self.table.num_unfinished
 
     def stop_when_idle(self) -> None:
         """No more requests will come: end the run once every submitted one has ended."""
-        self.stopping = self.admitter.stopping = True
-        self.intake.changed.notify()
+        self.table.close()
 
     def _finished_all(self) -> bool:
-        return self.stopping and not self.intake.num_unfinished
+        return self.table.closed and not self.table.num_unfinished
+
+    def figures(self) -> dict:
+        """Rank 0's counts for metrics: requests, tokens, reuse, deadlines, rounds."""
+        table, admitter = self.table, self.admitter
+        return {
+            "requests": table.count_by_status(),
+            "queue_depth": len(table.waiting),
+            "input_tokens": table.tokens_done,
+            "cached_tokens": table.tokens_cached,
+            "good_hits": table.good_hits,
+            "handoffs": dict(table.handoff_totals),  # handed-off requests by outcome
+            "with_deadline": table.with_deadline,  # ended requests that carried a deadline
+            "deadlines_met": table.deadlines_met,  # of those, done by their deadline
+            "expecting_reuse": table.expecting_reuse,
+            "admission_round_seconds": list(admitter.round_seconds)[-1024:],
+            "admission_rounds": admitter.num_rounds,
+        }
+
+    def stage_figures(self) -> dict[int, dict[str, float]]:
+        """Stage 0's busy seconds and pool, by its index."""
+        return {self.stage.index: self.stage.figures()}
+
+    def sizes(self) -> dict[str, int]:
+        """Every rank-0 table's size (a server's stay bounded)."""
+        return {**self.table.sizes(), "planner_queue": len(self.planner.queue),
+                **self.admitter.sizes(), **self.loop.sizes(),
+                **self.stage.sizes()}  # fmt: skip
+
+    def run_book(self) -> RunBook:
+        admitter = self.admitter
+        return RunBook(self.table.records(), admitter.num_rounds, list(admitter.round_seconds),
+                       list(admitter.round_cpu_s), list(admitter.timeline or ()),
+                       admitter.counters, dict(self.table.handoff_totals))  # fmt: skip
 
     async def run(self, client: Callable[[], Awaitable[None]]) -> None:
         async with anyio.create_task_group() as tg:

@@ -1,115 +1,105 @@
-"""Request intake on rank 0: validation, the waiting queue, and how requests end.
+"""Request intake on rank 0: every check a request passes, once, before it is queued.
 
 Every request — from a workload generator, a requests file, the Python API or the HTTP
-server — enters through :meth:`Intake.submit` and leaves through exactly one of
-:meth:`finish`, :meth:`settle_cancel` or :meth:`reject`, which wake whoever awaits it
-and stream its :class:`Result` to subscribers.
+server — enters through :meth:`Intake.submit`, the one place its id, priority, deadline
+and prompt (token ids: integers, a flat non-empty list inside the vocabulary, short
+enough for the smallest stage pool) are checked. What passes is queued in the request
+table (``wavepp.runtime.table``) with its int32 token ids; they travel from there with
+its chunks to stage 0 (``StageZero``) and are not checked again.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any
 
-import anyio
+import attrs
 import numpy as np
 
-from wavepp.queueing import WaitingQueue
+from wavepp.ids import id_problem
 from wavepp.rounds.admission import Offer
-from wavepp.runtime.records import STATUSES, Record, RequestRejected, Result, Signal
+from wavepp.runtime.records import Record, RequestRejected
+from wavepp.runtime.table import HandoffTarget, RequestTable
 from wavepp.state import RequestId, block_hashes, num_blocks_for
 from wavepp.workload import RequestSpec
 
 MAX_DEADLINE_S = 1e6  # a deadline is at most this many seconds after submission
+NO_VOCAB_LIMIT = 2**31  # the sim executor: any int32 id
 
 
-class HandoffTarget(Protocol):
-    """Where requests' caches go (``wavepp.runtime.handoff.HandoffTargets``)."""
-
-    def __call__(self, spec: RequestSpec) -> str: ...
-
-    def settled(self, spec: RequestSpec, target: str, ok: bool) -> None: ...
+def prompt_ids(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A prompt as an integer array; RequestRejected ("invalid") if it is not a flat list
+    of integers (its ids and length are :meth:`Intake.submit`'s to check)."""
+    if isinstance(tokens, np.ndarray):
+        array = tokens
+    else:
+        if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in tokens):
+            raise RequestRejected("token ids must be integers", "invalid")
+        array = np.asarray(list(tokens), dtype=np.int64)
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+        raise RequestRejected("a prompt is a flat list of integer token ids", "invalid")
+    return array
 
 
 class Intake:
     def __init__(
-        self, block_size: int, min_capacity: int, vocab_size: int | None,
-        changed: Signal, log: Callable[[str], None], *, num_stages: int = 1,
-        handoff_target: HandoffTarget | None = None, queue_order: str = "fcfs",
+        self, table: RequestTable, block_size: int, min_capacity: int, vocab_size: int | None,
+        handoff_target: HandoffTarget | None = None,
     ) -> None:  # fmt: skip
         """``handoff_target(spec)``: the address a request that asks for a handoff sends
-        its cache to (raises RequestRejected), told when its handoff has ended; None:
-        this run hands nothing on. ``queue_order``: the policy's order inside a priority
-        class (``"fcfs"`` or ``"edf"``, ``wavepp.queueing``)."""
+        its cache to (raises RequestRejected); None: this run hands nothing on."""
+        self.table = table
         self.block_size = block_size
         self.min_capacity = min_capacity
-        self.vocab_size = vocab_size  # None: ids are not checked (the sim executor)
-        self.changed = changed
-        self.log = log
-        self.records: dict[RequestId, Record] = {}
-        self.waiting = WaitingQueue(queue_order)
-        self.num_unfinished = 0  # submitted and not yet ended
-        self.capacity_epoch = 0  # bumped whenever a request that held room ends
-        self.draining = False
-        self._subscribers: list[anyio.abc.ObjectSendStream] = []
-        self.on_end: Callable[[RequestId], None] = lambda rid: None  # the admitter's hook
-        # A server runs for days: keep only the last ``retain_finished`` ended records
-        # (None keeps all, as an offline run's record needs). Totals are counted as
-        # requests end, so they cover the forgotten ones too.
-        self.retain_finished: int | None = None
-        self._ended: deque[RequestId] = deque()
-        self.rejected: list[Record] = []  # rejected at submission (offline runs only)
-        self.totals: dict[str, int] = dict.fromkeys(STATUSES[3:], 0)
-        self.tokens_done = 0  # prompt tokens of done requests, cached included
-        self.tokens_cached = 0
-        self.good_hits = 0  # done requests reusing ≥ 80% of their expected reuse
-        self.expecting_reuse = 0
-        self.num_stages = num_stages  # bands that make a handed-off request's cache
+        self.vocab_size = vocab_size  # None: any int32 id (the sim executor)
         self.handoff_target = handoff_target
-        self.awaiting_handoff: set[RequestId] = set()  # prefilled, bands still on their way
-        self.handoff_totals: dict[str, int] = {}  # "done" or a failure reason -> requests
-        self.with_deadline = 0  # ended requests that carried a deadline (rejected aside)
-        self.deadlines_met = 0  # of those, the ones done by their deadline
 
-    # -- entry --------------------------------------------------------------------
-
-    def check(self, spec: RequestSpec) -> str | None:
-        """Why this request can never run, or None."""
-        n = spec.num_tokens
+    def _problem(self, tokens: np.ndarray) -> tuple[str, str] | None:
+        """(why, reason) this prompt can never run, or None."""
+        n = tokens.size
         if n == 0:
-            return "empty prompt (need at least one token)"
-        if self.vocab_size is not None:
-            tokens = np.asarray(spec.tokens)
-            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)]
-            if bad.size:
-                return (f"{bad.size} token ids outside the vocabulary 0..{self.vocab_size - 1}, "
-                        f"e.g. {int(bad[0])}")  # fmt: skip
+            return "empty prompt (need at least one token)", "invalid"
+        top = self.vocab_size if self.vocab_size is not None else NO_VOCAB_LIMIT
+        bad = tokens[(tokens < 0) | (tokens >= top)]
+        if bad.size:
+            return (f"{bad.size} token ids outside the vocabulary 0..{top - 1}, "
+                    f"e.g. {int(bad[0])}"), "invalid"  # fmt: skip
         blocks = num_blocks_for(n, self.block_size)
         if blocks > self.min_capacity:
             return (f"prompt of {n:,} tokens needs {blocks:,} blocks; "
-                    f"the smallest stage pool holds {self.min_capacity:,}")  # fmt: skip
+                    f"the smallest stage pool holds {self.min_capacity:,}"), "too_long"  # fmt: skip
         return None
 
-    def submit(self, spec: RequestSpec, priority: int = 0) -> Record:
-        """Queue a request for admission. Raises :class:`RequestRejected` for bad input;
-        a request that can never run is also recorded, as rejected."""
-        rid = RequestId(spec.request_id)
-        if self.draining:
+    def submit(self, spec: RequestSpec, priority: Any = 0) -> Record:
+        """Queue a request for admission. Raises :class:`RequestRejected` with its reason
+        for bad input; a well-formed prompt that can never run is also recorded (and
+        streamed to subscribers), as rejected."""
+        table = self.table
+        if table.draining:
             raise RequestRejected("draining: no new requests are taken", "draining")
-        if rid in self.records:
+        problem = id_problem(spec.request_id)  # the one id rule (wavepp.ids.ID_RULE)
+        if problem:
+            raise RequestRejected(problem, "invalid")
+        rid = RequestId(spec.request_id)
+        if table.taken(rid):
             raise RequestRejected(f"duplicate request id {rid!r}", "duplicate")
-        now = time.time()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestRejected(f"priority must be an integer, got {priority!r}", "invalid")
         deadline_s = spec.deadline_s
         if deadline_s is not None and not (isinstance(deadline_s, int | float)
                                            and not isinstance(deadline_s, bool)
                                            and 0 < deadline_s <= MAX_DEADLINE_S):  # fmt: skip
             raise RequestRejected(f"deadline_s must be a number of seconds in (0, "
                                   f"{MAX_DEADLINE_S:g}], got {deadline_s!r}", "invalid")
-        hashes = block_hashes(spec.tokens, self.block_size) if spec.num_tokens else ()
-        limit = max(spec.num_tokens - 1, 0) // self.block_size
+        tokens = prompt_ids(spec.tokens)
+        problem = self._problem(tokens)
+        tokens = tokens.astype(np.int32, copy=False)  # in range: the ids the stages see
+        if tokens is not spec.tokens:
+            spec = attrs.evolve(spec, tokens=tokens)
+        now = time.time()
+        hashes = block_hashes(tokens, self.block_size) if tokens.size else ()
+        limit = max(tokens.size - 1, 0) // self.block_size
         target = ""
         if spec.handoff not in (None, False, ""):
             if self.handoff_target is None:
@@ -117,125 +107,9 @@ class Intake:
                                       "executor)", "invalid")  # fmt: skip
             target = self.handoff_target(spec)
         record = Record(spec, Offer(rid, spec.num_tokens, hashes, limit, target), priority, now)
-        self.records[rid] = record
-        problem = self.check(spec)
         if problem is not None:
-            self.reject(rid, problem)
-            del self.records[rid]  # a rejected request leaves no trace: its id is free
-            if self.retain_finished is None:  # an offline run's record lists it
-                self.rejected.append(record)
-            reason = "too_long" if "smallest stage pool" in problem else "invalid"
-            raise RequestRejected(f"request {rid!r}: {problem}", reason)
-        self.num_unfinished += 1
-        deadline = None if deadline_s is None else now + deadline_s
-        self.waiting.push(rid, priority, deadline)
-        self.changed.notify()
+            why, reason = problem
+            table.reject(record, why)  # a rejected request leaves no trace: its id is free
+            raise RequestRejected(f"request {rid!r}: {why}", reason)
+        table.add(record, None if deadline_s is None else now + deadline_s)
         return record
-
-    # -- exits ----------------------------------------------------------------------
-
-    def _end(self, record: Record, status: str, held_room: bool) -> None:
-        self.on_end(RequestId(record.spec.request_id))
-        record.status = status
-        record.done_at = time.time()
-        record.finished.set()
-        self.totals[status] += 1
-        if record.offer.handoff:
-            summary = record.handoff_summary()
-            self.handoff_target.settled(record.spec, record.offer.handoff,
-                                        summary["status"] == "done")  # fmt: skip
-            if status != "rejected":  # a rejected request never asked anything of a stage
-                key = summary["reason"] if summary["status"] == "failed" else status
-                self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1
-        met = record.deadline_met()
-        if met is not None:
-            self.with_deadline += 1
-            self.deadlines_met += met
-        if status == "done":
-            self.tokens_done += record.spec.num_tokens
-            self.tokens_cached += record.cached_tokens
-            if record.spec.expected_reuse > 0:
-                self.expecting_reuse += 1
-                self.good_hits += record.cached_tokens >= 0.8 * record.spec.expected_reuse
-        if self.retain_finished is not None and status != "rejected":
-            self._ended.append(RequestId(record.spec.request_id))
-            while len(self._ended) > self.retain_finished:
-                self.records.pop(self._ended.popleft(), None)
-        if held_room:
-            self.capacity_epoch += 1
-        result = record.result()
-        for stream in list(self._subscribers):
-            try:
-                stream.send_nowait(result)
-            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._subscribers.remove(stream)
-        self.changed.notify()
-
-    def reject(self, rid: RequestId, error: str) -> None:
-        record = self.records[rid]
-        record.error = error
-        self.log(f"rejected {rid}: {error}")
-        self._end(record, "rejected", held_room=False)
-
-    def finish(self, rid: RequestId, cached: int, token: int, logit: float) -> None:
-        record = self.records[rid]
-        if record.done_at is not None:
-            return
-        if record.cancelled:  # its last chunk ran before the cancel reached it
-            record.cancelled, record.error = False, None
-        record.cached_tokens, record.first_token, record.top_logit = cached, token, logit
-        record.prefilled = True
-        if record.offer.handoff and len(record.handoff_outcomes) < self.num_stages:
-            record.status = "handing_off"  # ends when every stage's band has
-            self.awaiting_handoff.add(rid)
-            return
-        self.num_unfinished -= 1
-        self._end(record, "done", held_room=True)
-
-    def handoff_settled(self, outcome) -> None:
-        """One stage's band of a request ended (a HandoffOutcome)."""
-        rid = RequestId(outcome.request_id)
-        record = self.records.get(rid)
-        if record is None or record.done_at is not None or not record.offer.handoff:
-            return  # cancelled (its cancel settled it) or a peer's stray outcome
-        record.handoff_outcomes[outcome.stage] = outcome
-        if record.prefilled and len(record.handoff_outcomes) >= self.num_stages:
-            self.awaiting_handoff.discard(rid)
-            if record.cancelled:  # every band ended before the cancel reached a stage
-                record.cancelled, record.error = False, None
-            self.num_unfinished -= 1
-            self._end(record, "done", held_room=True)
-
-    def fail(self, rid: RequestId, error: str) -> None:
-        record = self.records[rid]
-        self.awaiting_handoff.discard(rid)
-        if record.done_at is None:
-            record.error = error
-            self.num_unfinished -= 1
-            self._end(record, "failed", held_room=True)
-
-    def settle_cancel(self, rid: RequestId) -> None:
-        """Every stage dropped the request (or it never reached one)."""
-        record = self.records[rid]
-        self.awaiting_handoff.discard(rid)
-        if record.done_at is None:
-            self.num_unfinished -= 1
-            self._end(record, "cancelled", held_room=record.admitted_at is not None)
-
-    # -- observers ------------------------------------------------------------------
-
-    def subscribe(self) -> anyio.abc.ObjectReceiveStream:
-        send, receive = anyio.create_memory_object_stream[Result](math.inf)
-        self._subscribers.append(send)
-        return receive
-
-    def count_by_status(self) -> dict[str, int]:
-        """Live requests by state (queued, admitted, running) and ended ones by outcome."""
-        counts = dict.fromkeys(STATUSES, 0) | self.totals
-        counts["queued"] = len(self.waiting)
-        live = self.num_unfinished - len(self.waiting)
-        running = sum(1 for r in self.records.values()
-                      if r.done_at is None and r.status == "running")  # fmt: skip
-        counts["running"] = running
-        counts["admitted"] = max(live - running, 0)
-        return counts

@@ -1,6 +1,9 @@
-"""Rank 0's book on each request, and what a caller gets back."""
+"""Rank 0's book on each request — its status and the only moves between them — and
+what a caller gets back."""
 
 from __future__ import annotations
+
+import enum
 
 import anyio
 import attrs
@@ -30,12 +33,36 @@ class Signal:
             with anyio.move_on_after(timeout):
                 await event.wait()
 
+class Status(enum.StrEnum):
+    """Where a request is in its life; the last four are ends."""
+
+    QUEUED = "queued"  # waiting for admission
+    ADMITTED = "admitted"  # every stage holds its room; no chunk planned yet
+    RUNNING = "running"  # its first chunk left stage 0's planner
+    HANDING_OFF = "handing_off"  # first token back, its cache's bands still on their way
+    DONE = "done"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"  # never ran: refused at submission
+    FAILED = "failed"
+
+    @property
+    def ended(self) -> bool:
+        return self in ENDS
 
 
+ENDS = frozenset({Status.DONE, Status.CANCELLED, Status.REJECTED, Status.FAILED})
+_NEXT: dict[Status, frozenset[Status]] = {
+    Status.QUEUED: frozenset({Status.ADMITTED, Status.REJECTED, Status.CANCELLED, Status.FAILED}),
+    Status.ADMITTED: frozenset({Status.RUNNING, Status.CANCELLED, Status.FAILED}),
+    Status.RUNNING: frozenset({Status.HANDING_OFF, Status.DONE, Status.CANCELLED,
+                               Status.FAILED}),
+    Status.HANDING_OFF: frozenset({Status.DONE, Status.CANCELLED, Status.FAILED}),
+    **{end: frozenset() for end in ENDS},
+}  # fmt: skip
 
 
-
-STATUSES = ("queued", "admitted", "running", "done", "cancelled", "rejected", "failed")
+class StatusError(RuntimeError):
+    """A move the request's life does not have (a bug in rank 0)."""
 
 
 @attrs.frozen
@@ -43,7 +70,7 @@ class Result:
     """How one request ended, with its timings (``time.time()`` seconds)."""
 
     request_id: str
-    status: str  # "done" | "cancelled" | "rejected" | "failed"
+    status: str  # "done" | "cancelled" | "rejected" | "failed" (an ended Status)
     first_token: int | None  # argmax of the last prompt position's logits (done only)
     top_logit: float | None  # its logit
     num_tokens: int
@@ -68,7 +95,9 @@ class Result:
 
 @attrs.define
 class Record:
-    """Rank 0's book on one request."""
+    """Rank 0's book on one request. Its status changes only through the moves below,
+    which the request table (``wavepp.runtime.table``) makes; a move the life does not
+    have raises :class:`StatusError`."""
 
     spec: RequestSpec
     offer: object  # wavepp.rounds.admission.Offer: what admission rounds see
@@ -81,18 +110,74 @@ class Record:
     first_token: int = -1
     top_logit: float = 0.0
     error: str | None = None
-    cancelled: bool = False  # a cancel was asked for; settled when every stage dropped it
-    status: str = "queued"
+    # A cancel was asked for, and why; settled when every stage dropped the request
+    # (cleared if its last chunk ran before the cancel reached it).
+    cancel_reason: str | None = None
     miss_reason: str | None = None  # why it reused < 80% of its expected reuse
-    prefilled: bool = False  # its first token came back (a handoff may still be under way)
     handoff_outcomes: dict = attrs.field(factory=dict)  # stage -> HandoffOutcome
     finished: anyio.Event = attrs.field(factory=anyio.Event)
+    _status: Status = attrs.field(default=Status.QUEUED, init=False)
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def cancelled(self) -> bool:
+        """A cancel was asked for (and, once ended, the request ended cancelled or failed)."""
+        return self.cancel_reason is not None
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    # -- the moves ------------------------------------------------------------------
+
+    def _move(self, to: Status) -> None:
+        if to not in _NEXT[self._status]:
+            raise StatusError(f"request {self.spec.request_id!r}: {self._status} -> {to} "
+                              "is not a move of a request's life")  # fmt: skip
+        self._status = to
+
+    def admit(self, now: float, miss_reason: str | None = None) -> None:
+        self._move(Status.ADMITTED)
+        self.admitted_at, self.miss_reason = now, miss_reason
+
+    def start(self, now: float) -> None:
+        """Its first chunk left stage 0's planner."""
+        self._move(Status.RUNNING)
+        self.first_chunk_at = now
+
+    def prefill(self, cached: int, token: int, logit: float) -> None:
+        """Its first token came back; a cancel asked meanwhile came too late."""
+        if self._status is not Status.RUNNING:
+            raise StatusError(f"request {self.spec.request_id!r}: a first token while "
+                              f"{self._status}")  # fmt: skip
+        self.cached_tokens, self.first_token, self.top_logit = cached, token, logit
+        self.cancel_reason = None
+
+    def hand_off(self) -> None:
+        """Prefilled; its cache's bands are still on their way."""
+        self._move(Status.HANDING_OFF)
+
+    def ask_cancel(self, reason: str) -> bool:
+        """Note a cancel; False when it is over or a cancel was already asked for."""
+        if self._status.ended or self.cancel_reason is not None:
+            return False
+        self.cancel_reason = reason
+        return True
+
+    def end(self, status: Status, now: float, error: str | None = None) -> None:
+        self._move(status)
+        self.done_at = now
+        self.error = self.cancel_reason if status is Status.CANCELLED else error
+        self.finished.set()
 
     def result(self) -> Result:
-        done = self.status == "done"
+        done = self._status is Status.DONE
         return Result(
             request_id=self.spec.request_id,
-            status=self.status,
+            status=self._status.value,
             first_token=self.first_token if done else None,
             top_logit=self.top_logit if done else None,
             num_tokens=self.spec.num_tokens,
@@ -111,9 +196,9 @@ class Record:
         """None without a deadline (or rejected: never ran); else whether it was done by
         ``released_at + deadline_s`` (a request not yet ended has not met it)."""
         deadline_s = self.spec.deadline_s
-        if deadline_s is None or self.status == "rejected":
+        if deadline_s is None or self._status is Status.REJECTED:
             return None
-        if self.status != "done" or self.done_at is None or self.released_at is None:
+        if self._status is not Status.DONE or self.done_at is None or self.released_at is None:
             return False
         return self.done_at <= self.released_at + deadline_s
 
@@ -125,7 +210,7 @@ class Record:
         failed = [o for o in stages if not o.ok]
         if failed:
             status = "failed"
-        elif self.status == "done":
+        elif self._status is Status.DONE:
             status = "done"
         else:
             status = "pending" if self.done_at is None else "not sent"

@@ -1,0 +1,164 @@
+"""Rank 0's request table and intake: a request's moves, the checks made once at intake
+with their rejection reasons, and what a server keeps of ended requests."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from wavepp.runtime.intake import Intake
+from wavepp.runtime.records import RequestRejected, Status, StatusError
+from wavepp.runtime.table import RequestTable
+from wavepp.workload import RequestSpec
+
+
+def book(retain_ended: int | None = None, vocab: int | None = 100, capacity: int = 10):
+    table = RequestTable(lambda line: None, retain_ended=retain_ended)
+    return table, Intake(table, 4, capacity, vocab)
+
+
+def spec(rid: str, tokens=None) -> RequestSpec:
+    return RequestSpec(rid, np.arange(8, dtype=np.int32) if tokens is None else tokens, False, 0)
+
+
+def run(fn) -> None:
+    async def main() -> None:
+        with anyio.fail_after(30):  # a hang guard
+            fn()
+
+    anyio.run(main)
+
+
+def test_a_request_moves_through_its_life_and_only_forward():
+    def main() -> None:
+        table, intake = book()
+        record = intake.submit(spec("a"))
+        assert record.status is Status.QUEUED and table.num_unfinished == 1
+        with pytest.raises(StatusError):  # a queued request cannot start running
+            table.started("a", 0.0)
+        table.waiting.remove("a")
+        table.admitted("a", 1.0)
+        table.started("a", 2.0)
+        table.started("a", 3.0)  # later chunks leave it running
+        assert (record.status, record.first_chunk_at) == (Status.RUNNING, 2.0)
+        table.finish("a", 4, 7, 1.5)
+        assert record.status is Status.DONE and record.finished.is_set()
+        assert record.result().status == "done" and record.result().first_token == 7
+        with pytest.raises(StatusError):
+            record.admit(5.0)
+        table.finish("a", 4, 7, 1.5)  # a late duplicate of an ended request is ignored
+        assert table.totals["done"] == 1 and table.num_unfinished == 0
+
+    run(main)
+
+
+def test_a_cancel_is_noted_once_and_settles_as_cancelled():
+    def main() -> None:
+        table, intake = book()
+        record = intake.submit(spec("a"))
+        assert table.ask_cancel("a", "client went away") is record
+        assert table.ask_cancel("a", "again") is None  # already asked
+        table.waiting.remove("a")
+        table.settle_cancel("a")
+        assert record.status is Status.CANCELLED and record.error == "client went away"
+        assert table.ask_cancel("a", "late") is None  # over
+
+    run(main)
+
+
+def test_a_first_token_before_the_cancel_reached_a_stage_wins():
+    def main() -> None:
+        table, intake = book()
+        record = intake.submit(spec("a"))
+        table.waiting.remove("a")
+        table.admitted("a", 0.0)
+        table.started("a", 0.0)
+        table.ask_cancel("a", "cancelled")
+        table.finish("a", 0, 3, 0.5)
+        assert record.status is Status.DONE and record.error is None and not record.cancelled
+
+    run(main)
+
+
+@pytest.mark.parametrize("tokens, reason, words", [
+    (np.arange(0, dtype=np.int32), "invalid", "empty prompt"),
+    (np.array([1, 100]), "invalid", "outside the vocabulary"),
+    (np.array([1, -1]), "invalid", "outside the vocabulary"),
+    ([1, True], "invalid", "must be integers"),
+    ([1.5], "invalid", "must be integers"),
+    (np.zeros((2, 2), dtype=np.int32), "invalid", "flat list"),
+    (np.arange(41, dtype=np.int32) % 100, "too_long", "smallest stage pool"),
+])  # fmt: skip
+def test_a_prompt_is_checked_once_at_intake_with_its_reason(tokens, reason, words):
+    def main() -> None:
+        table, intake = book()
+        with pytest.raises(RequestRejected, match=words) as error:
+            intake.submit(spec("a", tokens))
+        assert error.value.reason == reason
+        assert not table.taken("a") and not table.waiting and table.num_unfinished == 0
+
+    run(main)
+
+
+def test_every_other_refusal_names_its_reason():
+    def main() -> None:
+        table, intake = book()
+        intake.submit(spec("a"))
+        cases = [(lambda: intake.submit(spec("a")), "duplicate"),
+                 (lambda: intake.submit(spec("bad/id")), "invalid"),
+                 (lambda: intake.submit(spec("b"), priority=1.5), "invalid")]  # fmt: skip
+        for submit, reason in cases:
+            with pytest.raises(RequestRejected) as error:
+                submit()
+            assert error.value.reason == reason
+        table.drain()
+        with pytest.raises(RequestRejected) as error:
+            intake.submit(spec("c"))
+        assert error.value.reason == "draining"
+
+    run(main)
+
+
+def test_a_list_prompt_is_queued_as_int32_ids():
+    def main() -> None:
+        _, intake = book()
+        record = intake.submit(spec("a", [5, 6, 7]))
+        assert record.spec.tokens.dtype == np.int32 and record.spec.tokens.tolist() == [5, 6, 7]
+
+    run(main)
+
+
+def test_a_server_forgets_ended_records_and_keeps_recent_ids():
+    def main() -> None:
+        table, intake = book(retain_ended=3)
+        for i in range(10):
+            rid = f"r{i}"
+            intake.submit(spec(rid))
+            table.waiting.remove(rid)
+            table.ask_cancel(rid, "cancelled")
+            table.settle_cancel(rid)
+        sizes = table.sizes()
+        assert sizes["records"] == 0 and sizes["ended_ids"] == 3 and sizes["kept_records"] == 0
+        assert table.taken("r9") and not table.taken("r0")  # r0's id is free again
+        assert table.totals["cancelled"] == 10  # the counters cover the forgotten ones
+        assert len(table.take_ended()) == 10 and not table.take_ended()
+
+    run(main)
+
+
+def test_an_offline_run_keeps_every_record_in_submission_order():
+    def main() -> None:
+        table, intake = book()
+        for rid in ("a", "b"):
+            intake.submit(spec(rid))
+        with pytest.raises(RequestRejected):
+            intake.submit(spec("c", np.array([999])))
+        table.waiting.remove("a")
+        table.ask_cancel("a", "cancelled")
+        table.settle_cancel("a")
+        assert [r.spec.request_id for r in table.records()] == ["a", "b", "c"]
+        assert [r.status for r in table.records()] == [Status.CANCELLED, Status.QUEUED,
+                                                       Status.REJECTED]  # fmt: skip
+
+    run(main)
