@@ -92,6 +92,7 @@ class FakeEngine:
         self.busy_s = 0.0
         self.started_at = time.time()
         self._wake = anyio.Event()
+        self._drained, self._faulted = anyio.Event(), anyio.Event()
         self._resumed: anyio.Event | None = None  # set while paused: run() admits nothing
         self._subscribers: list = []
         self._next_id = 0
@@ -170,11 +171,19 @@ class FakeEngine:
     def fail(self, reason: str) -> None:
         """Stand in for a dead rank: nothing ends any more; fault() says why."""
         self.fatal = reason
+        self._faulted.set()
         self.pause()
 
     def drain(self) -> None:
         self.draining = True
+        self._drained.set()
         self._wake.set()
+
+    async def until_draining(self) -> None:
+        await self._drained.wait()
+
+    async def until_fault(self) -> None:
+        await self._faulted.wait()
 
     # -- the stand-in runtime ------------------------------------------------------------
 

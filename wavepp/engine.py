@@ -18,10 +18,15 @@ this same API (``wavepp.runtime.feed``), and so is the HTTP server (``wavepp.ser
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import numpy as np
 
 from wavepp.runtime.coordinator import Coordinator
@@ -63,6 +68,20 @@ class Engine:
         self._watchdog = watchdog
         self._ids = itertools.count()
         self.started_at = time.time()
+        # Built on rank 0's event loop: SIGTERM's drain sets one event there; the
+        # watchdog's thread reaches the other through the loop's token.
+        self._loop_token = anyio.lowlevel.current_token()
+        self._loop_thread = threading.get_ident()
+        self._drained, self._faulted = anyio.Event(), anyio.Event()
+        if watchdog is not None:
+            watchdog.when_fatal(self._on_fatal)
+
+    def _on_fatal(self, _why: str) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._faulted.set()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has ended: no one waits
+            anyio.from_thread.run_sync(self._faulted.set, token=self._loop_token)
 
     async def submit(
         self, tokens: Sequence[int] | np.ndarray, *, request_id: str | None = None,
@@ -110,6 +129,15 @@ class Engine:
     def drain(self) -> None:
         """Take no new requests; the run ends when the submitted ones have ended."""
         self._c.drain()
+        self._drained.set()
+
+    async def until_draining(self) -> None:
+        """Return once :meth:`drain` was called."""
+        await self._drained.wait()
+
+    async def until_fault(self) -> None:
+        """Return once the runtime can no longer answer (:meth:`fault` says why)."""
+        await self._faulted.wait()
 
     @property
     def draining(self) -> bool:

@@ -34,7 +34,6 @@ from wavepp.serve.protocol import ServedEngine
 
 logger = logging.getLogger("wavepp.serve")
 
-ENGINE_CHECK_S = 0.05
 SHUTDOWN_GRACE_S = 2.0  # after the drain, what uvicorn waits for handlers before cancelling
 
 
@@ -146,14 +145,14 @@ async def serve(
 
     stopping = anyio.Event()  # the engine drains or has failed
 
-    async def follow_engine() -> None:
-        """The engine's state, checked every ENGINE_CHECK_S: it offers nothing to await
-        (SIGTERM's handler calls ``engine.drain()``, the watchdog's thread records a
-        fault). Everything else in the server awaits what this sets."""
-        while not engine.fault():
-            if engine.draining:
-                stopping.set()
-            await anyio.sleep(ENGINE_CHECK_S)
+    async def follow_drain() -> None:
+        """SIGTERM's handler calls ``engine.drain()``."""
+        await engine.until_draining()
+        stopping.set()
+
+    async def follow_fault() -> None:
+        """A rank dead or hung (the watchdog's finding, handed to the engine's loop)."""
+        await engine.until_fault()
         front.set_fault(engine.fault() or "")  # every handler answers 503 naming it, at once
         stopping.set()
 
@@ -163,7 +162,7 @@ async def serve(
             _log(f"draining: new requests get 503; {len(front.handles)} in flight get up to "
                  f"{options.drain_timeout_s:g} s (--drain-timeout-s)")  # fmt: skip
         with anyio.move_on_after(options.drain_timeout_s):
-            await front.settled()  # a fault answers them all at once (follow_engine)
+            await front.settled()  # a fault answers them all at once (follow_fault)
         if front.handles and not engine.fault():
             reason = (f"cancelled: the server drained and its drain timeout "
                       f"({options.drain_timeout_s:g} s, --drain-timeout-s) ran out")  # fmt: skip
@@ -189,7 +188,8 @@ async def serve(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(count_results)
-            tg.start_soon(follow_engine)
+            tg.start_soon(follow_drain)
+            tg.start_soon(follow_fault)
             tg.start_soon(stop_when_draining)
             tg.start_soon(announce)
             try:

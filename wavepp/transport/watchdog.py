@@ -36,6 +36,7 @@ class Watchdog:
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self.fault_grace_s = fault_grace_s
         self.fatal: str | None = None  # why this run can no longer answer (set once)
+        self._on_fatal: list[Callable[[str], None]] = []
         self.status = "starting"
         self._stop = threading.Event()
         self._store = dist.TCPStore(
@@ -114,8 +115,18 @@ class Watchdog:
     def declare(self, problem: str) -> None:
         """The run has failed (a peer dead, hung or gone): :attr:`fatal` says why, first
         cause kept, and :meth:`peer_report` leads with it."""
-        if self.fatal is None:
-            self.fatal = problem[:2000]
+        if self.fatal is not None:
+            return
+        self.fatal = problem[:2000]
+        for callback in list(self._on_fatal):
+            callback(self.fatal)
+
+    def when_fatal(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(why)`` once the run has failed (at once if it has), from the
+        thread that finds it: the heartbeat thread, or the one calling :meth:`declare`."""
+        self._on_fatal.append(callback)
+        if self.fatal is not None:
+            callback(self.fatal)
 
     def peer_stats(self) -> dict[int, dict[str, float]]:
         """The other ranks' latest published figures (untrusted: numbers only, bounded)."""
