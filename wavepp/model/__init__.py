@@ -34,22 +34,13 @@ The layer-kind seam the executor (``wavepp.exec.torch_exec``) relies on, every m
 Every mixer also has ``full(h)``, the plain forward over a whole prompt.
 """
 
-from wavepp.model.config import FAMILIES, ModelConfig
-from wavepp.model.registry import (
-    BUILTIN,
-    MODEL_TYPES,
-    config_from_hf,
-    hf_config,
-    llama_config,
-)
-from wavepp.model.stage import StageModules, build_stage, random_weights, reference_logits
+from wavepp.model.config import ModelConfig
+from wavepp.model.registry import BUILTIN, config_from_hf, hf_config, llama_config
+from wavepp.model.stage import build_stage, random_weights, reference_logits
 
 __all__ = [
     "BUILTIN",
-    "FAMILIES",
-    "MODEL_TYPES",
     "ModelConfig",
-    "StageModules",
     "build_stage",
     "config_from_hf",
     "hf_config",

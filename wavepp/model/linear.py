@@ -108,10 +108,11 @@ class GatedLinearAttention(nn.Module):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"state": (self.num_heads, self.head_dim, self.head_dim)}
 
-    def zero_state(self) -> torch.Tensor:
+    def zero_state(self) -> dict[str, torch.Tensor]:
         """The state before a prompt: float32, on the weights' device."""
-        return torch.zeros(self.state_shapes()["state"], dtype=torch.float32,
-                           device=self.o_proj.weight.device)  # fmt: skip
+        device = self.o_proj.weight.device
+        return {"state": torch.zeros(self.state_shapes()["state"], dtype=torch.float32,
+                                     device=device)}  # fmt: skip
 
     def _project(self, h: torch.Tensor):
         # h: [n, d_model] -> q, k, v: [n, H, d]; a: [n, H] (log decay <= 0), all float32
@@ -145,7 +146,7 @@ class GatedLinearAttention(nn.Module):
     def chunk(self, h: torch.Tensor, state: dict | None, cuts: tuple[int, ...] = ()):
         """h: [n, d_model]; the chunked-parallel form over the pieces between cuts.
         Returns (out: [n, d_model], state after h, [state after h[:c] for c in cuts])."""
-        s = self.zero_state() if state is None else state["state"].float()
+        s = (self.zero_state() if state is None else state)["state"].float()
         q, k, v, a = self._project(h)
         bounds = sorted({0, h.shape[0], *[c for c in cuts if 0 < c < h.shape[0]]})
         outs, at_cut = [], {0: s}
@@ -158,7 +159,7 @@ class GatedLinearAttention(nn.Module):
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         q, k, v, a = self._project(h)
-        state = self.zero_state()
+        state = self.zero_state()["state"]
         outs = []
         for t in range(h.shape[0]):
             state = state * a[t].exp()[:, None, None] + torch.einsum("hd,he->hde", k[t], v[t])
