@@ -39,7 +39,7 @@ from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
-from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.plan import CostFit, CostModel, PlanContext
 from wavepp.policy import Policy, PolicyError, for_run

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from wavepp.model.builtin import BUILTIN, random_weights, reference_logits
+from wavepp.model import BUILTIN, random_weights, reference_logits
 
 pytestmark = pytest.mark.slow
 

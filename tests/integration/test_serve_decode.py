@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from tests.integration.test_serve import start_server
-from wavepp.model.builtin import BUILTIN, random_weights
+from wavepp.model import BUILTIN, random_weights
 from wavepp.model.checkpoint import write_checkpoint
 from wavepp.serve.prom import parse_exposition, sample
 

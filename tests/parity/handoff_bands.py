@@ -13,7 +13,7 @@ from tests.parity.families import MODELS, VOCAB, make_checkpoint, redraw
 from wavepp.handoff.client import build_band
 from wavepp.handoff.hf import from_transformers_cache
 from wavepp.handoff.wire import fingerprint_from_hf_config
-from wavepp.model.builtin import build_stage
+from wavepp.model import build_stage
 from wavepp.model.checkpoint import load_checkpoint
 
 FAMILIES = ("llama", *MODELS)
@@ -66,10 +66,7 @@ def layers_from_wavepp(path: Path, tokens: torch.Tensor) -> dict[int, dict[str, 
         layer = model.layer(i)
         mixer = layer.mixer
         h = layer.input_layernorm(x)
-        if hasattr(mixer, "qkv"):  # Llama attention
-            _, k, v = mixer.qkv(h, positions)
-            layers[i] = {"k": k, "v": v}
-        elif getattr(mixer, "paged", False):
+        if mixer.paged:
             _, entries = mixer.project(h, positions)
             if "latent" in mixer.cache_layout():  # [T, rank + rope]
                 layers[i] = {"latent": entries[:, None, :]}
@@ -79,8 +76,7 @@ def layers_from_wavepp(path: Path, tokens: torch.Tensor) -> dict[int, dict[str, 
             _, state, _ = mixer.chunk(h, None)
             layers[i] = {"delta": state["delta"], "conv": state["conv"]}
         x = x + mixer.full(h)
-        ffn = layer.ffn if hasattr(layer, "ffn") else layer.mlp
-        x = x + ffn(layer.post_attention_layernorm(x))
+        x = x + layer.ffn(layer.post_attention_layernorm(x))
     return layers
 
 

@@ -10,8 +10,7 @@ import torch
 
 from wavepp.exec.stage import Admitted, Stage
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.model import FamilyConfig
-from wavepp.model.builtin import ModelConfig, build_stage
+from wavepp.model import ModelConfig, build_stage
 from wavepp.plan import Pending, PlanContext, static
 from wavepp.rounds.admission import (
     Offer,
@@ -31,7 +30,7 @@ from wavepp.state import block_hashes, empty_cache, point_from_mask
 
 class Pipeline:
     def __init__(
-        self, cfg: ModelConfig | FamilyConfig, weights, num_stages: int, block_size: int = 16,
+        self, cfg: ModelConfig, weights, num_stages: int, block_size: int = 16,
         capacity: int = 256, snapshot_interval: int = 4, budget: int = 96,
         layers_per_stage: list[int] | None = None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip

@@ -12,7 +12,7 @@ import torch
 
 from tests.parity.families import MODELS, make_checkpoint
 from tests.parity.harness import Pipeline
-from wavepp.model.builtin import BUILTIN, build_stage, random_weights, reference_logits
+from wavepp.model import BUILTIN, build_stage, random_weights, reference_logits
 from wavepp.model.checkpoint import load_checkpoint
 
 # Per prompt, e = max |bf16 logits - fp32 logits| / max |fp32 logits|. Measured here

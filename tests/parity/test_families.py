@@ -8,7 +8,7 @@ import torch
 
 from tests.parity.families import MODELS, hf_last_logits, make_checkpoint
 from tests.parity.harness import Pipeline
-from wavepp.model import FamilyConfig, family_reference_logits
+from wavepp.model import ModelConfig, reference_logits
 from wavepp.model.checkpoint import load_checkpoint
 
 TOL = 1e-4
@@ -23,7 +23,7 @@ def family(request, tmp_path_factory):
 
 def test_config_reads_the_layer_kinds(family):
     name, _, cfg, _ = family
-    assert isinstance(cfg, FamilyConfig) and cfg.family == name
+    assert isinstance(cfg, ModelConfig) and cfg.family == name
     expected = {"kimi_linear": "LLALA", "qwen3_next": "LLALA", "minimax_m2": "AAAA"}[name]
     assert cfg.pattern == expected
 
@@ -32,7 +32,7 @@ def test_reference_forward_matches_transformers(family):
     _, model, cfg, weights = family
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 90)
     expected = hf_last_logits(model, tokens)
-    ours = family_reference_logits(cfg, weights, tokens)
+    ours = reference_logits(cfg, weights, tokens)
     assert (ours - expected).abs().max().item() <= TOL
     assert expected.abs().max().item() > 0.5  # logits far from zero: the check means something
 
@@ -88,9 +88,9 @@ def test_state_of_a_recurrent_layer_resumes_from_any_cut(family):
     _, _, cfg, weights = family
     if "L" not in cfg.pattern:
         pytest.skip("attention-only family")
-    from wavepp.model import build_family_stage
+    from wavepp.model import build_stage
 
-    stage = build_family_stage(cfg, range(cfg.num_layers), True, True, weights)
+    stage = build_stage(cfg, range(cfg.num_layers), True, True, weights)
     mixer = stage.layer(0).mixer
     h = torch.randn(100, cfg.d_model, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -106,7 +106,7 @@ def test_builtin_tiny_kimi_is_a_kimi_linear_checkpoint(tmp_path):
     loads back to the same model and that transformers runs to the same logits."""
     import transformers
 
-    from wavepp.model.builtin import BUILTIN, random_weights
+    from wavepp.model import BUILTIN, random_weights
     from wavepp.model.checkpoint import write_checkpoint
 
     cfg = BUILTIN["tiny-kimi"]
@@ -117,4 +117,4 @@ def test_builtin_tiny_kimi_is_a_kimi_linear_checkpoint(tmp_path):
     model = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path).eval()
     tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, 70)
     expected = hf_last_logits(model, tokens)
-    assert (family_reference_logits(cfg, weights, tokens) - expected).abs().max() <= TOL
+    assert (reference_logits(cfg, weights, tokens) - expected).abs().max() <= TOL

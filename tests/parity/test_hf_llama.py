@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from tests.parity.harness import Pipeline
-from wavepp.model.builtin import BUILTIN, random_weights, reference_logits
+from wavepp.model import BUILTIN, random_weights, reference_logits
 from wavepp.model.checkpoint import load_checkpoint, write_checkpoint
 
 
@@ -28,7 +28,7 @@ def tiny_llama(tmp_path_factory):
 def test_loaded_llama_matches_transformers(tiny_llama):
     model, path = tiny_llama
     cfg, weights = load_checkpoint(path)
-    assert cfg.pattern == "A" and cfg.num_kv_heads == 2 and cfg.head_dim == 16
+    assert cfg.pattern == "AAAA" and cfg.num_kv_heads == 2 and cfg.head_dim == 16
     rng = np.random.default_rng(3)
     doc = rng.integers(0, cfg.vocab_size, 150, dtype=np.int32)
     turn = np.concatenate([doc, rng.integers(0, cfg.vocab_size, 40, dtype=np.int32)])

@@ -6,18 +6,17 @@ import pytest
 import torch
 
 from tests.parity.harness import Pipeline
-from wavepp.model import FamilyConfig
-from wavepp.model.builtin import BUILTIN, random_weights, reference_logits
+from wavepp.model import BUILTIN, random_weights, reference_logits
 
 
 def _shrink(cfg):
-    if isinstance(cfg, FamilyConfig):
+    if cfg.family == "kimi_linear":
         return attrs.evolve(cfg, d_model=64, d_ff=128, kv_lora_rank=32, nope_dim=16, rope_dim=8,
                             v_dim=16, linear_k_dim=16, linear_v_dim=16, d_expert=32,
                             shared_ff=32)  # fmt: skip
-    return attrs.evolve(
-        cfg, d_model=64, d_ff=128, head_dim=16, linear_head_dim=16 if "L" in cfg.pattern else 0
-    )
+    linear = 16 if "L" in cfg.pattern else 0
+    return attrs.evolve(cfg, d_model=64, d_ff=128, head_dim=16, rotary_dim=16,
+                        linear_k_dim=linear, linear_v_dim=linear)  # fmt: skip
 
 
 SMALL = {name: _shrink(cfg) for name, cfg in BUILTIN.items()}

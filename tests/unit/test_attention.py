@@ -153,7 +153,7 @@ def test_executor_in_bfloat16_on_cpu(model):
 
     from wavepp.exec.base import ChunkWork
     from wavepp.exec.torch_exec import TorchExecutor
-    from wavepp.model.builtin import BUILTIN, build_stage, random_weights, reference_logits
+    from wavepp.model import BUILTIN, build_stage, random_weights, reference_logits
 
     cfg = BUILTIN[model]
     weights = random_weights(cfg, 3)

@@ -154,7 +154,7 @@ def test_the_build_names_the_compiler_error():
 
 def test_pools_are_zeroed_and_ask_for_huge_pages():
     from wavepp.exec.torch_exec import TorchExecutor, huge_pages
-    from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+    from wavepp.model import BUILTIN, build_stage, random_weights
 
     cfg = BUILTIN["tiny-llama"]
     stage = build_stage(cfg, range(cfg.num_layers), True, True, random_weights(cfg, 0))

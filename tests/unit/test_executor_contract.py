@@ -6,7 +6,7 @@ import pytest
 
 from wavepp.exec.base import Executor
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.sim.executor import SimExecutor, StageCostModel
 from wavepp.sim.profiles import DEVICES, MODELS, split_layers
 

@@ -14,7 +14,7 @@ import torch
 
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.model.builtin import BUILTIN, build_stage, random_weights
+from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.fused import fusable
 
 BS = 16
@@ -66,5 +66,5 @@ def test_only_llama_shaped_layers_fuse():
         cfg = BUILTIN[name]
         stage = build_stage(cfg, range(cfg.num_layers), True, True, random_weights(cfg, 0))
         fused = [i for i in stage.layer_ids if fusable(stage.layer(i))]
-        kinds = {cfg.kind(i) for i in fused} if hasattr(cfg, "kind") else set()
+        kinds = {cfg.kind(i) for i in fused}
         assert kinds == set(expected), (name, fused)

@@ -35,7 +35,7 @@ from wavepp.handoff.wire import (
     header_length,
     parse_address,
 )
-from wavepp.model import config_from_family
+from wavepp.model import config_from_hf
 from wavepp.model.linear import GatedDeltaNet, KimiDeltaAttention
 
 LLAMA = {
@@ -275,12 +275,12 @@ def test_expected_tensors_match_wavepp_layers():
     assert expected_tensors(KIMI, "float32", 1, 7) == {"latent": ("float32", (7, 1, 40))}
     assert expected_tensors(KIMI, "bfloat16", -1, 7) == {"tokens": ("int32", (7,))}
     # the recurrent states are exactly what WavePP's own layers hold
-    cfg = config_from_family(KIMI)
+    cfg = config_from_hf(KIMI)
     kda = KimiDeltaAttention(64, cfg.linear_heads, cfg.linear_k_dim, cfg.conv_kernel, 1e-5)
     got = expected_tensors(KIMI, "bfloat16", 0, 7)
     assert {k: v[1] for k, v in got.items()} == kda.state_shapes()
     assert {v[0] for v in got.values()} == {"float32"}
-    cfg = config_from_family(QWEN)
+    cfg = config_from_hf(QWEN)
     gdn = GatedDeltaNet(64, cfg.linear_k_heads, cfg.linear_heads, cfg.linear_k_dim,
                         cfg.linear_v_dim, cfg.conv_kernel, 1e-6)  # fmt: skip
     got = expected_tensors(QWEN, "float32", 1, 7)

@@ -12,14 +12,14 @@ import torch
 
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model import BUILTIN, build_stage, llama_config, random_weights
 from wavepp.model.attention import PagedBatch
-from wavepp.model.builtin import BUILTIN, ModelConfig, build_stage, random_weights
 
 BS = 16
 # The last layer: GQA (llama), MLA with a MoE MLP (kimi), gated linear attention.
-RECURRENT_LAST = ModelConfig(vocab_size=512, d_model=64, num_layers=4, pattern="AL",
-                             num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
-                             linear_heads=2, linear_head_dim=16)  # fmt: skip
+RECURRENT_LAST = llama_config(vocab_size=512, d_model=64, num_layers=4, pattern="AL",
+                              num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
+                              linear_heads=2, linear_head_dim=16)  # fmt: skip
 MODELS = {"llama": BUILTIN["tiny-llama"], "kimi": BUILTIN["tiny-kimi"],
           "recurrent-last": RECURRENT_LAST}  # fmt: skip
 

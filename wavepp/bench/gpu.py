@@ -83,7 +83,7 @@ def parity(tmp: Path, seed: int, dtype: torch.dtype, device: str = "cuda",
            families: bool = True) -> list[dict]:  # fmt: skip
     from wavepp.exec.base import ChunkWork
     from wavepp.exec.torch_exec import TorchExecutor
-    from wavepp.model.builtin import build_stage
+    from wavepp.model import build_stage
     from wavepp.model.checkpoint import load_checkpoint
 
     device = torch.device(device)
@@ -122,11 +122,12 @@ def throughput(tokens_n: int, chunk: int, repeats: int, seed: int) -> list[dict]
     from wavepp.exec.base import ChunkWork
     from wavepp.exec.torch_exec import TorchExecutor
     from wavepp.model import attention
-    from wavepp.model.builtin import ModelConfig, build_stage, random_weights
+    from wavepp.model.registry import llama_config
+    from wavepp.model.stage import build_stage, random_weights
 
     device, dtype = torch.device("cuda"), torch.bfloat16
-    cfg = ModelConfig(vocab_size=32_000, d_model=2048, num_layers=8, pattern="A",
-                      num_heads=16, num_kv_heads=4, head_dim=128, d_ff=5632)  # fmt: skip
+    cfg = llama_config(vocab_size=32_000, d_model=2048, num_layers=8, num_heads=16,
+                       num_kv_heads=4, head_dim=128, d_ff=5632)  # fmt: skip
     weights = random_weights(cfg, seed)
     bs = 16
     ex = TorchExecutor(build_stage(cfg, range(8), True, True, weights, device, dtype),

@@ -141,8 +141,7 @@ def bandwidth(args, model_config: dict, tmp: Path) -> list[dict]:
 
 
 def throughput(args, tmp: Path) -> dict:
-    from wavepp.model.builtin import BUILTIN
-    from wavepp.model.config import kimi_hf_config
+    from wavepp.model import BUILTIN, hf_config
 
     runs: dict[str, list[float]] = {"off": [], "on": []}
     for repeat in range(args.repeats):
@@ -150,7 +149,7 @@ def throughput(args, tmp: Path) -> dict:
         for mode in order:
             out = tmp / f"default-{mode}-{repeat}.json"
             if mode == "on":
-                with _Receiver(kimi_hf_config(BUILTIN["tiny-kimi"]), tmp / "rx.sock") as rx:
+                with _Receiver(hf_config(BUILTIN["tiny-kimi"]), tmp / "rx.sock") as rx:
                     _torchrun(4, ["--handoff-all", "--handoff-to", rx.address,
                                   "--json", str(out)])  # fmt: skip
                 record = json.loads(out.read_text())
@@ -183,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
-    from wavepp.model.builtin import BUILTIN
+    from wavepp.model import BUILTIN
     from wavepp.runtime.handoff import model_hf_config
 
     if args.model not in BUILTIN or model_hf_config(args.model, BUILTIN[args.model]) is None:

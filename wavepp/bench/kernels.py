@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from wavepp.model import build_family_stage
+from wavepp.model import build_stage
 from wavepp.model.checkpoint import load_checkpoint
 
 
@@ -156,7 +156,7 @@ def run(kinds: list[str], tokens: int, repeats: int, width: int, seed: int) -> l
         with tempfile.TemporaryDirectory() as tmp:
             hf.save_pretrained(tmp)
             cfg, weights = load_checkpoint(tmp)
-        ours_layer = build_family_stage(cfg, range(1), True, True, weights).layer(0)
+        ours_layer = build_stage(cfg, range(1), True, True, weights).layer(0)
         h = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(seed))
         if kind.endswith("-kernel"):
             ours_fn, hf_fn = _kernel_callables(kind.removesuffix("-kernel"), ours_layer.mixer, h)

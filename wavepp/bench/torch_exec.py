@@ -55,15 +55,16 @@ from wavepp.exec.device import default_threads
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.model import cpu_kernel
 from wavepp.model.attention import PagedBatch, paged_attention
-from wavepp.model.builtin import BUILTIN, ModelConfig, build_stage, random_weights
+from wavepp.model.registry import BUILTIN, llama_config
+from wavepp.model.stage import build_stage, random_weights
 
 # The shape of the small Llama of the vLLM comparison (issue 12): hidden 256, 4 layers,
 # 4 heads / 2 KV heads, vocabulary 32,000.
 MODELS = {
     **BUILTIN,
-    "bench-llama": ModelConfig(
-        vocab_size=32_000, d_model=256, num_layers=4, pattern="A", num_heads=4,
-        num_kv_heads=2, head_dim=64, d_ff=1024,
+    "bench-llama": llama_config(
+        vocab_size=32_000, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
+        head_dim=64, d_ff=1024,
     ),
 }  # fmt: skip
 

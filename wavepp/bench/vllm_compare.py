@@ -124,7 +124,7 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
 
     from wavepp.exec.base import ChunkWork
     from wavepp.exec.torch_exec import TorchExecutor
-    from wavepp.model.builtin import build_stage
+    from wavepp.model import build_stage
     from wavepp.model.checkpoint import load_checkpoint
     from wavepp.plan import Pending, fill
 

@@ -1,6 +1,6 @@
 """The torch executor: one stage of a real decoder LM over a paged pool (DESIGN §6).
 
-Each layer kind declares its cache (the seam in ``wavepp.model.builtin``):
+Each layer kind declares its cache (the seam in ``wavepp.model``):
 
 - a **paged** kind names the per-token entries it keeps (K/V for GQA, the compressed
   latent for MLA); the stage holds one pool ``[capacity * block_size, *entry]`` per
@@ -162,7 +162,7 @@ class TorchExecutor:
                 inactive = 1.0 - m.top_k / len(m.experts)
                 params -= int(inactive * sum(p.numel() for p in m.experts.parameters()))
         cfg = self.cfg
-        width = cfg.num_heads * max(cfg.head_dim, getattr(cfg, "kv_lora_rank", 0), 1)
+        width = cfg.num_heads * max(cfg.head_dim, cfg.kv_lora_rank, 1)
         rate = 10e9
         return 2 * params / rate, 4 * width * len(self.pools) / rate, 1e-3, 0.0
 

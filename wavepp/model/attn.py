@@ -1,5 +1,6 @@
-"""Paged layer kinds: GQA with q/k norms, partial RoPE and an optional output gate
-(Qwen3-Next, MiniMax-M2), and multi-head latent attention (Kimi Linear's MLA).
+"""Paged layer kinds: grouped-query attention (Llama's; with q/k norms, partial RoPE and
+an optional output gate, Qwen3-Next's and MiniMax-M2's) and multi-head latent attention
+(Kimi Linear's MLA).
 
 Each declares the per-token entries it keeps in the paged pool (``cache_layout``): keys
 and values ``[KV, hd]`` for GQA, the compressed latent ``[1, rank + rope_dim]`` for MLA.
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wavepp.model.attention import to_queries, write_paged
-from wavepp.model.common import RMSNorm, rope_partial
+from wavepp.model.common import RMSNorm, apply_rope, rope_tables
 
 
 def masked_attention(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
@@ -41,8 +42,10 @@ def masked_attention(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.
 
 
 class GQAttention(nn.Module):
-    """Grouped-query attention. ``qk_norm``: "head" (per-head, 1+w: Qwen3-Next) or "full"
-    (over all heads: MiniMax-M2); ``gated``: q_proj also yields a sigmoid output gate."""
+    """Grouped-query attention with rotary embedding on the leading ``rotary_dim`` head
+    dims. ``qk_norm``: None (Llama), "head" (per-head, 1+w: Qwen3-Next) or "full" (over
+    all heads: MiniMax-M2); ``gated``: q_proj also yields a sigmoid output gate
+    (Qwen3-Next)."""
 
     paged = True
 
@@ -55,8 +58,8 @@ class GQAttention(nn.Module):
         rotary_dim: int,
         rope_theta: float,
         eps: float,
-        qk_norm: str,
-        gated: bool,
+        qk_norm: str | None = None,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -70,12 +73,28 @@ class GQAttention(nn.Module):
         if qk_norm == "head":
             self.q_norm = RMSNorm(head_dim, eps, offset=True)
             self.k_norm = RMSNorm(head_dim, eps, offset=True)
-        else:
+        elif qk_norm == "full":
             self.q_norm = RMSNorm(num_heads * head_dim, eps)
             self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
 
-    def project(self, h: torch.Tensor, positions: torch.Tensor):
-        # h: [n, d_model] -> (q: [n, H, hd], gate: [n, H*hd] | None), entries: [n, 2, KV, hd]
+    @property
+    def llama_shaped(self) -> bool:
+        """Llama's attention: no q/k norms, no output gate, RoPE on every head dim."""
+        return self.qk_norm is None and not self.gated and self.rotary_dim == self.head_dim
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_tables(positions, self.rotary_dim, self.rope_theta, dtype)
+
+    def wave_rope(self, batch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The wave's rotary tables, built once per wave and shared by the stage's layers."""
+        key = ("rope", self.rotary_dim, self.rope_theta, dtype)
+        if key not in batch.kernel_state:
+            batch.kernel_state[key] = self.rope(batch.positions, dtype)
+        return batch.kernel_state[key]
+
+    def qkv(self, h: torch.Tensor, tables):
+        """h: [n, d_model] -> q: [n, H, hd], gate: [n, H*hd] | None, k, v: [n, KV, hd];
+        ``tables``: :meth:`rope` of the tokens' positions."""
         n, hd = h.shape[0], self.head_dim
         gate = None
         if self.gated:
@@ -87,22 +106,28 @@ class GQAttention(nn.Module):
         if self.qk_norm == "head":
             q = self.q_norm(q.reshape(n, self.num_heads, hd))
             k = self.k_norm(k.view(n, self.num_kv_heads, hd))
-        else:
+        elif self.qk_norm == "full":
             q = self.q_norm(q).view(n, self.num_heads, hd)
             k = self.k_norm(k).view(n, self.num_kv_heads, hd)
+        else:
+            q = q.view(n, self.num_heads, hd)
+            k = k.view(n, self.num_kv_heads, hd)
         v = self.v_proj(h).view(n, self.num_kv_heads, hd)
-        q = rope_partial(q, positions, self.rope_theta, self.rotary_dim)
-        k = rope_partial(k, positions, self.rope_theta, self.rotary_dim)
+        return apply_rope(q, tables), gate, apply_rope(k, tables), v
+
+    def project(self, h: torch.Tensor, positions: torch.Tensor):
+        # h: [n, d_model] -> (q: [n, H, hd], gate: [n, H*hd] | None), entries: [n, 2, KV, hd]
+        q, gate, k, v = self.qkv(h, self.rope(positions, h.dtype))
         return (q, gate), torch.stack([k, v], dim=1)
 
     def attend(self, query, entries: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # entries: [m, 2, KV, hd] for tokens 0..m-1
         q, gate = query
         out = masked_attention(q, entries[:, 0], entries[:, 1], positions, self.head_dim**-0.5)
-        out = out.reshape(q.shape[0], -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return self.o_proj(self.apply_gate(out.reshape(q.shape[0], -1), gate))
+
+    def apply_gate(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        return out if gate is None else out * torch.sigmoid(gate)
 
     def full(self, h: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(h.shape[0], device=h.device)
@@ -112,19 +137,22 @@ class GQAttention(nn.Module):
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
+    def paged_attend(self, q, gate, k, v, batch, pools, attention,
+                     queries=None) -> torch.Tensor:  # fmt: skip
+        """Store the wave's k/v in the pools, attend: [T, H * hd] (or [R, H * hd], the rows
+        of ``queries``), gated, before ``o_proj``."""
+        write_paged(pools["k"], batch, k)
+        write_paged(pools["v"], batch, v)
+        batch, q, gate = to_queries(batch, queries, q, gate)
+        out = attention(q, pools["k"], pools["v"], batch, self.head_dim**-0.5)  # [T, H, hd]
+        return self.apply_gate(out.flatten(1), gate)
+
     def paged_forward(self, h: torch.Tensor, batch, pools, attention,
                       queries=None) -> torch.Tensor:  # fmt: skip
         # h: [T, d_model], the wave's new tokens; their prefixes are in the pools;
         # with queries, the output is for their rows only ([R, d_model])
-        (q, gate), entries = self.project(h, batch.positions)  # entries: [T, 2, KV, hd]
-        write_paged(pools["k"], batch, entries[:, 0])
-        write_paged(pools["v"], batch, entries[:, 1])
-        batch, q, gate = to_queries(batch, queries, q, gate)
-        out = attention(q, pools["k"], pools["v"], batch, self.head_dim**-0.5)  # [T, H, hd]
-        out = out.flatten(1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        q, gate, k, v = self.qkv(h, self.wave_rope(batch, h.dtype))
+        return self.o_proj(self.paged_attend(q, gate, k, v, batch, pools, attention, queries))
 
 
 class LatentAttention(nn.Module):

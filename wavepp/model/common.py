@@ -1,13 +1,17 @@
-"""Small pieces the families share: RMS norms, partial RoPE, SwiGLU, short convolution,
-and the container of one stage's modules (also the built-in models')."""
+"""Pieces every model shares: RMS norms, rotary embedding (whole or partial), SwiGLU,
+the short convolution of the recurrent layers."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim], normalized in fp32, scaled in x's dtype (also run compiled)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -20,11 +24,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
+        if not self.offset:
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -58,20 +62,26 @@ class SwiGLU(nn.Module):
         return down(F.silu(gate(x)) * up(x))
 
 
-def rope_partial(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int):
-    """Rotate-half RoPE on the first ``rotary_dim`` dims. x: [n, heads, head_dim]."""
-    if rotary_dim == 0:
-        return x
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=x.device) / rotary_dim)
-    )
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [n, rotary_dim/2]
+def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """cos, sin: [tokens, 1, rotary_dim] for :func:`apply_rope` (fp32, then cast)."""
+    steps = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float()
+    inv_freq = 1.0 / (theta ** (steps / rotary_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [tokens, rotary_dim / 2]
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+    return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half rotary embedding of the leading ``rotary_dim`` dims (the tables' width)
+    of x: [tokens, heads, head_dim]; the rest pass as they are (partial RoPE)."""
+    cos, sin = tables
+    width = cos.shape[-1]
+    if width == 0:
+        return x
+    rot, half = x[..., :width], width // 2
+    rotated = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], dim=-1) * sin
+    return rotated if width == x.shape[-1] else torch.cat([rotated, x[..., width:]], dim=-1)
 
 
 def short_conv(x: torch.Tensor, prior: torch.Tensor, weight: torch.Tensor):
@@ -87,40 +97,3 @@ def short_conv(x: torch.Tensor, prior: torch.Tensor, weight: torch.Tensor):
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-class StageBase(nn.Module):
-    """The modules one stage holds: its layers, plus the embeddings (first stage; also the
-    last with tied embeddings) and the final norm and head (last stage).
-
-    Parameter names match the full checkpoint's (``model.layers.{i}...``), so its tensors
-    load by name on every stage. ``make_layer(i)`` builds layer ``i``; ``final_norm()``
-    the last stage's norm.
-    """
-
-    def __init__(self, cfg, layers: range, first: bool, last: bool,
-                 make_layer: Callable[[int], nn.Module],
-                 final_norm: Callable[[], nn.Module]) -> None:  # fmt: skip
-        super().__init__()
-        cfg.validate()
-        self.cfg = cfg
-        self.layer_ids = list(layers)
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleDict({str(i): make_layer(i) for i in layers})
-        if first or (last and cfg.tie_embeddings):
-            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        if last:
-            self.model.norm = final_norm()
-            if not cfg.tie_embeddings:
-                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.first, self.last = first, last
-
-    def layer(self, i: int) -> nn.Module:
-        return self.model.layers[str(i)]
-
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        # h: [n, d_model] -> logits [n, vocab]
-        h = self.model.norm(h)
-        if self.cfg.tie_embeddings:
-            return h @ self.model.embed_tokens.weight.T
-        return self.lm_head(h)

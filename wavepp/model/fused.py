@@ -11,9 +11,9 @@ tensors, shared by every layer of the same shapes:
   SwiGLU MLP and residual.
 
 Attention stays in :mod:`wavepp.model.attention` (compiled code never sees a block
-table), so the cache effects are exactly the uncompiled ones. Only layers built from
-:class:`~wavepp.model.builtin.Attention`, :class:`~wavepp.model.builtin.MLP` and
-:class:`~wavepp.model.builtin.RMSNorm` are fused; every other kind runs eagerly. Waves of
+table), so the cache effects are exactly the uncompiled ones. Only Llama-shaped layers
+are fused (:func:`fusable`: GQA without q/k norms or output gate and with RoPE on every
+head dim, a dense SwiGLU MLP, plain RMSNorms); every other kind runs eagerly. Waves of
 one token run the same functions uncompiled (a size-1 dimension would be compiled
 again as a special case). Compiling needs a C++ compiler on CPU (Triton on CUDA); it
 happens when the executor is built, and Inductor caches the result across runs.
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from wavepp.model.attention import to_queries
-from wavepp.model.builtin import MLP, Attention, RMSNorm, apply_rope, rms_norm
+from wavepp.model.attn import GQAttention
+from wavepp.model.common import RMSNorm, SwiGLU, apply_rope, rms_norm
 
 
 def gqa_pre(x, norm_w, eps: float, q_w, k_w, v_w, cos, sin, heads: int, kv_heads: int,
@@ -57,12 +58,14 @@ def _compiled(name: str):
 
 
 def fusable(layer: nn.Module) -> bool:
-    """A Llama-shaped layer: GQA attention, SwiGLU MLP, RMSNorms."""
+    """A Llama-shaped layer: Llama's attention, a dense SwiGLU MLP, plain RMSNorms."""
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
-        type(layer.mixer) is Attention
-        and type(layer.ffn) is MLP
-        and type(layer.input_layernorm) is RMSNorm
-        and type(layer.post_attention_layernorm) is RMSNorm
+        type(layer.mixer) is GQAttention
+        and layer.mixer.llama_shaped
+        and type(layer.ffn) is SwiGLU
+        and layer.ffn.names == ("gate_proj", "up_proj", "down_proj")
+        and all(type(norm) is RMSNorm and not norm.offset for norm in norms)
     )
 
 
@@ -76,15 +79,14 @@ class FusedLayer:
     def __call__(self, x: torch.Tensor, batch, pools, attention, queries=None) -> torch.Tensor:
         """x: [T, d_model] -> [T, d_model] (or [R, d_model], the rows of ``queries``, as
         ``paged_forward``), the same as the eager layer to fp32 rounding."""
-        layer, mixer = self.layer, self.layer.mixer
-        cfg, mlp = mixer.cfg, layer.ffn
+        layer, mixer, mlp = self.layer, self.layer.mixer, self.layer.ffn
         pre = self.pre if x.shape[0] > 1 else gqa_pre
         cos, sin = mixer.wave_rope(batch, x.dtype)
         norm = layer.input_layernorm
         q, k, v = pre(x, norm.weight, norm.eps, mixer.q_proj.weight, mixer.k_proj.weight,
-                      mixer.v_proj.weight, cos, sin, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim)  # fmt: skip
-        out = mixer.paged_attend(q, k, v, batch, pools, attention, queries)
+                      mixer.v_proj.weight, cos, sin, mixer.num_heads, mixer.num_kv_heads,
+                      mixer.head_dim)  # fmt: skip
+        out = mixer.paged_attend(q, None, k, v, batch, pools, attention, queries)
         _, x = to_queries(batch, queries, x)
         if not x.shape[0]:
             return x

@@ -1,12 +1,19 @@
-"""Recurrent layer kinds: Kimi Delta Attention (KDA) and Qwen3-Next's Gated DeltaNet.
+"""Recurrent layer kinds: Kimi Delta Attention (KDA), Qwen3-Next's Gated DeltaNet, and
+WavePP's gated linear attention (the built-in hybrids' ``L`` layers).
 
-Both keep, per request, a delta-rule state ``[heads, dk, dv]`` and the short
-convolution's state ``[K-1, channels]`` (the last K-1 inputs of the convolution). Their
-parameters carry the names ``save_pretrained`` writes. ``chunk`` is the prefill path
-(chunk-parallel kernel); ``full`` is the token-by-token reference.
+KDA and Gated DeltaNet keep, per request, a delta-rule state ``[heads, dk, dv]`` and the
+short convolution's state ``[K-1, channels]`` (the last K-1 inputs of the convolution);
+gated linear attention one state ``[heads, d, d]``. Their parameters carry the names
+``save_pretrained`` writes (``linear_attn`` for gated linear attention). ``chunk`` is the
+prefill path (chunk-parallel); ``full`` is the token-by-token reference. States are
+float32 on the weights' device whatever the weights' dtype: the sums over the whole
+prompt accumulate in them.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +40,8 @@ class _Recurrent(nn.Module):
         }
 
     def zero_state(self) -> State:
-        """The state before a prompt: float32 whatever the weights' dtype (the delta rule
-        accumulates in it over the whole prompt), on the weights' device."""
-        device = (
-            self.o_proj.weight.device if hasattr(self, "o_proj") else self.out_proj.weight.device
-        )
+        """The state before a prompt: float32, on the weights' device."""
+        device = next(self.parameters()).device
         return {
             name: torch.zeros(shape, dtype=torch.float32, device=device)
             for name, shape in self.state_shapes().items()
@@ -77,6 +81,90 @@ class _Recurrent(nn.Module):
         q, k, v, g, beta = self._mix(y, extras)
         o, _ = recurrent_delta(q, k, v, g, beta, state["delta"])
         return self._finish(o, extras)
+
+
+class GatedLinearAttention(nn.Module):
+    """Gated linear attention: per head, a head_dim x head_dim state
+
+        S_t = exp(a_t) S_{t-1} + k_t^T v_t,   o_t = (q_t S_t) * silu(g_t)
+
+    with a data-dependent scalar decay a_t = -softplus(w_a x_t) per head. Prefill uses
+    the chunked-parallel form; :meth:`full` is the token-by-token recurrence.
+    """
+
+    paged = False
+
+    def __init__(self, d_model: int, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(d_model, inner, bias=False)
+        self.k_proj = nn.Linear(d_model, inner, bias=False)
+        self.v_proj = nn.Linear(d_model, inner, bias=False)
+        self.a_proj = nn.Linear(d_model, num_heads, bias=True)
+        self.g_proj = nn.Linear(d_model, inner, bias=False)
+        self.o_proj = nn.Linear(inner, d_model, bias=False)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"state": (self.num_heads, self.head_dim, self.head_dim)}
+
+    def zero_state(self) -> dict[str, torch.Tensor]:
+        """The state before a prompt: float32, on the weights' device."""
+        device = self.o_proj.weight.device
+        return {"state": torch.zeros(self.state_shapes()["state"], dtype=torch.float32,
+                                     device=device)}  # fmt: skip
+
+    def _project(self, h: torch.Tensor):
+        # h: [n, d_model] -> q, k, v: [n, H, d]; a: [n, H] (log decay <= 0), all float32
+        shape = (h.shape[0], self.num_heads, self.head_dim)
+        q = self.q_proj(h).view(shape) * self.head_dim**-0.5
+        k = F.normalize(self.k_proj(h).view(shape), dim=-1)
+        v = self.v_proj(h).view(shape)
+        a = -F.softplus(self.a_proj(h))
+        return q.float(), k.float(), v.float(), a.float()
+
+    def _finish(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        # o: [n, H, d] float32 -> [n, d_model] in h's dtype
+        o = o.to(h.dtype).reshape(o.shape[0], -1)
+        return self.o_proj(o * F.silu(self.g_proj(h)))
+
+    @staticmethod
+    def _scan(q, k, v, a, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunked-parallel form over one piece. q,k,v: [m, H, d]; a: [m, H];
+        state: [H, d, d]. Returns (o: [m, H, d], state after the piece)."""
+        b = a.cumsum(0)  # [m, H]
+        m = q.shape[0]
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        decay = (b[:, None, :] - b[None, :, :]).masked_fill(~causal[:, :, None], -math.inf).exp()
+        scores = torch.einsum("thd,shd->hts", q, k) * decay.permute(2, 0, 1)  # [H, m, m]
+        o = torch.einsum("hts,shd->thd", scores, v)
+        o = o + torch.einsum("thd,hde->the", q, state) * b.exp()[:, :, None]
+        tail = (b[-1][None, :] - b).exp()  # [m, H]
+        state = state * b[-1].exp()[:, None, None] + torch.einsum("sh,shd,she->hde", tail, k, v)
+        return o, state
+
+    def chunk(self, h: torch.Tensor, state: dict | None, cuts: tuple[int, ...] = ()):
+        """h: [n, d_model]; the chunked-parallel form over the pieces between cuts.
+        Returns (out: [n, d_model], state after h, [state after h[:c] for c in cuts])."""
+        s = (self.zero_state() if state is None else state)["state"].float()
+        q, k, v, a = self._project(h)
+        bounds = sorted({0, h.shape[0], *[c for c in cuts if 0 < c < h.shape[0]]})
+        outs, at_cut = [], {0: s}
+        for lo, hi in itertools.pairwise(bounds):  # one piece per snapshot cut
+            o, s = self._scan(q[lo:hi], k[lo:hi], v[lo:hi], a[lo:hi], s)
+            outs.append(o)
+            at_cut[hi] = s
+        return (self._finish(h, torch.cat(outs)), {"state": s},
+                [{"state": at_cut[c]} for c in cuts])  # fmt: skip
+
+    def full(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v, a = self._project(h)
+        state = self.zero_state()["state"]
+        outs = []
+        for t in range(h.shape[0]):
+            state = state * a[t].exp()[:, None, None] + torch.einsum("hd,he->hde", k[t], v[t])
+            outs.append(torch.einsum("hd,hde->he", q[t], state))
+        return self._finish(h, torch.stack(outs))
 
 
 class KimiDeltaAttention(_Recurrent):

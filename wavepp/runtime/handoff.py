@@ -101,22 +101,12 @@ def model_hf_config(model: str, cfg) -> dict | None:
     """The Hugging Face ``config.json`` dict of the model this run computes with (a
     checkpoint directory's own, or the built-in model's equivalent); None for WavePP's
     own gated-linear-attention layout, which no Hugging Face class decodes."""
-    from wavepp.model import FamilyConfig
-    from wavepp.model.config import kimi_hf_config
+    from wavepp.model import hf_config
 
     path = Path(model) / "config.json"
     if path.exists():
         return json.loads(path.read_text())
-    if isinstance(cfg, FamilyConfig):
-        return kimi_hf_config(cfg) if cfg.family == "kimi_linear" else None
-    if set(cfg.pattern) == {"A"}:
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.d_model,
-            "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-        }  # fmt: skip
-    return None
+    return hf_config(cfg)
 
 
 def fingerprint(model: str, cfg, dtype: str) -> wire.Fingerprint:

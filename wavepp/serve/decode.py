@@ -52,14 +52,13 @@ def check_decode_option(value: str | None) -> str | None:
 
 def model_directory(model: str, seed: int, scratch: Path) -> Path:
     """A directory ``transformers`` loads for the server's model (writing tiny-kimi out)."""
-    from wavepp.model import FamilyConfig
-    from wavepp.model.builtin import BUILTIN, random_weights
+    from wavepp.model import BUILTIN, random_weights
     from wavepp.model.checkpoint import write_checkpoint
 
     if Path(model).is_dir() and (Path(model) / "config.json").exists():
         return Path(model)
     cfg = BUILTIN.get(model)
-    if isinstance(cfg, FamilyConfig) and cfg.family == "kimi_linear":
+    if cfg is not None and cfg.family == "kimi_linear":
         out = scratch / "model"
         write_checkpoint(out, cfg, random_weights(cfg, seed))
         return out
