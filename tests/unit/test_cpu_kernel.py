@@ -248,6 +248,30 @@ def test_a_rank_whose_build_fails_logs_one_line_and_pytorch_serves(tmp_path):
         assert len(compiles(compiler)) == 1
 
 
+@pytest.mark.slow  # a fresh interpreter
+def test_a_library_without_the_op_is_refused_and_remembered(tmp_path, monkeypatch):
+    monkeypatch.setenv("WAVEPP_CACHE", str(tmp_path / "cache"))
+    directory = cpu_kernel.KernelBuild.from_env().directory()
+    empty = tmp_path / "empty.c"
+    empty.write_text("int wavepp_nothing(void) { return 0; }\n")
+    library = directory / f"{cpu_kernel.NAME}.so"
+    built = subprocess.run(["cc", "-shared", "-fPIC", str(empty), "-o", str(library)],
+                           capture_output=True, text=True)  # fmt: skip
+    if built.returncode:
+        pytest.skip(f"no C compiler to make a library without the op: {built.stderr}")
+    library.chmod(0o700)
+    done = run_python("""
+        import logging
+        from wavepp.model import cpu_kernel
+        logging.basicConfig(format="%(name)s: %(message)s")
+        print(cpu_kernel.available())
+    """, {"WAVEPP_CACHE": str(tmp_path / "cache")})  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["False"], done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if "kernel unavailable" in ln]
+    assert len(lines) == 1 and "does not register the op" in lines[0], done.stderr
+    assert (directory / "FAILED").exists() and not library.exists()
+
+
 @pytest.mark.slow  # fresh interpreters, and a build
 @needs_kernel
 def test_a_build_is_found_again_and_one_that_does_not_load_is_rebuilt_once(tmp_path, monkeypatch):

@@ -281,7 +281,8 @@ def _load_ops(build: KernelBuild) -> None:
             raise build.remember(
                 library.parent, f"the rebuilt {library} does not load either: {again}"
             ) from again
-    if not hasattr(torch.ops.wavepp, "paged_attention"):
+    if not hasattr(torch.ops.wavepp, "paged_attention"):  # loaded, so not rebuilt here
+        build.discard(library, library.stat())  # built afresh once FAILED is deleted
         raise build.remember(
             library.parent, f"{library} does not register the op wavepp::paged_attention"
         )
