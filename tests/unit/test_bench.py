@@ -195,7 +195,7 @@ def test_torch_exec_bench_rows(tmp_path):
     assert all(r["compiled_tok_s"] > 0 and r["eager_tok_s"] > 0 for r in record["compile"])
     from wavepp.model import cpu_kernel
 
-    if cpu_kernel.library() is not None:  # the kernel alone: fp32 and each bf16 path
+    if cpu_kernel.available():  # the kernel alone: fp32 and each bf16 path
         gflops = record["kernel_gflops"]
         assert [r["cached"] for r in gflops] == [0, 112]
         paths = [p for p in cpu_kernel.BF16_PATHS if cpu_kernel._has(p)]

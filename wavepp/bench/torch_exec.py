@@ -246,7 +246,7 @@ def kernel_gflops(cfg, lengths: list[int], chunk: int, block: int, repeats: int,
     """The CPU attention kernel alone, one layer of ``cfg``'s shapes: each prompt length
     cold and 90% cached, its new tokens in waves of ``chunk`` over a shuffled block table;
     GFLOP/s (median of ``repeats``) in fp32 and in bf16 by every path this machine has."""
-    if cpu_kernel.library() is None:
+    if not cpu_kernel.available():
         return []
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     kinds = [("fp32", torch.float32, None)] + [

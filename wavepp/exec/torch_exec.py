@@ -103,7 +103,7 @@ class TorchExecutor:
         # The attention kernel over the paged pool (swappable: the benchmark compares it
         # with the old copying path).
         self.attention = paged_attention
-        # Built now (a C compile of about a second, once per machine), not in a wave.
+        # Built now (a C++ build of about 15 s, once per machine), not in a wave.
         self.attention_kernel = (cpu_kernel.describe(self.device, self.dtype)
                                  if any(m.paged for m in self._mixers()) else None)  # fmt: skip
         self.snapshot_capacity = capacity if snapshot_capacity is None else snapshot_capacity

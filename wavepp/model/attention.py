@@ -22,7 +22,7 @@ The contract, for any attention-like layer (GQA, MQA, MLA in absorbed form):
   ``D``: for MLA's absorbed form pass ``v_pool = k_pool[..., :Dv]`` (the value is a
   leading slice of the latent entry) and MQA with ``KV = 1``.
 
-How it runs. On CPU in fp32 or bf16, with AVX-512 and a C compiler, WavePP's own kernel
+How it runs. On CPU in fp32 or bf16, with AVX-512 and a C++ compiler, WavePP's own kernel
 (``wavepp.model.cpu_kernel``) serves the whole wave in one call: each new token attends
 to positions ``0..its own`` through its block table in one online-softmax pass, grouped
 heads sharing each pass over their keys (bf16 read as it is, sums in fp32). Otherwise

@@ -1,4 +1,4 @@
-"""WavePP's own CPU attention kernel (``cpu_attention.c``), built on first use.
+"""WavePP's CPU attention kernel (``cpu_attention.cpp``), a PyTorch op built on first use.
 
 One call per layer runs paged causal attention for every chunk of a wave, fp32 or
 bf16, with AVX-512: each new token attends to positions ``0..its own`` read through its
@@ -16,46 +16,62 @@ default, or ``amx``, ``dot``, ``convert``) picks the first of that one and those
 it in this order that the machine has: the tests force each so that every path is
 checked where it exists, ``convert`` on any AVX-512 CPU.
 
-The source is compiled once per machine with the system C compiler (``cc -O3
--march=native -fopenmp``) into ``$WAVEPP_CACHE`` (default ``~/.cache/wavepp``), named
-by a hash of the source, the compiler and the flags; ranks that start together each
-write their own file and rename it into place. It runs on the OpenMP threads torch
-itself uses (torch loads its ``libgomp`` first, and the library shares it), with
-``torch.get_num_threads()`` of them.
+The source is a C++ extension registering the op ``torch.ops.wavepp.paged_attention``
+(with ``wavepp::bf16_paths`` and ``wavepp::amx_init``): its schema has torch check the
+arguments' types, the kernel checks their shapes and the block tables, and its work
+items run on torch's intra-op threads (``at::parallel_for``, ``torch.get_num_threads()``
+of them). :class:`KernelBuild` compiles it once per machine with
+``torch.utils.cpp_extension`` (ninja; ``-O3 -march=native -fopenmp``) into
+``$WAVEPP_CACHE/kernels/<key>`` (default ``~/.cache/wavepp``), the key a hash of the
+source, the compiler, the flags, torch's version and the CPU:
 
-Where it cannot be had (no compiler, no AVX-512, a build error) the reason is logged
-once and the PyTorch path serves. ``WAVEPP_CPU_KERNEL=0`` turns it off (benchmarks
-compare the two that way).
+- ranks that start together build once: the others wait on the build's lock
+  (``cpu_kernel_build.py``);
+- the build runs in a subprocess killed after ``WAVEPP_CPU_KERNEL_BUILD_TIMEOUT_S``
+  (default 300 s), so a hung compiler cannot hang a rank;
+- a failed build is remembered in ``<key>/FAILED`` and not retried by later starts
+  (delete the file to try again); a library that does not load is rebuilt once;
+- nothing is loaded from the cache unless the cache, its ``kernels`` directory, the
+  build's directory and the library belong to this user and are writable by no one
+  else.
+
+Where it cannot be had (no compiler, no AVX-512, a build error or timeout, a cache
+directory refused) the reason is logged once, in one line, and the PyTorch path serves.
+``WAVEPP_CPU_KERNEL=0`` turns it off (benchmarks compare the two that way).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import fcntl
+import functools
 import hashlib
+import json
 import logging
 import os
 import platform
-import shutil
+import signal
+import stat
 import subprocess
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_LOADED: list[ctypes.CDLL | None] = []
-_REASON: list[str] = []
+SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+BUILDER = Path(__file__).with_name("cpu_kernel_build.py")
+NAME = "wavepp_cpu_attention"  # the library's name, and the build's
+# -fopenmp: at::parallel_for runs on torch's OpenMP threads only in code built with it
+FLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_TIMEOUT_S = 300.0
 _OFF: list[bool] = []  # set inside :func:`off`
 
-
 _DTYPES = (torch.float32, torch.bfloat16)  # the element types the kernel serves
-BF16_PATHS = ("amx", "dot", "convert")  # fastest first; the C side's AMX, DOT, CONVERT
+BF16_PATHS = ("amx", "dot", "convert")  # fastest first; the C++ side's AMX, DOT, CONVERT
 _PATH_CODES = {"convert": 0, "dot": 1, "amx": 2}
-_AMX: list[bool] = []  # whether Linux lent this process the AMX tiles (asked once)
 
 
 def enabled() -> bool:
@@ -74,9 +90,8 @@ def off():
         _OFF.pop()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("WAVEPP_CACHE") or Path.home() / ".cache" / "wavepp"
-    return Path(root) / "kernels"
+class KernelUnavailable(RuntimeError):
+    """Why the kernel cannot serve in this process (the PyTorch path serves instead)."""
 
 
 def _cpu_id() -> bytes:
@@ -90,78 +105,227 @@ def _cpu_id() -> bytes:
     return "\n".join(dict.fromkeys(wanted)).encode()
 
 
-def _first_error(output: str) -> str:
-    lines = output.strip().splitlines()
-    errors = [ln for ln in lines if "error" in ln]
-    return (errors or lines or ["no output"])[0]
+def _check_private(path: Path) -> None:
+    """Refuses ``path`` unless this user owns it and no one else may write it: a library
+    loaded from a directory others can write runs their code in this process."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise KernelUnavailable(
+            f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}); "
+            "nothing is loaded from it"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KernelUnavailable(
+            f"{path} is writable by its group or others (mode {stat.filemode(st.st_mode)}); "
+            f"nothing is loaded from it (chmod go-w {path})"
+        )
 
 
-def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    source = SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + version.encode() + " ".join(FLAGS).encode() + _cpu_id())
-    key = key.hexdigest()[:16]
-    target = _cache_dir() / f"cpu_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
+class KernelBuild:
+    """The kernel's library in a private cache directory, built there at most once for
+    one source, compiler, set of flags, torch and CPU (see the module).
+
+    ``cache``: the cache's root (``$WAVEPP_CACHE``); ``compiler``: the C++ compiler
+    (``$CXX``, else ``c++``, as ``torch.utils.cpp_extension`` picks it)."""
+
+    def __init__(self, cache: Path, compiler: str, cflags: tuple[str, ...] = FLAGS,
+                 timeout_s: float = BUILD_TIMEOUT_S) -> None:  # fmt: skip
+        self.cache = cache
+        self.compiler = compiler
+        self.cflags = tuple(cflags)
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_env(cls) -> KernelBuild:
+        root = os.environ.get("WAVEPP_CACHE") or Path.home() / ".cache" / "wavepp"
+        raw = os.environ.get("WAVEPP_CPU_KERNEL_BUILD_TIMEOUT_S") or str(BUILD_TIMEOUT_S)
         try:
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp],
-                                  capture_output=True, text=True)  # fmt: skip
-            if done.returncode:
-                raise RuntimeError(f"{compiler} failed: {_first_error(done.stderr or done.stdout)}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
-    fn = lib.wavepp_paged_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = (
-        [ptr, ptr, ptr, ptr, ptr, i64, ptr] + [i64] * 9 + [ctypes.c_float] + [ctypes.c_int] * 3
-    )
-    fn.restype = ctypes.c_int
-    for name in ("wavepp_bf16_paths", "wavepp_amx_init"):
-        getattr(lib, name).argtypes = []
-        getattr(lib, name).restype = ctypes.c_int
-    return lib
+            timeout_s = float(raw)
+        except ValueError:
+            raise ValueError(f"WAVEPP_CPU_KERNEL_BUILD_TIMEOUT_S={raw!r}: give seconds") from None
+        return cls(Path(root), os.environ.get("CXX") or "c++", timeout_s=timeout_s)
 
+    def directory(self) -> Path:
+        """This build's directory, made private if new, refused if not private."""
+        kernels = self.cache / "kernels"
+        kernels.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for path in (self.cache, kernels):
+            _check_private(path)
+        directory = kernels / f"{NAME}-{self._key()}"
+        directory.mkdir(mode=0o700, exist_ok=True)
+        _check_private(directory)
+        return directory
 
-def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (and :func:`unavailable` says why)."""
-    if not _LOADED:
+    def _key(self) -> str:
         try:
-            _LOADED.append(_build())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            _LOADED.append(None)
-            _REASON.append(str(error))
-            log.warning("CPU attention kernel unavailable (%s); using PyTorch's kernels", error)
-    return _LOADED[0]
+            version = subprocess.run([self.compiler, "--version"], capture_output=True,
+                                     text=True, timeout=30).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as error:
+            raise KernelUnavailable(f"no C++ compiler ({self.compiler}: {error})") from error
+        parts = [SOURCE.read_bytes(), BUILDER.read_bytes(), version.encode(),
+                 " ".join(self.cflags + LDFLAGS).encode(), torch.__version__.encode(),
+                 sys.implementation.cache_tag.encode(), _cpu_id()]  # fmt: skip
+        return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+    def library(self) -> Path:
+        """The built library: found, or built now (waiting for a build already under way
+        in another process). Raises :class:`KernelUnavailable`."""
+        directory = self.directory()
+        if failure := self._failure(directory):
+            raise failure
+        library = directory / f"{NAME}.so"
+        if not library.exists() or (directory / "lock").exists():
+            self._build(directory)
+        _check_private(library)
+        return library
+
+    def _build(self, directory: Path) -> None:
+        try:
+            import ninja  # cpp_extension runs the ninja on PATH; this one is a dependency
+        except ImportError as error:
+            raise KernelUnavailable(f"ninja is not installed ({error})") from error
+        spec = {"name": NAME, "source": str(SOURCE), "directory": str(directory),
+                "cflags": list(self.cflags), "ldflags": list(LDFLAGS)}  # fmt: skip
+        env = {**os.environ, "CXX": self.compiler,
+               "PATH": os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])}  # fmt: skip
+        with subprocess.Popen([sys.executable, str(BUILDER), json.dumps(spec)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) as builder:  # fmt: skip
+            try:
+                output, _ = builder.communicate(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill_tree(builder.pid)  # the builder, ninja, the compiler and its parts
+                builder.communicate()
+                took = f"{self.timeout_s:g} s (WAVEPP_CPU_KERNEL_BUILD_TIMEOUT_S)"
+                raise self.remember(directory, f"the build took longer than {took}") from None
+        if builder.returncode:
+            failure = self._failure(directory)  # the builder's own account, if it could
+            raise failure or self.remember(directory, f"the build failed: {output.strip()[-300:]}")
+
+    def _failure(self, directory: Path) -> KernelUnavailable | None:
+        failed = directory / "FAILED"
+        if not failed.exists():
+            return None
+        return KernelUnavailable(f"{failed.read_text().strip()} (a failed build, remembered "
+                                 f"in {failed}: delete it to try again)")  # fmt: skip
+
+    def remember(self, directory: Path, reason: str) -> KernelUnavailable:
+        """Records ``reason`` as the build's failure in ``directory`` (later starts do not
+        retry it); the error to raise."""
+        written = directory / f"FAILED.{os.getpid()}"
+        written.write_text(reason + "\n")
+        written.replace(directory / "FAILED")
+        return self._failure(directory)
+
+    def discard(self, library: Path, seen: os.stat_result) -> None:
+        """Removes a build whose library (``seen`` when it would not load) did not load,
+        so that the next :meth:`library` builds it afresh; unless another process is
+        building it now, or has already replaced it."""
+        directory = library.parent
+        with open(directory / "build.flock", "a") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            now = library.stat() if library.exists() else None
+            if now is None or (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+                return
+            for entry in directory.iterdir():
+                if entry.name != "build.flock":
+                    entry.unlink()
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children, by parent (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def _kill_tree(pid: int) -> None:
+    """Kills ``pid`` and every process under it. Ninja runs each command in a process
+    group of its own, so the builder's group alone would leave a hung compiler running:
+    the tree is stopped first (nothing in it forks or is reparented meanwhile), then
+    killed."""
+    stopped: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        for p in frontier:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        stopped |= frontier
+        children = _children()
+        frontier = {c for p in stopped for c in children.get(p, [])} - stopped
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _load_ops(build: KernelBuild) -> None:
+    """Loads the kernel's ops into this process (once: a library is never unloaded)."""
+    library = build.library()
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:
+        log.warning("CPU attention kernel %s does not load (%s); rebuilding it once",
+                    library, error)  # fmt: skip
+        build.discard(library, library.stat())
+        library = build.library()
+        try:
+            torch.ops.load_library(str(library))
+        except OSError as again:
+            raise build.remember(
+                library.parent, f"the rebuilt {library} does not load either: {again}"
+            ) from again
+    if not hasattr(torch.ops.wavepp, "paged_attention"):  # loaded, so not rebuilt here
+        build.discard(library, library.stat())  # built afresh once FAILED is deleted
+        raise build.remember(
+            library.parent, f"{library} does not register the op wavepp::paged_attention"
+        )
+
+
+@functools.cache
 def unavailable() -> str | None:
-    """Why the kernel could not be built, or None when it is available (or untried)."""
-    return _REASON[0] if _REASON else None
+    """Why the kernel cannot serve in this process, or None when it can (built and loaded
+    here on the first call)."""
+    try:
+        _load_ops(KernelBuild.from_env())
+    except (KernelUnavailable, OSError) as error:  # OSError: a cache it cannot write
+        log.warning("CPU attention kernel unavailable (%s); using PyTorch's kernels", error)
+        return str(error)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel serves in this process (built and loaded on the first call)."""
+    return unavailable() is None
+
+
+@functools.cache
+def _bf16_paths() -> int:
+    """The bf16 paths the build has, a bit per path code."""
+    return torch.ops.wavepp.bf16_paths()
+
+
+@functools.cache
+def _amx() -> bool:
+    """Whether Linux lent this process the AMX tiles (asked once)."""
+    return torch.ops.wavepp.amx_init()
 
 
 def _has(path: str) -> bool:
     """Whether the built kernel can run bf16 by ``path`` in this process."""
-    lib = library()
-    if lib is None:
+    if not available():
         return False
     if path == "convert":
         return True
-    if not lib.wavepp_bf16_paths() >> _PATH_CODES[path] & 1:
+    if not _bf16_paths() >> _PATH_CODES[path] & 1:
         return False
-    if path == "amx":
-        if not _AMX:
-            _AMX.append(lib.wavepp_amx_init() == 0)
-        return _AMX[0]
-    return True
+    return path != "amx" or _amx()
 
 
 def bf16_path() -> str:
@@ -187,7 +351,7 @@ def describe(device: torch.device, dtype: torch.dtype) -> str:
         return f"PyTorch's (WavePP's CPU kernel is fp32 or bf16, the pools are {dtype})"
     if not enabled():
         return "PyTorch's (WAVEPP_CPU_KERNEL=0)"
-    if library() is None:
+    if not available():
         return f"PyTorch's (WavePP's CPU kernel unavailable: {unavailable()})"
     if dtype == torch.bfloat16:
         return f"WavePP's CPU kernel (AVX-512, bf16: {_BF16_LABELS[bf16_path()]})"
@@ -206,7 +370,7 @@ def fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
         and k_pool.shape[-1] <= 1024
         and v_pool.shape[-1] <= 1024
         and enabled()
-        and library() is not None
+        and available()
     )
 
 
@@ -221,27 +385,13 @@ def wave_metadata(starts, spans, tables) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: float,
-                    path: str | None = None):  # fmt: skip
+                    path: str | None = None) -> torch.Tensor:  # fmt: skip
     """q [T, H, D]; pools [rows, KV, D] / [rows, KV, Dv] -> [T, H, Dv] (see the module),
-    in q's dtype. ``path``: how bf16 is multiplied (None: :func:`bf16_path`); one this
-    machine lacks falls back to ``convert``."""
-    slots = k_pool.shape[0] // block_size
-    if int(tables.max()) >= slots or int(tables.min()) < 0:
-        raise ValueError(f"a block table names a slot outside the pool of {slots} slots")
-    q = q.contiguous()
-    heads, kv_heads, d_k, d_v = q.shape[1], k_pool.shape[1], k_pool.shape[-1], v_pool.shape[-1]
-    out = q.new_empty(q.shape[0], heads, d_v)
-    if q.shape[0] == 0:
-        return out
+    in q's dtype, by the op ``wavepp::paged_attention`` (a block table naming a slot
+    outside the pools raises ValueError). ``path``: how bf16 is multiplied (None:
+    :func:`bf16_path`); one this machine lacks falls back to ``convert``."""
     bf16 = q.dtype == torch.bfloat16
     path = (path or bf16_path()) if bf16 else "convert"
-    code = _PATH_CODES[path] if _has(path) else 0
-    status = library().wavepp_paged_attention(
-        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(),
-        seqs.data_ptr(), seqs.shape[0], tables.data_ptr(), block_size, heads, kv_heads,
-        d_k, d_v, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        scale, torch.get_num_threads(), int(bf16), code,
-    )  # fmt: skip
-    if status:
-        raise MemoryError("CPU attention kernel could not allocate its scratch memory")
-    return out
+    code = _PATH_CODES[path] if _has(path) else _PATH_CODES["convert"]
+    return torch.ops.wavepp.paged_attention(q, k_pool, v_pool, seqs, tables, block_size, scale,
+                                            code)  # fmt: skip

@@ -1,4 +1,5 @@
-/* Paged causal attention for a whole wave, fp32 or bf16, AVX-512 (wavepp.model.cpu_kernel).
+/* Paged causal attention for a whole wave, fp32 or bf16, AVX-512: the PyTorch op
+   wavepp::paged_attention (built and loaded by wavepp.model.cpu_kernel).
 
    Every new token of a sequence attends to the keys at positions 0..its own, read from
    the paged pool through the sequence's block table: the cached prefix and the chunk's
@@ -9,14 +10,15 @@
    Work items: (sequence, KV head, tile of QT query positions). An item packs its query
    rows (the g heads of the group times QT positions), then walks the keys in tiles of
    KT: packs K transposed and V, S = Q K^T, the online softmax per row, O += P V.
-   The items are spread over the calling process's OpenMP threads (torch's own pool:
-   the same libgomp is loaded first by torch).
+   The items run on torch's intra-op threads (at::parallel_for, at::get_num_threads()
+   of them: torch's own OpenMP pool, which is why the library is built with -fopenmp),
+   each thread taking the next item until none is left, the costliest first.
 
    Element types (one per call: q, pools and out all fp32 or all bf16; every sum fp32):
    - fp32: the query rows are packed scaled, the products are fp32 FMAs (qk, pv).
    - bf16, three paths (the caller picks one; one this build lacks becomes CONVERT):
      AMX (tiles: tdpbf16ps; built where the compiler targets AMX, the process having
-     asked Linux for the tile state, wavepp_amx_init) and DOT (AVX-512 BF16:
+     asked Linux for the tile state, wavepp::amx_init) and DOT (AVX-512 BF16:
      vdpbf16ps) pack Q and K as pairs of bf16 along d, one 32-bit word a pair (K
      transposed by the same 16 x 16 transpose, of words: the panels are AMX's B
      layout), so S = Q K^T takes pairs of dims; the scale multiplies S in fp32. P is
@@ -27,11 +29,19 @@
      fp32 as it packs them, then runs the fp32 products.
    The output is written in the inputs' type (bf16 rounded to nearest even).
 */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #ifndef __AVX512F__
 #error "wavepp's CPU attention kernel needs AVX-512F"
@@ -304,9 +314,10 @@ static inline void transpose16(const float *const *rows, float *dst, long ld) {
 #define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux: ask for a state component */
 #define XFEATURE_XTILEDATA 18      /* the tiles' data */
 
-/* Linux lends the AMX tiles to a process that asks (once, for all its threads). */
-int wavepp_amx_init(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? -1 : 0;
+/* Linux lends the AMX tiles to a process that asks (once, for all its threads): the op
+   wavepp::amx_init, true when lent. */
+static bool amx_init() {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
 typedef struct {
@@ -432,13 +443,13 @@ static void pv_amx(const bf16 *P, const uint32_t *V2, int kpad, int d_v, int row
 }
 #else
 #define HAS_AMX 0
-int wavepp_amx_init(void) { return -1; }
+static bool amx_init() { return false; }
 #endif
 
-enum { CONVERT = 0, DOT = 1, AMX = 2 }; /* how bf16 is multiplied (wavepp_paged_attention) */
+enum { CONVERT = 0, DOT = 1, AMX = 2 }; /* how bf16 is multiplied (the path of paged_attention) */
 
 /* stands in for the keys past a tile's last: d_k <= 1024 fp32 or 2048 bf16 */
-static const float zeros[1024] __attribute__((aligned(64)));
+alignas(64) static const float zeros[1024] = {};
 
 typedef struct {
     const void *q, *k_pool, *v_pool;
@@ -466,7 +477,7 @@ static int64_t pool_row(const Wave *w, const Seq *s, int64_t pos) {
 }
 
 /* element `index` of `base`, elements of `size` bytes */
-static inline const void *at(const void *base, int64_t index, int size) {
+static inline const void *element(const void *base, int64_t index, int size) {
     return (const char *)base + index * size;
 }
 
@@ -516,8 +527,8 @@ static void pack_kv(const Wave *w, const Seq *s, int64_t kh, int64_t k0, int kn,
                 continue;
             }
             int64_t row = pool_row(w, s, k0 + j0 + j);
-            kr[j] = at(w->k_pool, row * w->k_row + kh * w->k_head, size);
-            vr[j] = at(w->v_pool, row * w->v_row + kh * w->v_head, size);
+            kr[j] = element(w->k_pool, row * w->k_row + kh * w->k_head, size);
+            vr[j] = element(w->v_pool, row * w->v_row + kh * w->v_head, size);
         }
         if (w->path != CONVERT) {
             uint32_t *panel = (uint32_t *)x->Kt + (j0 & ~31) * kw + (j0 & 31);
@@ -529,15 +540,15 @@ static void pack_kv(const Wave *w, const Seq *s, int64_t kh, int64_t k0, int kn,
             }
             for (; p < kw; p++)
                 for (int j = 0; j < 16; j++) {
-                    const bf16 *k = kr[j];
+                    const bf16 *k = (const bf16 *)kr[j];
                     uint32_t lo = 2 * p < d_k ? k[2 * p] : 0, hi = 2 * p + 1 < d_k ? k[2 * p + 1] : 0;
                     panel[p * 32 + j] = lo | hi << 16;
                 }
             uint32_t *v2 = (uint32_t *)x->V + (int64_t)(j0 / 2) * d_v;
             for (int j = 0; j < 16; j += 2, v2 += d_v)
                 for (int64_t c = 0; c < d_v; c += 16) {
-                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const bf16 *)vr[j] + c)));
-                    __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)((const bf16 *)vr[j + 1] + c)));
+                    __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)vr[j] + c)));
+                    __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)vr[j + 1] + c)));
                     _mm512_storeu_si512(v2 + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
                 }
             continue;
@@ -545,10 +556,10 @@ static void pack_kv(const Wave *w, const Seq *s, int64_t kh, int64_t k0, int kn,
         if (w->bf16) { /* converted: K rows into Kc, V rows into V */
             for (int j = 0; j < 16; j++) {
                 float *kc = x->Kc + j * d_k, *v = x->V + (int64_t)(j0 + j) * d_v;
-                const bf16 *k = kr[j], *vs = vr[j];
+                const bf16 *k = (const bf16 *)kr[j], *vs = (const bf16 *)vr[j];
                 for (int64_t d = 0; d < d_k; d++) kc[d] = bf16_to_f32(k[d]);
                 for (int64_t c = 0; c < d_v; c += 16)
-                    _mm512_store_ps(v + c, bf16x16_to_f32(_mm256_loadu_si256((const void *)(vs + c))));
+                    _mm512_store_ps(v + c, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(vs + c))));
                 kr[j] = kc;
             }
         } else {
@@ -605,7 +616,7 @@ static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, in
                     if (j + 16 > valid) p = _mm512_maskz_mov_ps(tail, p);
                 }
                 __m256i h = to_bf16(p);
-                _mm256_store_si256((void *)(prow + j), h);
+                _mm256_store_si256((__m256i *)(prow + j), h);
                 sum = _mm512_add_ps(sum, bf16x16_to_f32(h));
             }
         } else {
@@ -669,77 +680,128 @@ static void run_item(const Wave *w, const Seq *s, int64_t kh, int64_t i0, Scratc
         const __m512 inv = _mm512_set1_ps(1.0f / x->l[r]);
         for (int64_t c = 0; c < d_v; c += 16) {
             __m512 o = _mm512_mul_ps(_mm512_load_ps(x->O + r * d_v + c), inv);
-            if (w->bf16) _mm256_storeu_si256((void *)((bf16 *)w->out + dst + c), f32_to_bf16x16(o));
+            if (w->bf16) _mm256_storeu_si256((__m256i *)((bf16 *)w->out + dst + c), f32_to_bf16x16(o));
             else _mm512_storeu_ps((float *)w->out + dst + c, o);
         }
     }
 }
 
-static void *aligned(size_t n) {
-    return aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
+static float *aligned(size_t n) {
+    return static_cast<float *>(aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63));
 }
 
 /* The bf16 paths this build has: bit DOT (vdpbf16ps: the compiler targeted AVX-512
-   BF16), bit AMX (the AMX tiles; usable once wavepp_amx_init has succeeded). */
-int wavepp_bf16_paths(void) { return HAS_DOT << DOT | HAS_AMX << AMX; }
+   BF16), bit AMX (the AMX tiles; usable once amx_init has succeeded). */
+static int64_t bf16_paths() { return HAS_DOT << DOT | HAS_AMX << AMX; }
 
-/* The entry point: every new token of every sequence, over num_threads threads.
-   q [T, heads, d_k] and out [T, heads, d_v] contiguous; pools addressed by row and head
-   strides (in elements); d_v a multiple of 16 (checked by the caller). bf16: q, pools
-   and out in bf16 (else fp32), multiplied by `path` (CONVERT, DOT or AMX; one this
-   build lacks falls back to CONVERT). Returns 0, or -1 when scratch memory could not be
-   had. */
-int wavepp_paged_attention(const void *q, const void *k_pool, const void *v_pool, void *out,
-                           const int64_t *seqs, int64_t num_seqs, const int64_t *tables,
-                           int64_t block_size, int64_t heads, int64_t kv_heads, int64_t d_k,
-                           int64_t d_v, int64_t k_row, int64_t k_head, int64_t v_row,
-                           int64_t v_head, float scale, int num_threads, int bf16, int path) {
-    if (!bf16 || !(wavepp_bf16_paths() >> path & 1)) path = CONVERT;
-    const int64_t dp = (d_k + 1) / 2; /* words of bf16 pairs in a K row */
-    Wave w = {q, k_pool, v_pool, out, (const Seq *)seqs, tables, block_size, heads, kv_heads,
-              d_k, d_v, k_row, k_head, v_row, v_head, scale, 0, bf16 != 0, path,
-              path == AMX ? (dp + 15) & ~(int64_t)15 : dp};
-    const int64_t g = heads / kv_heads;
-    w.positions = (int)(ROWS / g > 0 ? ROWS / g : 1);
-    int64_t items = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        items += kv_heads * ((w.seqs[s].num_new + w.positions - 1) / w.positions);
-    int64_t *work = malloc((items > 0 ? items : 1) * 3 * sizeof(int64_t));
-    if (!work) return -1;
-    /* the costliest items (most keys: the last tiles of each sequence) first */
-    int64_t n = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        int64_t tiles = (w.seqs[s].num_new + w.positions - 1) / w.positions;
-        for (int64_t t = tiles - 1; t >= 0; t--)
-            for (int64_t kh = 0; kh < kv_heads; kh++) {
-                work[3 * n] = s, work[3 * n + 1] = kh, work[3 * n + 2] = t * w.positions;
-                n++;
-            }
-    }
+/* One thread's share of a wave: it takes the next item until none is left (the
+   costliest first, so that the last items taken are short). A thread that cannot have
+   its scratch memory takes none; the others do its share. */
+static void run_items(const Wave &w, const std::vector<int64_t> &work,
+                      std::atomic<int64_t> &next) {
+    const int64_t g = w.heads / w.kv_heads, items = (int64_t)work.size() / 3;
     const int64_t rpad = ((g * w.positions) + 15) & ~(int64_t)15;
-    const int64_t width = d_k > w.kw ? d_k : w.kw; /* a packed Q or K row, 32-bit elements */
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        Scratch x = {aligned(rpad * width), aligned(width * KT), aligned(KT * d_v),
-                     aligned(rpad * KT), aligned(rpad * d_v), aligned(rpad), aligned(rpad),
-                     aligned(rpad), aligned(rpad * KT / 2), aligned(16 * d_k)};
-        const int ok = x.Q && x.Kt && x.V && x.S && x.O && x.m && x.l && x.alpha && x.P && x.Kc;
-        failed = !ok;
+    const int64_t width = w.d_k > w.kw ? w.d_k : w.kw; /* a packed Q or K row, 32-bit words */
+    Scratch x = {aligned(rpad * width), aligned(width * KT), aligned(KT * w.d_v),
+                 aligned(rpad * KT), aligned(rpad * w.d_v), aligned(rpad), aligned(rpad),
+                 aligned(rpad), aligned(rpad * KT / 2), aligned(16 * w.d_k)};
+    if (x.Q && x.Kt && x.V && x.S && x.O && x.m && x.l && x.alpha && x.P && x.Kc) {
 #if HAS_AMX
         if (w.path == AMX) amx_configure();
 #endif
-        /* every thread reaches the loop (its barrier); one without scratch skips its items,
-           and the caller falls back on the whole call */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++)
-            if (ok) run_item(&w, &w.seqs[work[3 * it]], work[3 * it + 1], work[3 * it + 2], &x);
+        for (int64_t it; (it = next.fetch_add(1)) < items;)
+            run_item(&w, &w.seqs[work[3 * it]], work[3 * it + 1], work[3 * it + 2], &x);
 #if HAS_AMX
         if (w.path == AMX) _tile_release();
 #endif
-        free(x.Q), free(x.Kt), free(x.V), free(x.S), free(x.O), free(x.m), free(x.l),
-            free(x.alpha), free(x.P), free(x.Kc);
     }
-    free(work);
-    return failed ? -1 : 0;
+    free(x.Q), free(x.Kt), free(x.V), free(x.S), free(x.O), free(x.m), free(x.l),
+        free(x.alpha), free(x.P), free(x.Kc);
 }
+
+/* The op wavepp::paged_attention: every new token of every sequence -> out [T, heads,
+   d_v] in q's dtype. q [T, heads, d_k]; pools [rows, kv_heads, d] addressed by row and
+   head strides, each row contiguous; seqs [num_seqs, 4] (Seq) and the flat block tables,
+   int64. fp32 or bf16 alike for q and both pools; bf16 is multiplied by `path` (CONVERT,
+   DOT or AMX; one this build lacks becomes CONVERT). The arguments are checked here
+   (a bad one raises in Python: ValueError for a slot outside the pool), the items run
+   on torch's intra-op threads (at::parallel_for: OpenMP, at::get_num_threads() of
+   them), and the call fails (torch.OutOfMemoryError) only if no thread had scratch. */
+static at::Tensor paged_attention(const at::Tensor &q_in, const at::Tensor &k_pool,
+                                  const at::Tensor &v_pool, const at::Tensor &seqs,
+                                  const at::Tensor &tables, int64_t block_size, double scale,
+                                  int64_t path) {
+    const auto dtype = q_in.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "q must be fp32 or bf16, not ",
+                dtype);
+    TORCH_CHECK(k_pool.scalar_type() == dtype && v_pool.scalar_type() == dtype,
+                "q and the pools must share one dtype");
+    TORCH_CHECK(q_in.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3,
+                "q [T, H, D] and pools [rows, KV, D] are 3-D");
+    TORCH_CHECK(k_pool.stride(2) == 1 && v_pool.stride(2) == 1, "pool rows must be contiguous");
+    const at::Tensor q = q_in.contiguous();
+    const int64_t heads = q.size(1), kv_heads = k_pool.size(1), d_k = k_pool.size(2),
+                  d_v = v_pool.size(2);
+    TORCH_CHECK(q.size(2) == d_k, "q's head size ", q.size(2), " is not the keys' ", d_k);
+    TORCH_CHECK(v_pool.size(1) == kv_heads && kv_heads > 0 && heads % kv_heads == 0,
+                heads, " query heads do not group over ", kv_heads, " KV heads");
+    TORCH_CHECK(d_v % 16 == 0 && d_v <= 1024 && d_k <= 1024,
+                "value width must be a multiple of 16 and widths at most 1024");
+    TORCH_CHECK(block_size > 0, "block_size must be positive");
+    TORCH_CHECK(path >= CONVERT && path <= AMX, "path must be 0 (CONVERT), 1 (DOT) or 2 (AMX)");
+    TORCH_CHECK(seqs.scalar_type() == at::kLong && tables.scalar_type() == at::kLong &&
+                    seqs.is_contiguous() && tables.is_contiguous() && seqs.dim() == 2 &&
+                    seqs.size(1) == 4 && tables.dim() == 1,
+                "seqs [n, 4] and tables [m] are contiguous int64");
+    const int64_t total = q.size(0), num_seqs = seqs.size(0), entries = tables.size(0);
+    const int64_t slots = std::min(k_pool.size(0), v_pool.size(0)) / block_size;
+    const int64_t *table = tables.data_ptr<int64_t>();
+    for (int64_t i = 0; i < entries; i++)
+        TORCH_CHECK_VALUE(table[i] >= 0 && table[i] < slots,
+                          "a block table names a slot outside the pool of ", slots, " slots");
+    const Seq *seq = reinterpret_cast<const Seq *>(seqs.data_ptr<int64_t>());
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const Seq &x = seq[s];
+        TORCH_CHECK(x.q_offset >= 0 && x.num_new >= 0 && x.start >= 0 &&
+                        x.q_offset + x.num_new <= total,
+                    "sequence ", s, " reads queries outside q");
+        const int64_t blocks = (x.start + x.num_new + block_size - 1) / block_size;
+        TORCH_CHECK(x.table_at >= 0 && x.table_at + blocks <= entries,
+                    "sequence ", s, " reads past the block tables");
+    }
+    at::Tensor out = at::empty({total, heads, d_v}, q.options());
+    const int bf16 = dtype == at::kBFloat16;
+    const int code = bf16 && (bf16_paths() >> path & 1) ? (int)path : CONVERT;
+    const int64_t dp = (d_k + 1) / 2; /* words of bf16 pairs in a K row */
+    Wave w = {q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), out.data_ptr(), seq, table,
+              block_size, heads, kv_heads, d_k, d_v, k_pool.stride(0), k_pool.stride(1),
+              v_pool.stride(0), v_pool.stride(1), (float)scale, 0, bf16, code,
+              code == AMX ? (dp + 15) & ~(int64_t)15 : dp};
+    const int64_t g = heads / kv_heads;
+    w.positions = (int)(ROWS / g > 0 ? ROWS / g : 1);
+    /* the costliest items (most keys: the last tiles of each sequence) first */
+    std::vector<int64_t> work;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t tiles = (seq[s].num_new + w.positions - 1) / w.positions;
+        for (int64_t t = tiles - 1; t >= 0; t--)
+            for (int64_t kh = 0; kh < kv_heads; kh++) work.insert(work.end(), {s, kh, t * w.positions});
+    }
+    const int64_t items = (int64_t)work.size() / 3;
+    std::atomic<int64_t> next{0};
+    /* one task a thread; each takes items as it goes (a static split of the items
+       would leave the threads with the short ones idle) */
+    at::parallel_for(0, std::min<int64_t>(items, at::get_num_threads()), 1,
+                     [&](int64_t, int64_t) { run_items(w, work, next); });
+    TORCH_CHECK_WITH(OutOfMemoryError, next.load() >= items,
+                     "WavePP's CPU attention kernel could not allocate its scratch memory");
+    return out;
+}
+
+TORCH_LIBRARY(wavepp, m) {
+    m.def("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor seqs, Tensor tables,"
+          " int block_size, float scale, int path) -> Tensor");
+    m.def("bf16_paths() -> int", &bf16_paths);
+    m.def("amx_init() -> bool", &amx_init);
+}
+
+TORCH_LIBRARY_IMPL(wavepp, CPU, m) { m.impl("paged_attention", &paged_attention); }
