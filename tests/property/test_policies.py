@@ -29,12 +29,6 @@ BROKEN = {
     "broken_evicts_leased": "leased_block_never_evicted",
     "broken_escrow_double_count": "escrow_backed",
 }
-# What else the same bug breaks: a search stops at whichever it meets first.
-ALSO_BROKEN = {
-    "broken_evicts_leased": {"accounting_consistent", "cache_matches_model", "no_unexpected_error"},
-    "broken_escrow_double_count": {"materialize_never_fails", "accounting_consistent",
-                                   "no_unexpected_error"},
-}  # fmt: skip
 
 
 def policy(name: str) -> Policy:
@@ -155,13 +149,14 @@ def test_the_scenarios_are_valid_runs_that_working_policies_pass(name, scenario)
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
-def test_a_search_of_a_broken_policy_reports_only_what_its_bug_breaks(name):
-    # Secondary: whether 100 examples reach the bug depends on the draws; what the search
-    # reports when it does must not.
+def test_a_search_of_a_broken_policy_blames_its_admission_machine_only(name):
+    # Secondary: whether 100 examples reach the bug, and which of the state's invariants
+    # it breaks they meet first, depends on the draws. These policies leave the planner
+    # to the rungs, so whatever the search finds is in the admission machine, with the
+    # shrunk steps that reach it.
     report = check(name, 100)
-    allowed = {BROKEN[name], *ALSO_BROKEN[name]}
-    assert report.violated() <= allowed, report.render()
     for finding in report.findings:
+        assert finding.where.startswith("admission machine"), report.render()
         assert any(step.startswith("state.setup(") for step in finding.steps), finding.steps
 
 
