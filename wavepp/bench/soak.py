@@ -117,9 +117,11 @@ def table_sizes(exposition: str) -> dict[str, float] | None:
 class Counts:
     sent: int = 0
     done: int = 0
-    cancelled: int = 0  # by DELETE
+    cancelled: int = 0  # answered "cancelled" (a DELETE reached it in time)
     disconnected: int = 0  # abandoned by the client
     other: int = 0  # refused, failed, HTTP errors
+    deletes: int = 0  # DELETEs sent
+    deletes_found: int = 0  # ... that found the request queued or running (200, not 404)
 
     def as_dict(self) -> dict[str, int]:
         return attrs.asdict(self)
@@ -187,8 +189,10 @@ class Soak:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._post, body)
             await anyio.sleep(self._life_point())
+            self.counts.deletes += 1
             with contextlib.suppress(httpx.HTTPError):
-                await self.client.delete(f"/v1/requests/{body['id']}")  # 404 once it is over
+                reply = await self.client.delete(f"/v1/requests/{body['id']}")
+                self.counts.deletes_found += int(reply.status_code == 200)  # 404: already over
 
     async def _post(self, body: dict) -> None:
         start = time.monotonic()
@@ -241,7 +245,8 @@ def render(row: dict) -> str:
     )
     return (
         f"t {row['t_s']:7.1f} s  requests {c['sent']} (done {c['done']}, cancelled "
-        f"{c['cancelled']}, disconnected {c['disconnected']}, other {c['other']})  "
+        f"{c['cancelled']} of {c['deletes']} DELETEs, disconnected {c['disconnected']}, "
+        f"other {c['other']})  "
         f"RSS MiB {row['rss_total_bytes'] / MIB:.1f} [{ranks}]  tables: {shown}"
     )
 
