@@ -161,7 +161,8 @@ class Engine:
 
     def stats(self) -> dict:
         """A snapshot for metrics: counts, tokens, queue, reuse, every stage, rounds, and
-        the size of every rank-0 table (``tables``)."""
+        the size of every rank-0 table (``tables``) and the caps of those that are windows
+        of recent history (``table_limits``)."""
         wall = max(time.time() - self.started_at, 1e-9)
         figures = self._c.stage_figures()
         if self._watchdog is not None:  # the other stages' figures ride on their heartbeats
@@ -171,4 +172,5 @@ class Engine:
                          "pool_capacity": f.get("capacity", 0)}
                   for rank, f in figures.items()}  # fmt: skip
         return {**self._c.figures(), "stages": dict(sorted(stages.items())), "uptime_s": wall,
-                "tables": self._c.sizes()}  # fmt: skip
+                "tables": self._c.sizes(),
+                "table_limits": self._c.limits()}  # fmt: skip

@@ -132,9 +132,9 @@ def test_prefix_routing_predicts_the_reuse_replicas_grant(fleet, tmp_path):
         assert int(headers["x-wavepp-predicted-cached-tokens"]) == body["cached_tokens"]
     assert answers["c"][0]["cached_tokens"] == 0
     assert answers["c"][1]["x-wavepp-predicted-cached-tokens"] == "0"
-    exact = sum(v for k, v in metrics.items() if k.startswith("wavepp_route_predicted_exact"))
+    exact = sum(v for k, v in metrics.items() if k.startswith("wavepp_route_predicted_exact_total"))
     predicted = sum(v for k, v in metrics.items()
-                    if k.startswith("wavepp_route_predicted_answers"))  # fmt: skip
+                    if k.startswith("wavepp_route_predicted_answers_total"))  # fmt: skip
     assert exact == predicted == 4  # a, a2, b2, c went through the router
 
     # a single pipeline's first tokens for the same prompts

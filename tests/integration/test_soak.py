@@ -61,14 +61,22 @@ def test_tables_stay_within_the_concurrency_and_memory_levels_off(tmp_path):
         )
 
     # Tables: per-request state for the requests in the system (at most the client's
-    # concurrency, queued or running), and bounded windows of history that filled during
-    # the warm-up. So after the warm-up no table grows by more than a few times the
-    # concurrency; one that keeps anything per request served grows by hundreds.
+    # concurrency, queued or running), and windows of recent history, each capped (the
+    # server says its cap: wavepp_table_limit). So after the warm-up no other table grows
+    # by more than a few times the concurrency (one that keeps anything per request
+    # served grows by hundreds), and a window never holds more than its cap.
     assert all(s["tables"] is not None for s in samples), (
         "the server exports no wavepp_table_size gauge on /metrics: the soak cannot see its tables"
     )
     bound = 4 * CONCURRENCY
+    limits = final["table_limits"]
+    assert {"ended_ids", "admitter_round_seconds", "stage_probe_us"} <= set(limits), limits
+    for name, cap in limits.items():
+        top = max(s["tables"].get(name, 0.0) for s in samples)
+        assert top <= cap, f"table {name} held {top:g} entries, over its cap of {cap:g}"
     for name, start in warm["tables"].items():
+        if name in limits:
+            continue
         top = max(s["tables"].get(name, 0.0) for s in last_third)
         assert top - start <= bound, (
             f"table {name} grew from {start:g} after the warm-up to {top:g} in the last "

@@ -121,8 +121,9 @@ def test_table_sizes_name_the_engines_tables_and_the_servers():
     assert sizes == {'wavepp_table_size{table="records"}': 12,
                      'wavepp_table_size{table="waiting"}': 2,
                      'wavepp_table_size{table="serve_handles"}': 2,
-                     'wavepp_table_size{table="serve_recent_results"}': 1}  # fmt: skip
+                     'wavepp_table_size{table="serve_recent_seconds"}': 1}  # fmt: skip
     assert not any(k.startswith("wavepp_engine_tables") for k in s)
+    assert sample(s, "wavepp_table_limit", table="serve_recent_seconds") == 31  # a window
     without = parse_exposition(metrics_of({"queue_depth": 0}).exposition().decode())
     assert sample(without, "wavepp_table_size", table="serve_handles") == 0  # no engine tables
 

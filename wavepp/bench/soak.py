@@ -39,6 +39,7 @@ import numpy as np
 
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
 TABLE = re.compile(r"^wavepp_table_size\{([^}]*)\}\s+(\S+)", re.MULTILINE)
+LIMIT = re.compile(r"^wavepp_table_limit\{([^}]*)\}\s+(\S+)", re.MULTILINE)
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 SERVER_DEFAULTS = ["--model", "tiny-hybrid", "--seed", "0", "--block-size", "16",
                    "--capacity-blocks", "512", "--no-progress"]  # fmt: skip
@@ -98,11 +99,12 @@ def rank_rss(launcher: int) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
-def table_sizes(exposition: str) -> dict[str, float] | None:
-    """Every ``wavepp_table_size`` sample, keyed by its labels (``table`` first), or None
-    when the server exports no such gauge."""
+def table_sizes(exposition: str, gauge: re.Pattern = TABLE) -> dict[str, float] | None:
+    """Every ``wavepp_table_size`` sample (or ``wavepp_table_limit``: the caps of the
+    tables that are windows of recent history), keyed by its labels (``table`` first), or
+    None when the server exports no such gauge."""
     sizes = {}
-    for labels, value in TABLE.findall(exposition):
+    for labels, value in gauge.findall(exposition):
         pairs = dict(LABEL.findall(labels))
         name = pairs.pop("table", "?")
         rest = ",".join(f"{k}={v}" for k, v in sorted(pairs.items()))
@@ -219,15 +221,17 @@ class Soak:
     async def sample(self) -> dict:
         rss = rank_rss(self.launcher)
         try:
-            tables = table_sizes((await self.client.get("/metrics")).text)
+            exposition = (await self.client.get("/metrics")).text
+            tables, limits = table_sizes(exposition), table_sizes(exposition, LIMIT)
         except httpx.HTTPError:
-            tables = None
+            tables = limits = None
         row = {
             "t_s": round(time.monotonic() - self.started, 2),
             "requests": self.counts.as_dict(),
             "rss_bytes": {str(rank): value for rank, value in rss.items()},
             "rss_total_bytes": sum(rss.values()),
             "tables": tables,
+            "table_limits": limits or {},
         }
         self.samples.append(row)
         print(render(row), flush=True)

@@ -144,6 +144,9 @@ class Stage:
                 "stage_probe_us": len(self.book.probe_us),
                 "stage_refusals": len(self.book.refusals)}  # fmt: skip
 
+    def limits(self) -> dict[str, int]:
+        return {"stage_probe_us": self.book.probe_us.maxlen or 0}
+
     def take_cache_report(self) -> CacheReport | None:
         """This stage's cache changes since the last report (None without --kv-events)."""
         return None if self.cache_log is None else self.cache_log.take(self.book.cache)

@@ -12,10 +12,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from wavepp.route.replicas import STATES, Replica
+
+# No ``_created`` timestamp series beside each counter and histogram (a process-wide
+# switch of prometheus_client): the exposition keeps one series per figure.
+disable_created_metrics()
 
 PREFIX = "wavepp_route_"
 

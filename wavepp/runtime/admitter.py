@@ -135,6 +135,9 @@ class Admitter:
                 "admitter_waited": len(self.waited),
                 "admitter_seen": len(self._seen_here)}  # fmt: skip
 
+    def limits(self) -> dict[str, int]:
+        return {"admitter_round_seconds": HISTORY, "admitter_round_cpu_s": HISTORY}
+
     def _forget_ended(self) -> None:
         """Requests that ended (done, cancelled, failed, rejected) no longer compute their
         blocks: requests waiting for them may go."""

@@ -160,6 +160,10 @@ class Coordinator:
                 **self.admitter.sizes(), **self.loop.sizes(),
                 **self.stage.sizes()}  # fmt: skip
 
+    def limits(self) -> dict[str, int]:
+        """The tables among :meth:`sizes` that are windows of recent history: their caps."""
+        return {**self.table.limits(), **self.admitter.limits(), **self.stage.limits()}
+
     def run_book(self) -> RunBook:
         admitter = self.admitter
         return RunBook(self.table.records(), admitter.num_rounds, list(admitter.round_seconds),

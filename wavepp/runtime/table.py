@@ -17,11 +17,30 @@ from collections.abc import Callable
 from typing import Protocol
 
 import anyio
+import attrs
+import numpy as np
 
 from wavepp.queueing import WaitingQueue
 from wavepp.runtime.records import ENDS, Record, Result, Signal, Status
 from wavepp.state import RequestId
 from wavepp.workload import RequestSpec
+
+RECENT_RECORDS = 1000  # a server's ended requests its JSON record lists, the latest ones
+
+
+def _drop_prompt(record: Record) -> None:
+    """Keep of an ended ``record`` what its result and the JSON record read: its prompt's
+    ids (and the offer's block hashes) give way to an array of its length that takes no
+    memory."""
+    spec = record.spec
+    tokens = np.broadcast_to(np.zeros((), dtype=spec.tokens.dtype), spec.tokens.shape)
+    record.spec = attrs.evolve(spec, tokens=tokens)
+    record.offer = _EndedOffer(getattr(record.offer, "handoff", ""))
+
+
+@attrs.frozen
+class _EndedOffer:
+    handoff: str  # all an ended request's result reads of its offer
 
 
 class HandoffTarget(Protocol):
@@ -58,6 +77,8 @@ class RequestTable:
         self._recent_set: set[RequestId] = set()
         self._kept: dict[RequestId, Record] | None = None if retain_ended else {}
         self._rejected: list[Record] | None = None if retain_ended else []
+        # A server's record lists its most recent ended requests (their prompts dropped).
+        self._recent_records: deque[Record] = deque(maxlen=RECENT_RECORDS)
         self._ended: deque[RequestId] = deque()  # not yet taken by the admitter
         self._subscribers: list[anyio.abc.ObjectSendStream] = []
         # counted as requests end, so they cover the forgotten ones
@@ -90,10 +111,11 @@ class RequestTable:
         return len(self._live)
 
     def records(self) -> list[Record]:
-        """An offline run's every record, in submission order, the rejected ones last
-        (the live ones only when ended records are not kept)."""
+        """An offline run's every record, in submission order, the rejected ones last; a
+        server's last :data:`RECENT_RECORDS` ended ones, in the order they ended, and the
+        live ones."""
         if self._kept is None:
-            return list(self._live.values())
+            return [*self._recent_records, *self._live.values()]
         return [*self._kept.values(), *self._rejected]
 
     # -- entry ----------------------------------------------------------------------
@@ -219,6 +241,9 @@ class RequestTable:
                 stream.send_nowait(result)
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 self._subscribers.remove(stream)
+        if self._kept is None:  # a server forgets the request; its record keeps a trace
+            _drop_prompt(record)
+            self._recent_records.append(record)
         self.changed.notify()
 
     def take_ended(self) -> list[RequestId]:
@@ -253,4 +278,10 @@ class RequestTable:
             "ended_unseen": len(self._ended),
             "awaiting_handoff": len(self.awaiting_handoff),
             "subscribers": len(self._subscribers),
+            "recent_records": len(self._recent_records),
         }
+
+    def limits(self) -> dict[str, int]:
+        """The tables that are windows of recent history, and their caps."""
+        return {"recent_records": RECENT_RECORDS,
+                **({"ended_ids": self._retain} if self._retain is not None else {})}

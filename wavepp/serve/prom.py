@@ -7,7 +7,8 @@ the engine's ``stats()`` into families as it finds them, every figure a ``wavepp
 sample: a number is a gauge (a counter for the figures in :data:`COUNTERS`), a dict of
 numbers one gauge with a label per key, ``{stage: {field: number}}`` one gauge per field
 with a ``stage`` label, a list of seconds a summary; ``stats()["tables"]`` and the
-server's own tables are ``wavepp_table_size{table=...}``.
+server's own tables are ``wavepp_table_size{table=...}``, and ``stats()["table_limits"]``
+(the caps of the tables that are windows of recent history) ``wavepp_table_limit``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,23 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from wavepp.serve.protocol import ServedEngine, ServedResult
 from wavepp.stats import percentile
+
+# No ``_created`` timestamp series beside each counter and histogram (a process-wide
+# switch of prometheus_client): the exposition keeps one series per figure.
+disable_created_metrics()
 
 PREFIX = "wavepp_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -131,9 +143,13 @@ class EngineCollector:
     """A ``prometheus_client`` collector: at each scrape, the engine's health, its
     ``stats()``, and the size of every table (the engine's and the server's)."""
 
-    def __init__(self, engine: ServedEngine, tables: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, engine: ServedEngine, tables: Callable[[], Mapping[str, int]],
+                 limits: Callable[[], Mapping[str, int]] = dict) -> None:  # fmt: skip
+        """``tables``: the server's own tables' sizes; ``limits``: the caps of those that
+        are windows of recent history."""
         self.engine = engine
         self.tables = tables
+        self.limits = limits
 
     def collect(self) -> Iterator[Metric]:
         ok, _ = self.engine.health()
@@ -141,6 +157,7 @@ class EngineCollector:
                                 value=int(ok))  # fmt: skip
         stats = dict(self.engine.stats())
         tables = {**stats.pop("tables", {}), **self.tables()}
+        limits = {**stats.pop("table_limits", {}), **self.limits()}
         yield from engine_families(stats)
         sizes = GaugeMetricFamily(PREFIX + "table_size",
                                   "entries in each of the engine's and the server's tables",
@@ -149,6 +166,13 @@ class EngineCollector:
             if _is_number(size):
                 sizes.add_metric([str(table)], float(size))
         yield sizes
+        caps = GaugeMetricFamily(PREFIX + "table_limit",
+                                 "the cap of each table that is a window of recent history",
+                                 labels=["table"])  # fmt: skip
+        for table, cap in sorted(limits.items()):
+            if _is_number(cap):
+                caps.add_metric([str(table)], float(cap))
+        yield caps
 
 
 class ServerMetrics:
@@ -162,7 +186,8 @@ class ServerMetrics:
         self.clock = clock
         self.started_at = clock()
         self.registry = registry = CollectorRegistry()
-        self._recent: deque[tuple[float, int]] = deque()  # (done_at, tokens) of done results
+        # [second, tokens] of the done results, one entry per second of the window
+        self._recent: deque[list[int]] = deque()
         self._prompt_tokens = self._cached_tokens = 0
         self.http = Counter(PREFIX + "http_responses", "HTTP answers by route and status",
                             ["route", "code"], registry=registry)  # fmt: skip
@@ -200,7 +225,8 @@ class ServerMetrics:
         ]  # fmt: skip
         for name, help_text, read in gauges:
             Gauge(PREFIX + name, help_text, registry=registry).set_function(read)
-        registry.register(EngineCollector(engine, lambda: {**tables(), **self.tables()}))
+        registry.register(EngineCollector(engine, lambda: {**tables(), **self.tables()},
+                                          self.table_limits))  # fmt: skip
 
     def http_answer(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()
@@ -217,12 +243,16 @@ class ServerMetrics:
         self.time_to_result.observe(max(result.done_at - result.submitted_at, 0.0))
         if result.admitted_at is not None:
             self.queue_time.observe(max(result.admitted_at - result.submitted_at, 0.0))
-        self._recent.append((result.done_at, result.num_tokens))
+        second = int(result.done_at)
+        if self._recent and self._recent[-1][0] >= second:  # this second (or one late)
+            self._recent[-1][1] += result.num_tokens
+        else:
+            self._recent.append([second, result.num_tokens])
         self._trim()
 
     def _trim(self) -> None:
         now = self.clock()
-        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+        while self._recent and self._recent[0][0] < int(now - THROUGHPUT_WINDOW_S):
             self._recent.popleft()
 
     def reused_share(self) -> float:
@@ -235,7 +265,10 @@ class ServerMetrics:
         return sum(tokens for _, tokens in self._recent) / window
 
     def tables(self) -> dict[str, int]:
-        return {"serve_recent_results": len(self._recent)}
+        return {"serve_recent_seconds": len(self._recent)}
+
+    def table_limits(self) -> dict[str, int]:
+        return {"serve_recent_seconds": int(THROUGHPUT_WINDOW_S) + 1}
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
