@@ -159,20 +159,18 @@ class EngineCollector:
         tables = {**stats.pop("tables", {}), **self.tables()}
         limits = {**stats.pop("table_limits", {}), **self.limits()}
         yield from engine_families(stats)
-        sizes = GaugeMetricFamily(PREFIX + "table_size",
-                                  "entries in each of the engine's and the server's tables",
-                                  labels=["table"])  # fmt: skip
-        for table, size in sorted(tables.items()):
-            if _is_number(size):
-                sizes.add_metric([str(table)], float(size))
-        yield sizes
-        caps = GaugeMetricFamily(PREFIX + "table_limit",
-                                 "the cap of each table that is a window of recent history",
-                                 labels=["table"])  # fmt: skip
-        for table, cap in sorted(limits.items()):
-            if _is_number(cap):
-                caps.add_metric([str(table)], float(cap))
-        yield caps
+        yield _by_table("table_size", "entries in each of the engine's and the server's tables",
+                        tables)  # fmt: skip
+        yield _by_table("table_limit", "the cap of each table that is a window of recent "
+                        "history", limits)  # fmt: skip
+
+
+def _by_table(name: str, help_text: str, figures: Mapping[str, Any]) -> Metric:
+    family = GaugeMetricFamily(PREFIX + name, help_text, labels=["table"])
+    for table, value in sorted(figures.items()):
+        if _is_number(value):
+            family.add_metric([str(table)], float(value))
+    return family
 
 
 class ServerMetrics:
