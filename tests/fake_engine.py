@@ -106,8 +106,10 @@ class FakeEngine:
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise RequestRejected("empty prompt (need at least one token)")
-        if ((ids < 0) | (ids >= self.vocab_size)).any():
-            raise RequestRejected(f"token ids outside the vocabulary 0..{self.vocab_size - 1}")
+        bad = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if bad.size:  # the intake's words (wavepp.runtime.intake)
+            raise RequestRejected(f"{bad.size:,} token ids outside the vocabulary "
+                                  f"0..{self.vocab_size - 1}, e.g. {int(bad[0])}")  # fmt: skip
         if ids.size > self.capacity_tokens:
             raise RequestRejected(
                 f"prompt of {ids.size:,} tokens can never fit: the smallest "

@@ -129,15 +129,15 @@ def test_a_bad_deadline_is_rejected_and_leaves_no_trace(bad):
 
 
 def test_bodies_carry_the_deadline():
-    sub = parse_prefill(b'{"tokens": [1, 2], "deadline_s": 2.5}', 100, None)
+    sub = parse_prefill(b'{"tokens": [1, 2], "deadline_s": 2.5}', None)
     assert sub.deadline_s == 2.5
-    assert parse_prefill(b'{"tokens": [1, 2], "deadline_s": 3}', 100, None).deadline_s == 3
-    assert parse_prefill(b'{"tokens": [1, 2]}', 100, None).deadline_s is None
-    sub, _ = parse_completion(b'{"prompt": [1, 2], "deadline_s": 0.5}', 100, None)
+    assert parse_prefill(b'{"tokens": [1, 2], "deadline_s": 3}', None).deadline_s == 3
+    assert parse_prefill(b'{"tokens": [1, 2]}', None).deadline_s is None
+    sub, _ = parse_completion(b'{"prompt": [1, 2], "deadline_s": 0.5}', None)
     assert sub.deadline_s == 0.5
     for bad in (b"0", b"-1", b'"soon"', b"1e7", b"true"):
         with pytest.raises(ApiError, match="deadline_s") as error:
-            parse_prefill(b'{"tokens": [1], "deadline_s": ' + bad + b"}", 100, None)
+            parse_prefill(b'{"tokens": [1], "deadline_s": ' + bad + b"}", None)
         assert error.value.status == 400
 
 

@@ -314,7 +314,7 @@ async def test_drain_answers_the_requests_in_flight_then_stops():
 
 
 def test_token_arrays_are_int32():
-    sub = parse_prefill(b'{"tokens": [1, 2, 3], "priority": -3}', VOCAB, None)
+    sub = parse_prefill(b'{"tokens": [1, 2, 3], "priority": -3}', None)
     assert sub.tokens.dtype == np.int32
     assert sub.tokens.tolist() == [1, 2, 3]
     assert sub.priority == -3
@@ -361,7 +361,7 @@ def test_text_prompts_through_a_tokenizer_json(tmp_path):
     tokenize, detokenize = tokenizer_functions(path)
     assert tokenize("hello world again") == [1, 2, 3]
     assert detokenize(2) == "world"
-    assert parse_prefill(b'{"text": "world hello"}', VOCAB, tokenize).tokens.tolist() == [2, 1]
+    assert parse_prefill(b'{"text": "world hello"}', tokenize).tokens.tolist() == [2, 1]
 
 
 async def test_over_max_in_flight_gets_429_and_counts_recover():

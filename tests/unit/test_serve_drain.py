@@ -157,11 +157,11 @@ async def test_completions_refuse_what_a_prefill_does_not_do(body, field):
 
     raw = httpx.Request("POST", "http://x", json={"prompt": [1, 2], **body}).content
     with pytest.raises(ApiError, match=field) as caught:
-        parse_completion(raw, 1000, None)
+        parse_completion(raw, None)
     assert caught.value.status == 400
     ok = httpx.Request("POST", "http://x", json={"prompt": [1, 2], "temperature": 0,
                                                  "max_tokens": 1}).content  # fmt: skip
-    assert parse_completion(ok, 1000, None)[0].tokens.tolist() == [1, 2]
+    assert parse_completion(ok, None)[0].tokens.tolist() == [1, 2]
 
 
 def test_one_id_rule():

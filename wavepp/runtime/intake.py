@@ -63,7 +63,7 @@ class Intake:
         top = self.vocab_size if self.vocab_size is not None else NO_VOCAB_LIMIT
         bad = tokens[(tokens < 0) | (tokens >= top)]
         if bad.size:
-            return (f"{bad.size} token ids outside the vocabulary 0..{top - 1}, "
+            return (f"{bad.size:,} token ids outside the vocabulary 0..{top - 1}, "
                     f"e.g. {int(bad[0])}"), "invalid"  # fmt: skip
         blocks = num_blocks_for(n, self.block_size)
         if blocks > self.min_capacity:

@@ -278,7 +278,7 @@ class Frontend:
         async def work(request: Request) -> tuple[dict, int]:
             raw = await self.read(request)
             submission = await _off_loop_if_big(
-                raw, parse_prefill, raw, self.engine.vocab_size, self.options.tokenize
+                raw, parse_prefill, raw, self.options.tokenize
             )
             result = await self._run(request, submission)
             return result_body(result), STATUS_CODE.get(result.status, 500)
@@ -289,7 +289,7 @@ class Frontend:
         async def work(request: Request) -> tuple[dict, int] | Response:
             raw = await self.read(request)
             submission, body = await _off_loop_if_big(
-                raw, parse_completion, raw, self.engine.vocab_size, self.options.tokenize,
+                raw, parse_completion, raw, self.options.tokenize,
                 self.options.decode,
             )
             result = await self._run(request, submission)
