@@ -542,7 +542,7 @@ async def rank_main(
         publisher, announcer = start_kv_events(c, world, parts.cache_log,
                                                hybrid=not attention_only)  # fmt: skip
     if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
-        watchdog.stats_fn = stage.figures
+        watchdog.publish(stage.figures)
     zero = (RankZero(c, world, setup, planes, parts, announcer, watchdog, client)
             if rank == 0 else None)  # fmt: skip
     interrupted: list[int] = []

@@ -48,11 +48,16 @@ class Watchdog:
         self._thread = threading.Thread(target=self._run, name="wavepp-watchdog", daemon=True)
         # Figures this rank publishes with each beat (its stage's busy time and pool use),
         # read by rank 0 for metrics; numbers only.
-        self.stats_fn: Callable[[], dict[str, float]] | None = None
+        self._stats_fn: Callable[[], dict[str, float]] | None = None
 
     def start(self) -> Watchdog:
         self._thread.start()
         return self
+
+    def publish(self, figures: Callable[[], dict[str, float]]) -> None:
+        """From now on each beat carries ``figures()`` (the stage, built after the
+        watchdog started, publishes its busy time and pool use for rank 0's metrics)."""
+        self._stats_fn = figures
 
     def set_status(self, text: str) -> None:
         self.status = text
@@ -74,9 +79,9 @@ class Watchdog:
             beat += 1
             try:
                 self._write(f"{beat}|{self.status}")
-                if self.stats_fn is not None:
+                if self._stats_fn is not None:
                     with self._lock:
-                        self._store.set(f"{_STATS}{self.rank}", json.dumps(self.stats_fn()))
+                        self._store.set(f"{_STATS}{self.rank}", json.dumps(self._stats_fn()))
                 problem = self._check(started)
             except Exception as error:  # the store itself is gone: the launcher died
                 problem = f"lost the rendezvous store ({error})"
