@@ -32,6 +32,7 @@ there (a near tie is where bf16 rounding may pick either).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -163,10 +164,21 @@ def run_stage(ckpt: Path, row: str, args) -> dict:
                  for p in queue if ends.get(p.request_id, p.next_token) < p.num_tokens]  # fmt: skip
         waves.append([chunk(c.request_id, *requests[c.request_id], c.start, c.end)
                       for c in wave.chunks])  # fmt: skip
+    profiler = contextlib.nullcontext()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU])
     t0 = time.perf_counter()
-    for wave in waves:
-        ex.forward(wave, None)
+    with profiler as prof:
+        for wave in waves:
+            ex.forward(wave, None)
     seconds = time.perf_counter() - t0
+    if args.profile:  # where the bare stage's time goes, op by op (the profiler's share)
+        print(f"{row}: {len(waves)} waves of up to {budget} tokens, {seconds:.2f} s "
+              f"under the profiler", file=sys.stderr)  # fmt: skip
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile),
+              file=sys.stderr)  # fmt: skip
     firsts = [int(ex.last_logits[f"p{i}"].argmax()) for i in range(len(measured))]
     return {"tok_s": sum(len(t) for t in measured) / seconds, "first_tokens": firsts}
 
@@ -378,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
                    "WavePP's own, the node's cores over its ranks)")  # fmt: skip
     p.add_argument("--stage", action="store_true",
                    help="also time the row's waves on one bare stage, no runtime")  # fmt: skip
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --stage: profile the bare stage's timed waves (torch.profiler) "
+                   "and print its N costliest ops")  # fmt: skip
     p.add_argument("--compile", action="store_true",
                    help="run WavePP with --compile (torch.compile of Llama layers)")  # fmt: skip
     p.add_argument("--full-last-layer", action="store_true",
@@ -387,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="both sides' weights, activations and KV cache")  # fmt: skip
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    if args.profile and not args.stage:
+        p.error("--profile profiles the bare stage: add --stage")
     rows = args.rows.split(",")
     unknown = [row for row in rows if row not in ROWS]
     if unknown:
