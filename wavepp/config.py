@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from wavepp.plan.placement import PlacementError, given, parse_counts
 from wavepp.rungs import RUNGS as LADDER
 from wavepp.workload import WORKLOADS
 
@@ -70,7 +71,7 @@ class RunConfig:
     handoff_timeout_s: float = 30.0
     handoff_budget_mib: int = 256
     handoff_all: bool = False
-    layers_per_stage: str | None = None
+    layers_per_stage: str = "auto"
     time_scale: float = 1.0
     seed: int = 0
     json: str | None = None
@@ -154,7 +155,10 @@ HELP: dict[str, str] = {
     "waits its turn (its blocks stay in the pool)",
     "handoff_all": "every measured request of the workload (or requests file) hands its cache "
     "to the default target, as if each asked for handoff: true",
-    "layers_per_stage": "uneven split, e.g. '13,11,12,12' (default: even)",
+    "layers_per_stage": "layers each stage holds: 'auto' (placed so that the stages' busy "
+    "times, measured at start-up on the run's typical wave, are equal; a boundary may fall "
+    "between a layer's mixer and its MLP), 'even', or counts such as '13,11,12,12' or "
+    "'1.5,2.5' (a half: a layer's mixer or its MLP; the last stage holds the whole last layer)",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
     "json": "write the run's JSON record here",
@@ -281,7 +285,7 @@ def check_option(name: str, value: Any, source: str | None = None) -> Any:
     try:
         if name == "capacity_blocks":
             capacity_list(value)
-        elif name == "layers_per_stage" and value is not None:
+        elif name == "layers_per_stage":
             layer_counts(value)
     except OptionError as error:
         raise OptionError(f"{error}{where}") from None
@@ -399,18 +403,14 @@ def capacity_list(text: str) -> list[int]:
     return values
 
 
-def layer_counts(text: str | None) -> list[int] | None:
-    """``--layers-per-stage`` as layer counts, each ≥ 1 (None: an even split)."""
-    if text is None:
+def layer_counts(text: str) -> list[float] | None:
+    """``--layers-per-stage`` as layer counts in halves (None: 'auto' or 'even')."""
+    if text in ("auto", "even"):
         return None
     try:
-        counts = [int(part.strip()) for part in text.split(",")]
-    except ValueError:
-        raise OptionError(f"--layers-per-stage {text!r} is not a comma-separated list of "
-                          "layer counts") from None  # fmt: skip
-    if min(counts) < 1:
-        raise OptionError(f"--layers-per-stage {text!r}: every stage needs ≥ 1 layer")
-    return counts
+        return parse_counts(text)
+    except PlacementError as error:
+        raise OptionError(str(error)) from None
 
 
 def check_for_world(c: RunConfig, world: int, num_layers: int | None = None) -> None:
@@ -424,9 +424,11 @@ def check_for_world(c: RunConfig, world: int, num_layers: int | None = None) -> 
     if counts is not None and len(counts) != world:
         raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage} gives {len(counts)} "
                          f"stages for {world} ranks; give one count per rank")  # fmt: skip
-    if counts is not None and num_layers is not None and sum(counts) != num_layers:
-        raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage} sums to "
-                         f"{sum(counts)} layers; the model has {num_layers}")  # fmt: skip
+    if counts is not None and num_layers is not None:
+        try:
+            given(counts, num_layers)
+        except PlacementError as error:
+            raise SystemExit(f"wavepp: {error}") from None
     if num_layers is not None and counts is None and num_layers < world:
         raise SystemExit(f"wavepp: the model has {num_layers} layers, fewer than the {world} "
                          "stages")  # fmt: skip

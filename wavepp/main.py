@@ -8,6 +8,7 @@ the report and writes the JSON record.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from wavepp.config import (
     RunConfig,
     check_for_world,
     kv_events_replay,
+    layer_counts,
     load,
     stage_capacities,
     validate,
@@ -35,13 +37,25 @@ from wavepp.config import (
 from wavepp.engine import Engine
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.handoff_send import HandoffSettings
+from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
+from wavepp.model.config import ModelConfig
 from wavepp.plan import CostFit, CostModel, PlanContext
+from wavepp.plan.placement import (
+    Placement,
+    PlacementError,
+    WaveShape,
+    balanced,
+    even,
+    given,
+    typical_wave,
+    whole_layers,
+)
 from wavepp.policy import Policy, PolicyError, for_run
 from wavepp.rounds.admission import RoundMode, StageBook
 from wavepp.rounds.messages import MAX_MESSAGE_BYTES, StageReport, decode_untrusted, encode
@@ -53,8 +67,8 @@ from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.handoff import HandoffTargets, fingerprint
 from wavepp.runtime.planning import WavePlanner
 from wavepp.sim.executor import SimExecutor, StageCostModel
-from wavepp.sim.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
-from wavepp.state import audit, num_blocks_for, usage
+from wavepp.sim.profiles import DEVICES, MODELS, StagePool, stage_pool
+from wavepp.state import audit, block_hashes, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
 from wavepp.transport.base import PlaneError
 from wavepp.transport.frames import DataLimits
@@ -95,6 +109,10 @@ def preflight(c: RunConfig, world: int) -> None:
         raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
                          f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
     check_for_world(c, world, num_layers)
+    counts = layer_counts(c.layers_per_stage)
+    if c.executor == "sim" and counts and any(n % 1 for n in counts):
+        raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage}: the sim places "
+                         "whole layers (its cost model prices a layer, not its halves)")
     for option, path in (("--requests-file", c.requests_file), ("--trace", c.trace)):
         if path and not Path(path).is_file():
             raise SystemExit(f"wavepp: {option} {path}: no such file")
@@ -126,42 +144,130 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     return specs, rejected, []
 
 
-def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
-                   snapshot_capacity: int | None = None):  # fmt: skip
-    """(executor, has recurrent layers) for this rank's stage."""
-    counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
+def load_model(c: RunConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
+    """The torch executor's model: its config and every layer's weights (None: the sim)."""
     if c.executor == "sim":
-        if c.model not in MODELS:
-            raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
-        model = MODELS[c.model]
-        layers = split_layers(model.num_layers, world, counts)[rank]
-        cost = StageCostModel(model, DEVICES[c.sim_device], layers, rank == world - 1,
-                              c.weight_format)  # fmt: skip
-        recurrent = any(model.kind(layer) == "L" for layer in layers)
-        return SimExecutor(cost, c.time_scale), recurrent
+        return None
     if c.model in BUILTIN:
         cfg = BUILTIN[c.model]
-        weights = random_weights(cfg, c.seed)
-    elif Path(c.model).is_dir():
-        cfg, weights = load_checkpoint(c.model, pick_dtype(c.dtype))
-    else:
-        raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
-                         f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
-    layers = split_layers(cfg.num_layers, world, counts)[rank]
-    modules = build_stage(cfg, layers, rank == 0, rank == world - 1, weights,
-                          pick_device(c.device), pick_dtype(c.dtype))  # fmt: skip
-    recurrent = any(cfg.kind(layer) == "L" for layer in layers)
+        return cfg, random_weights(cfg, c.seed)
+    if Path(c.model).is_dir():
+        return load_checkpoint(c.model, pick_dtype(c.dtype))
+    raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
+                     f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
+
+
+def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
+                   snapshot_capacity: int | None, placement: Placement,
+                   model: tuple[ModelConfig, dict] | None):  # fmt: skip
+    """(executor, has recurrent layers) for this rank's stage."""
+    units = placement.spans[rank]
+    if c.executor == "sim":
+        profile = MODELS[c.model]
+        layers = range(units.start // 2, units.stop // 2)
+        cost = StageCostModel(profile, DEVICES[c.sim_device], layers, rank == world - 1,
+                              c.weight_format)  # fmt: skip
+        recurrent = any(profile.kind(layer) == "L" for layer in layers)
+        return SimExecutor(cost, c.time_scale), recurrent
+    cfg, weights = model
+    modules = build_stage(cfg, range(0), rank == 0, rank == world - 1, weights,
+                          pick_device(c.device), pick_dtype(c.dtype), units)  # fmt: skip
     if c.compile:
         log(f"compiling stage {rank}'s layers (--compile)")
     executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
                              c.full_last_layer)  # fmt: skip
+    recurrent = any(cfg.kind(layer) == "L" for layer in executor.mixer_ids)
     log(f"stage {rank}: attention by {executor.attention_kernel}" if executor.attention_kernel
         else f"stage {rank}: no softmax-attention layers, so no attention kernel")  # fmt: skip
     if c.compile:
-        eager = len(layers) - len(executor.fused)
-        log(f"stage {rank}: {len(executor.fused)} of {len(layers)} layers compiled"
-            + (f"; {eager} not Llama-shaped, run eagerly" if eager else ""))  # fmt: skip
+        held = len(modules.layer_ids)
+        eager = held - len(executor.fused)
+        log(f"stage {rank}: {len(executor.fused)} of {held} layers compiled"
+            + (f"; {eager} not Llama-shaped or split with a neighbour, run eagerly"
+               if eager else ""))  # fmt: skip
     return executor, recurrent
+
+
+async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlane, specs: list,
+                          model: tuple[ModelConfig, dict] | None) -> Placement:  # fmt: skip
+    """Which units of the model each stage holds (``wavepp.plan.placement``): the even
+    split or the given counts, or (auto) rank 0's balanced placement from the costs it
+    measures on the run's typical wave, sent to every rank."""
+    num_layers = model[0].num_layers if model else MODELS[c.model].num_layers
+    counts = layer_counts(c.layers_per_stage)
+    if counts is not None:
+        try:
+            return given(counts, num_layers)
+        except PlacementError as error:  # a checkpoint's layer count is known only here
+            raise SystemExit(f"wavepp: {error}") from None
+    if world == 1 or c.layers_per_stage == "even":
+        return even(num_layers, world)
+    placement = None
+    if rank == 0:
+        started = time.perf_counter()
+        shape = typical_wave(c.budget, reusable_prefixes(specs, c.block_size), c.block_size,
+                             c.prompt_tokens)  # fmt: skip
+        placement = (_measured_placement(c, world, shape, model) if model
+                     else _sim_placement(c, world, shape))  # fmt: skip
+        log(f"layers per stage {placement.describe()}, placed in "
+            f"{time.perf_counter() - started:.2f} s")  # fmt: skip
+    raw = await plane.broadcast(None if placement is None else json.dumps(placement.units).encode())
+    return placement or Placement(_units(raw, world, num_layers), "auto")
+
+
+def _measured_placement(c: RunConfig, world: int, shape: WaveShape,
+                        model: tuple[ModelConfig, dict]) -> Placement:  # fmt: skip
+    cfg, weights = model
+    costs = measure_costs(cfg, weights, shape, pick_device(c.device), pick_dtype(c.dtype),
+                          c.block_size, c.full_last_layer)  # fmt: skip
+    return balanced(costs.mixers, costs.mlps, costs.last_layer, costs.embed, costs.head, world,
+                    shape=shape.describe())  # fmt: skip
+
+
+def _sim_placement(c: RunConfig, world: int, shape: WaveShape) -> Placement:
+    """Whole layers, each stage's time on the wave from the simulator's cost model."""
+    profile, device = MODELS[c.model], DEVICES[c.sim_device]
+    chunks = [(shape.prefix, shape.prefix + shape.tokens)] * shape.chunks
+
+    @functools.cache
+    def span(a: int, b: int, s: int) -> float:
+        last = s == world - 1
+        cost = StageCostModel(profile, device, range(a, b), last, c.weight_format)
+        return cost.cost(chunks, shape.chunks if last else 0).seconds
+
+    counts = whole_layers(span, profile.num_layers, world)
+    starts = [sum(counts[:s]) for s in range(world)]
+    times = tuple(span(a, a + n, s) for s, (a, n) in enumerate(zip(starts, counts, strict=True)))
+    return Placement(tuple(2 * n for n in counts), "auto", times,
+                     shape.describe() + " (SIMULATED)")  # fmt: skip
+
+
+def _units(raw: bytes, world: int, num_layers: int) -> tuple[int, ...]:
+    """Rank 0's placement as received: ``world`` unit counts, checked before use."""
+    try:
+        units = json.loads(raw)
+    except ValueError:
+        units = None
+    if (not isinstance(units, list) or len(units) != world
+            or not all(type(n) is int and n >= 1 for n in units)
+            or sum(units) != 2 * num_layers or units[-1] < 2):  # fmt: skip
+        raise RuntimeError(f"rank 0 sent a placement that is not {world} unit counts summing "
+                           f"to {2 * num_layers}: {raw[:200]!r}")  # fmt: skip
+    return tuple(units)
+
+
+def reusable_prefixes(specs: list, block_size: int) -> list[tuple[int, int]]:
+    """Each measured request's (tokens, tokens a cache holding every earlier request
+    could reuse: its longest block-aligned prefix seen before, or its expected reuse)."""
+    seen: set = set()
+    out = []
+    for spec in specs:
+        hashes = block_hashes(spec.tokens, block_size)
+        hit = next((k for k, h in enumerate(hashes) if h not in seen), len(hashes))
+        if not spec.warmup:
+            out.append((spec.num_tokens, max(hit * block_size, spec.expected_reuse)))
+        seen.update(hashes)
+    return out
 
 
 def data_limits(c: RunConfig, executor) -> DataLimits:
@@ -208,7 +314,7 @@ def auto_capacity(c: RunConfig, specs) -> int:
                seeded_need(c, specs))  # fmt: skip
 
 
-def device_pools(c: RunConfig, world: int) -> list[StagePool] | None:
+def device_pools(c: RunConfig, world: int, placement: Placement) -> list[StagePool] | None:
     """The sim's default pools: each stage's KV pool from its device memory minus its own
     weights (``wavepp.sim.profiles.stage_pool``), or None where the executor is not the
     sim or the weights leave no room (then the pools follow the workload). Every rank
@@ -216,8 +322,7 @@ def device_pools(c: RunConfig, world: int) -> list[StagePool] | None:
     if c.executor != "sim" or c.model not in MODELS:
         return None
     model, device = MODELS[c.model], DEVICES[c.sim_device]
-    counts = [int(x) for x in c.layers_per_stage.split(",")] if c.layers_per_stage else None
-    stages = split_layers(model.num_layers, world, counts)
+    stages = [range(u.start // 2, u.stop // 2) for u in placement.spans]
     try:
         return [stage_pool(model, device, layers, s == 0, s == world - 1, c.block_size,
                            c.snapshot_interval, c.weight_format)
@@ -318,12 +423,14 @@ class Setup:
     capacity: int  # this stage's pool, blocks
     min_capacity: int  # the smallest stage pool
     pools: list[StagePool] | None  # the sim's pools from device memory, else None
+    placement: Placement  # the units (half layers) each stage holds
 
 
-async def agree_setup(c: RunConfig, rank: int, world: int, plane: RoundsPlane,
-                      offline: bool) -> Setup | None:  # fmt: skip
-    """The workload (rank 0, offline) and every stage's pool size; None when a requests
-    file holds no runnable request (every rank then ends the run)."""
+async def agree_setup(c: RunConfig, rank: int, world: int, plane: RoundsPlane, offline: bool,
+                      model: tuple[ModelConfig, dict] | None) -> Setup | None:  # fmt: skip
+    """The workload (rank 0, offline), the placement of layers and every stage's pool
+    size; None when a requests file holds no runnable request (every rank then ends the
+    run)."""
     vocab = None if c.executor == "sim" else _vocab(c)
     specs, rejected, cancels = [], [], []
     if rank == 0 and offline:
@@ -332,8 +439,9 @@ async def agree_setup(c: RunConfig, rank: int, world: int, plane: RoundsPlane,
             specs = [s if s.warmup else attrs.evolve(s, handoff=True) for s in specs]
     # Every rank needs the pool size; rank 0 derives it from the workload. A requests
     # file with no runnable line ends the run on every rank (runnable = 0).
+    placement = await agree_placement(c, rank, world, plane, specs, model)
     given = stage_capacities(c, world)
-    pools = None if given else device_pools(c, world)
+    pools = None if given else device_pools(c, world, placement)
     if pools:
         given = [pool.blocks for pool in pools]
         if rank == 0:
@@ -371,7 +479,7 @@ async def agree_setup(c: RunConfig, rank: int, world: int, plane: RoundsPlane,
             log(f"oracle: every stage's pool is the smallest, {min_capacity:,} blocks "
                 "(rank 0 decides for all stages)")  # fmt: skip
         capacity = min_capacity
-    return Setup(vocab, specs, rejected, cancels, capacity, min_capacity, pools)
+    return Setup(vocab, specs, rejected, cancels, capacity, min_capacity, pools, placement)
 
 
 @attrs.frozen
@@ -386,13 +494,14 @@ class StageParts:
     cache_log: StageLog | None  # with --kv-events
 
 
-def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup,
-                      planes: Planes) -> StageParts:  # fmt: skip
+def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup, planes: Planes,
+                      model: tuple[ModelConfig, dict] | None) -> StageParts:  # fmt: skip
     """The policy, the executor, the stage's cache book and its handoff settings."""
     policy = pick_policy(c, RUNGS[c.rung])
     mode = RoundMode(block_size=c.block_size, eager=RUNGS[c.rung].eager, policy=policy)
     snapshot_capacity = c.snapshot_capacity or setup.capacity
-    executor, recurrent = build_executor(c, rank, world, setup.capacity, snapshot_capacity)
+    executor, recurrent = build_executor(c, rank, world, setup.capacity, snapshot_capacity,
+                                         setup.placement, model)  # fmt: skip
     planes.set_limits(data_limits(c, executor))
     book = StageBook(policy.empty_cache(setup.capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
@@ -507,6 +616,7 @@ def run_record(c: RunConfig, world: int, zero: RankZero, reports: list[StageRepo
     record["rejected"] = setup.rejected
     record["handoff"] = book.handoff_totals  # requests by outcome
     record["policy"] = parts.policy.describe()
+    record["placement"] = setup.placement.as_record()
     record["pools_from"] = ("--capacity-blocks" if c.capacity_blocks.strip() not in ("", "0")
                             else "device memory" if setup.pools else "workload")  # fmt: skip
     # Of admitted requests, summed over rounds: agreed point below some stage's hit,
@@ -528,10 +638,12 @@ async def rank_main(
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
 ) -> tuple[dict | None, int]:  # fmt: skip
     planes = await open_planes(c, watchdog)
-    setup = await agree_setup(c, rank, world, planes.rounds, offline=client is None)
+    model = load_model(c)
+    setup = await agree_setup(c, rank, world, planes.rounds, client is None, model)
     if setup is None:
         return None, 2
-    parts = build_stage_parts(c, rank, world, setup, planes)
+    parts = build_stage_parts(c, rank, world, setup, planes, model)
+    del model  # the stage holds its own layers' weights
     stage = parts.stage
     # Every stage is ready (pools zeroed, layers compiled) before rank 0 admits anything:
     # otherwise the run's first round waits out the slowest stage's start-up (2.2 s of a

@@ -41,6 +41,11 @@ def test_requests_file_first_tokens_match_reference(run_wavepp, tmp_path, stages
                                 "--block-size", "16", "--budget", "64", "--snapshot-interval",
                                 "4", "--seed", "3")  # fmt: skip
     assert "real model" in stdout and record["simulated"] is False
+    # the default placement: measured at start-up, every unit on some stage
+    placement = record["placement"]
+    assert placement["how"] == "auto" and len(placement["layers"]) == stages
+    assert sum(placement["layers"]) == cfg.num_layers and min(placement["layers"]) >= 0.5
+    assert len(placement["predicted_stage_s"]) == stages and "cached" in placement["measured_on"]
     assert {r["line"]: r["error"].split(": ", 1)[1] for r in record["rejected"]} == {
         2: "Expecting value: line 1 column 1 (char 0)",
         3: "no tokens (need a non-empty list of token ids)",

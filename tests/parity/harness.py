@@ -24,7 +24,7 @@ from wavepp.rounds.admission import (
     settle,
 )
 from wavepp.rounds.messages import ChunkMsg, WaveMsg
-from wavepp.sim.profiles import split_layers
+from wavepp.plan.placement import even, given
 from wavepp.state import block_hashes, empty_cache, point_from_mask
 
 
@@ -32,16 +32,18 @@ class Pipeline:
     def __init__(
         self, cfg: ModelConfig, weights, num_stages: int, block_size: int = 16,
         capacity: int = 256, snapshot_interval: int = 4, budget: int = 96,
-        layers_per_stage: list[int] | None = None, dtype: torch.dtype = torch.float32,
+        layers_per_stage: list[float] | None = None, dtype: torch.dtype = torch.float32,
     ) -> None:  # fmt: skip
         self.cfg, self.bs, self.budget = cfg, block_size, budget
         self.tokens: dict[str, np.ndarray] = {}
         self.stages = []
-        splits = split_layers(cfg.num_layers, num_stages, layers_per_stage)
-        for s, layers in enumerate(splits):
-            modules = build_stage(cfg, layers, s == 0, s == num_stages - 1, weights, dtype=dtype)
+        placement = (given(layers_per_stage, cfg.num_layers) if layers_per_stage
+                     else even(cfg.num_layers, num_stages))  # fmt: skip
+        for s, units in enumerate(placement.spans):
+            modules = build_stage(cfg, range(0), s == 0, s == num_stages - 1, weights,
+                                  dtype=dtype, units=units)  # fmt: skip
             executor = TorchExecutor(modules, capacity, block_size)
-            recurrent = any(cfg.kind(i) == "L" for i in layers)
+            recurrent = any(cfg.kind(i) == "L" for i in executor.mixer_ids)
             book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
             self.stages.append(Stage(s, book, executor, block_size, snapshot_interval,
                                      recurrent))  # fmt: skip

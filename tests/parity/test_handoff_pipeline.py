@@ -1,7 +1,8 @@
 """The pipeline hands each prompt's cache on, and transformers continues from it.
 
 For each family's tiny checkpoint (made here by ``transformers``), a run under torchrun
-at P = 1, 2 or 3 stages with uneven layers prefills prompts that reuse cached prefixes
+at P = 1, 2 or 3 stages with uneven layers (some stage boundaries between a layer's
+mixer and its MLP) prefills prompts that reuse cached prefixes
 (so handed-off blocks were computed by earlier requests), ending on and off block
 boundaries; every stage sends its band to a real receiver on a Unix socket. Then, per
 prompt: the received tensors equal transformers' own cache for the prompt (fp32
@@ -38,11 +39,11 @@ def prompts(seed: int) -> dict[str, list[int]]:
     return {"doc": doc, "turn": turn, "aligned": doc + draw(32), "deeper": turn + draw(30)}
 
 
-CASES = [  # (family, stages, layers per stage)
-    ("llama", 3, "1,2,1"),
+CASES = [  # (family, stages, layers per stage; a half: a boundary inside a layer)
+    ("llama", 3, "1.5,1.5,1"),
     ("kimi_linear", 1, None),
     ("kimi_linear", 2, "3,2"),
-    ("kimi_linear", 3, "2,1,2"),
+    ("kimi_linear", 3, "1.5,1.5,2"),
     ("qwen3_next", 3, "2,2,1"),
     ("minimax_m2", 2, "1,3"),
 ]

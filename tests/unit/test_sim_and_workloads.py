@@ -130,10 +130,13 @@ def test_default_sim_pools_follow_each_stages_memory_and_weights():
         assert pool.blocks == int((141e9 * POOL_HEADROOM - weights) // per_block)
     # the embeddings (stage 0) and the LM head (stage 3) leave the end stages less room
     assert pools[0].blocks == pools[3].blocks < pools[1].blocks == pools[2].blocks
+    from wavepp.plan.placement import even
+
     c = load(["--executor", "sim", "--workload", "cold"])
-    assert [p.blocks for p in device_pools(c, 4)] == [p.blocks for p in pools]
-    assert device_pools(c, 1) is None  # 80 B bf16 weights do not fit one H200
-    assert device_pools(load(["--executor", "torch"]), 4) is None  # the workload sizes them
+    assert [p.blocks for p in device_pools(c, 4, even(48, 4))] == [p.blocks for p in pools]
+    assert device_pools(c, 1, even(48, 1)) is None  # 80 B bf16 weights do not fit one H200
+    # the torch executor's pools: the workload sizes them
+    assert device_pools(load(["--executor", "torch"]), 4, even(48, 4)) is None
 
 
 def test_seeded_pools_hold_their_prefixes():

@@ -20,12 +20,14 @@ Gloo transfers, Python) runs for real on this machine's CPUs and is not scaled b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
 from wavepp.bench.matrix import _RUNG_PLANNER, Cell, run_cell
 from wavepp.config import EXECUTOR_DEFAULTS
 from wavepp.plan import PLANNERS, CostModel, Pending, PlanContext
+from wavepp.plan.placement import whole_layers
 from wavepp.sim.executor import SimExecutor, StageCostModel
 from wavepp.sim.profiles import DEVICES, MODELS, split_layers
 
@@ -36,37 +38,22 @@ def _chunks(prompt: int, size: int) -> list[tuple[int, int]]:
 
 def balanced_split(model: str, device: str, stages: int, prompt: int, budget: int) -> list[int]:
     """Layers per stage that minimize the slowest stage's predicted time for one prompt
-    in chunks of ``budget`` (contiguous layers; the last stage also runs the LM head).
+    in chunks of ``budget`` (``wavepp.plan.placement.whole_layers``; the last stage also
+    runs the LM head).
 
     Splitting by count puts unequal numbers of attention layers on the stages of a hybrid
     (Kimi-class: 15 MLA layers among 61), and at long prompts an attention layer costs far
-    more than a linear one; this splits by predicted cost instead (dynamic programming
-    over contiguous ranges, each range's time from the same cost model as the runs)."""
+    more than a linear one; this splits by predicted cost instead, each range's time from
+    the same cost model as the runs."""
     m, dev = MODELS[model], DEVICES[device]
     chunks = _chunks(prompt, budget)
-    n = m.num_layers
-    memo: dict[tuple[int, int, bool], float] = {}
 
-    def span(a: int, b: int, last: bool) -> float:
-        key = (a, b, last)
-        if key not in memo:
-            cost = StageCostModel(m, dev, range(a, b), last)
-            memo[key] = sum(cost.cost([ch], int(ch[1] == prompt)).seconds for ch in chunks)
-        return memo[key]
+    @functools.cache
+    def span(a: int, b: int, s: int) -> float:
+        cost = StageCostModel(m, dev, range(a, b), s == stages - 1)
+        return sum(cost.cost([ch], int(ch[1] == prompt)).seconds for ch in chunks)
 
-    # best[k][b]: the least slowest-stage time of layers 0..b-1 over k stages, and a cut
-    best = [[(float("inf"), -1)] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, -1)
-    for k in range(1, stages + 1):
-        last = k == stages
-        for b in range(k, n + 1) if not last else (n,):
-            best[k][b] = min((max(best[k - 1][a][0], span(a, b, last)), a) for a in range(k - 1, b))
-    counts, b = [], n
-    for k in range(stages, 0, -1):
-        a = best[k][b][1]
-        counts.append(b - a)
-        b = a
-    return counts[::-1]
+    return whole_layers(span, m.num_layers, stages)
 
 
 def planned_alone(planner: str, prior: CostModel, stages: int, prompt: int,
@@ -112,7 +99,7 @@ def model_bounds(
 
 def _cell(a: argparse.Namespace, ranks: int, concurrency: int, requests: int, budget: int,
           counts: list[int] | None = None, rung: str | None = None) -> Cell:  # fmt: skip
-    split = ("--layers-per-stage", ",".join(map(str, counts))) if counts else ()
+    split = ("--layers-per-stage", ",".join(map(str, counts)) if counts else "even")
     args = ("--executor", "sim", "--model", a.model, "--sim-device", a.sim_device,
             "--workload", "cold", "--prompt-tokens", str(a.prompt_tokens),
             "--requests", str(requests), "--budget", str(budget),

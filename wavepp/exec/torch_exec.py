@@ -95,6 +95,9 @@ class TorchExecutor:
         the last token of each prompt that ends in the wave, the only rows the logits
         read."""
         self.m = modules
+        # layers whose mixer (and cache) this stage holds: all of its layers, but the
+        # last when a stage boundary falls between that layer's mixer and its MLP
+        self.mixer_ids = [i for i in modules.layer_ids if modules.layer(i).has_mixer]
         self.full_last_layer = full_last_layer
         self.cfg = modules.cfg
         self.block_size = block_size
@@ -109,7 +112,7 @@ class TorchExecutor:
         self.snapshot_capacity = capacity if snapshot_capacity is None else snapshot_capacity
         self.pools: dict[int, dict[str, torch.Tensor]] = {}  # layer -> entry -> [rows, ...]
         self.snapshot_pools: dict[int, dict[str, torch.Tensor]] = {}  # layer -> part -> [S, ..]
-        for i in modules.layer_ids:
+        for i in self.mixer_ids:
             mixer = modules.layer(i).mixer
             if mixer.paged:
                 self.pools[i] = {
@@ -136,7 +139,7 @@ class TorchExecutor:
             self._warm_compiled()
 
     def _mixers(self):
-        return [self.m.layer(i).mixer for i in self.m.layer_ids]
+        return [self.m.layer(i).mixer for i in self.mixer_ids]
 
     # -- the protocol ---------------------------------------------------------------
 
@@ -189,7 +192,7 @@ class TorchExecutor:
             ids = np.asarray(job.tokens, dtype=np.int32)
             out.append(BandTensor(-1, "tokens", "int32", (n,), lambda: torch.from_numpy(ids)))
         runs = _row_runs(job.block_table, self.block_size, n)
-        for i in self.m.layer_ids:
+        for i in self.mixer_ids:
             if i in self.pools:
                 for name, pool in self.pools[i].items():
                     # on the CPU the bytes go out straight from the pool's blocks
@@ -274,21 +277,9 @@ class TorchExecutor:
                 x = self.fused[i](x, batch, self.pools[i], self.attention, queries)
                 continue
             layer = self.m.layer(i)
-            h = layer.input_layernorm(x)
-            mixer = layer.mixer
-            if mixer.paged:
-                mixed = mixer.paged_forward(h, batch, self.pools[i], self.attention, queries)
-            else:
-                mixed = torch.cat(
-                    [
-                        self._recurrent(i, mixer, c, h[a:b])
-                        for c, (a, b) in zip(chunks, batch.spans, strict=True)
-                    ]
-                )
-                _, mixed = to_queries(batch, queries, mixed)
-            _, x = to_queries(batch, queries, x)
-            x = x + mixed
-            if x.shape[0]:
+            if layer.has_mixer:
+                x = self._mix(i, layer, x, chunks, batch, queries)
+            if layer.has_ffn and x.shape[0]:
                 x = x + layer.ffn(layer.post_attention_layernorm(x))
         for c in chunks:
             if c.is_last:
@@ -309,6 +300,21 @@ class TorchExecutor:
             while len(self.last_logits) > KEEP_LOGITS:
                 self.last_logits.popitem(last=False)
         return None, results
+
+    def _mix(self, i: int, layer: nn.Module, x: torch.Tensor, chunks: list[ChunkWork],
+             batch: PagedBatch, queries: PagedBatch | None) -> torch.Tensor:  # fmt: skip
+        """x + the layer's mixer over its input norm: [T, d_model], or the query rows'
+        [R, d_model] with ``queries`` (the model's last layer)."""
+        h = layer.input_layernorm(x)
+        mixer = layer.mixer
+        if mixer.paged:
+            mixed = mixer.paged_forward(h, batch, self.pools[i], self.attention, queries)
+        else:
+            mixed = torch.cat([self._recurrent(i, mixer, c, h[a:b])
+                               for c, (a, b) in zip(chunks, batch.spans, strict=True)])  # fmt: skip
+            _, mixed = to_queries(batch, queries, mixed)
+        _, x = to_queries(batch, queries, x)
+        return x + mixed
 
     def _resume(self, i: int, c: ChunkWork) -> State | None:
         """The state before token c.start: live, from a snapshot slot, or None (zeros)."""

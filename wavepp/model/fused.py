@@ -59,6 +59,8 @@ def _compiled(name: str):
 
 def fusable(layer: nn.Module) -> bool:
     """A Llama-shaped layer: Llama's attention, a dense SwiGLU MLP, plain RMSNorms."""
+    if not (layer.has_mixer and layer.has_ffn):  # half a layer (a stage boundary inside it)
+        return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (
         type(layer.mixer) is GQAttention

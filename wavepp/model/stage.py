@@ -70,17 +70,23 @@ def _mlp(cfg: ModelConfig, kind: str) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    """``x + mixer(norm(x))``, then ``x + ffn(norm(x))``."""
+    """``x + mixer(norm(x))``, then ``x + ffn(norm(x))``; or one of the two halves, where
+    a stage boundary falls inside the layer (``wavepp.plan.placement``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, mixer: bool = True,
+                 mlp: bool = True) -> None:  # fmt: skip
         super().__init__()
         layout = LAYOUTS[cfg.family]
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, layout.norm_offset)
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, layout.norm_offset)
+        self.has_mixer, self.has_ffn = mixer, mlp
         self.mixer_name, make = MIXERS[cfg.mixers[layer]]
         self.mlp_name = layout.mlp_name
-        setattr(self, self.mixer_name, make(cfg))
-        setattr(self, self.mlp_name, _mlp(cfg, cfg.mlps[layer]))
+        if mixer:
+            self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, layout.norm_offset)
+            setattr(self, self.mixer_name, make(cfg))
+        if mlp:
+            self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps,
+                                                    layout.norm_offset)  # fmt: skip
+            setattr(self, self.mlp_name, _mlp(cfg, cfg.mlps[layer]))
 
     @property
     def mixer(self) -> nn.Module:
@@ -96,16 +102,23 @@ class StageModules(nn.Module):
     last with tied embeddings) and the final norm and head (last stage).
 
     Parameter names match the full checkpoint's (``model.layers.{i}...``), so its tensors
-    load by name on every stage.
+    load by name on every stage. ``layers``: whole layers, or a stage's units
+    (``wavepp.plan.placement``: unit 2i is layer i's mixer, 2i + 1 its MLP) when a stage
+    boundary falls inside a layer.
     """
 
-    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool,
+                 units: range | None = None) -> None:  # fmt: skip
         super().__init__()
         cfg.validate()
         self.cfg = cfg
-        self.layer_ids = list(layers)
+        units = units if units is not None else range(2 * layers.start, 2 * layers.stop)
+        self.layer_ids = list(range(units.start // 2, (units.stop + 1) // 2))
         self.model = nn.Module()
-        self.model.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layers})
+        self.model.layers = nn.ModuleDict({
+            str(i): DecoderLayer(cfg, i, mixer=2 * i in units, mlp=2 * i + 1 in units)
+            for i in self.layer_ids
+        })  # fmt: skip
         if first or (last and cfg.tie_embeddings):
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if last:
@@ -127,9 +140,12 @@ class StageModules(nn.Module):
 
 def build_stage(cfg: ModelConfig, layers: range, first: bool, last: bool,
                 weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> StageModules:  # fmt: skip
-    """The stage's modules with their weights, on ``device`` in ``dtype``."""
-    modules = StageModules(cfg, layers, first, last)
+                dtype: torch.dtype = torch.float32, units: range | None = None,
+                ) -> StageModules:  # fmt: skip
+    """The stage's modules with their weights, on ``device`` in ``dtype``; ``units``: the
+    stage's half-layer units, where a boundary falls inside a layer (``layers`` is then
+    ignored)."""
+    modules = StageModules(cfg, layers, first, last, units)
     wanted = modules.state_dict().keys()
     missing = [k for k in wanted if k not in weights]
     if missing:

@@ -1,0 +1,99 @@
+"""What each part of a model costs on this rank's device: the measurements behind
+``--layers-per-stage auto`` (``wavepp.plan.placement``).
+
+Each distinct mixer kind and MLP kind is built once as a one-unit stage (a mixer alone,
+or an MLP alone) with the run's weights of the first layer that has it, and timed on a
+typical wave over a pool of its own; so are the model's last layer as the last stage runs it
+(its cache for every token, its outputs for the logits' rows), the embedding and the
+head. Each figure is the median of a few timed waves after one warm-up wave.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import attrs
+import numpy as np
+import torch
+
+from wavepp.exec.base import ChunkWork
+from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model import build_stage
+from wavepp.model.config import ModelConfig
+from wavepp.plan.placement import WaveShape
+
+
+@attrs.frozen
+class ModelCosts:
+    """Seconds of each part of the model on one wave (``shape``)."""
+
+    mixers: tuple[float, ...]  # layers 0..L-2: the mixer, with its input norm
+    mlps: tuple[float, ...]  # layers 0..L-2: the MLP, with its norm
+    last_layer: float  # the model's last layer as the last stage runs it
+    embed: float
+    head: float
+    shape: WaveShape
+
+
+def measure(cfg: ModelConfig, weights: dict[str, torch.Tensor], shape: WaveShape,
+            device: torch.device, dtype: torch.dtype, block_size: int,
+            full_last_layer: bool = False, repeats: int = 3) -> ModelCosts:  # fmt: skip
+    """Time every part of the model on ``shape`` with this process's torch threads."""
+    last = cfg.num_layers - 1
+    timed: dict[tuple[str, str], float] = {}
+
+    def unit(i: int, part: int) -> float:  # part 0: the mixer, 1: the MLP
+        kind = ("mlp", cfg.mlps[i]) if part else ("mixer", cfg.mixers[i])
+        if kind not in timed:
+            units = range(2 * i + part, 2 * i + part + 1)
+            stage = build_stage(cfg, range(0), False, False, weights, device, dtype, units)
+            timed[kind] = _time_stage(stage, shape, block_size, False, repeats)
+        return timed[kind]
+
+    mixers = tuple(unit(i, 0) for i in range(last))
+    mlps = tuple(unit(i, 1) for i in range(last))
+    tail = build_stage(cfg, range(last, last + 1), False, True, weights, device, dtype)
+    with_head = _time_stage(tail, shape, block_size, True, repeats, full_last_layer)
+    rows = torch.zeros(shape.chunks, cfg.d_model, device=device, dtype=dtype)
+    head = _median(lambda: tail.head(rows), repeats)
+    first = build_stage(cfg, range(0), True, False, weights, device, dtype)
+    ids = torch.zeros(shape.chunks * shape.tokens, dtype=torch.long, device=device)
+    embed = _median(lambda: first.model.embed_tokens(ids), repeats)
+    return ModelCosts(mixers, mlps, max(0.0, with_head - head), embed, head, shape)
+
+
+def _time_stage(stage, shape: WaveShape, block_size: int, ending: bool, repeats: int,
+                full_last_layer: bool = False) -> float:  # fmt: skip
+    """Median seconds of one wave of ``shape`` on ``stage`` over a pool of its own
+    (``ending``: every chunk ends its prompt, as on the last stage)."""
+    per = -(-(shape.prefix + shape.tokens) // block_size)
+    executor = TorchExecutor(stage, shape.chunks * per, block_size, snapshot_capacity=1,
+                             full_last_layer=full_last_layer)  # fmt: skip
+    end = shape.prefix + shape.tokens
+    chunks = [ChunkWork(f"costs-{s}", shape.prefix, end, end if ending else end + 1,
+                        tuple(range(s * per, (s + 1) * per)), (), False,
+                        resume_slot=0 if shape.prefix else None,
+                        tokens=np.zeros(shape.tokens, dtype=np.int32))
+              for s in range(shape.chunks)]  # fmt: skip
+    x = torch.zeros(shape.chunks * shape.tokens, stage.cfg.d_model,
+                    device=executor.device, dtype=executor.dtype)  # fmt: skip
+
+    def wave() -> None:
+        executor.forward(chunks, x)
+        for c in chunks:  # recurrent layers: resume from the snapshot slot each time
+            executor.cancel(c.request_id)
+
+    return _median(wave, repeats)
+
+
+@torch.inference_mode()
+def _median(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm-up: first-call allocations, kernel plans
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
