@@ -53,6 +53,7 @@ from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.handoff import HandoffTargets, fingerprint
 from wavepp.runtime.planning import WavePlanner
 from wavepp.sim.executor import SimExecutor, StageCostModel
+from wavepp.sim.links import Placement, SimulatedLink
 from wavepp.sim.profiles import DEVICES, MODELS, StagePool, split_layers, stage_pool
 from wavepp.state import audit, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
@@ -89,6 +90,7 @@ def preflight(c: RunConfig, world: int) -> None:
         if c.model not in MODELS:
             raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
         num_layers = MODELS[c.model].num_layers
+        sim_placement(c, world)
     elif c.model in BUILTIN:
         num_layers = BUILTIN[c.model].num_layers
     elif not Path(c.model).is_dir():
@@ -126,6 +128,14 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     return specs, rejected, []
 
 
+def sim_placement(c: RunConfig, world: int) -> Placement:
+    """Where the sim's stages sit (``--sim-device``, ``--sim-tp``, ``--sim-link``)."""
+    try:
+        return Placement(DEVICES[c.sim_device], world, c.sim_tp, c.sim_link)
+    except ValueError as error:
+        raise SystemExit(f"wavepp: {error}") from None
+
+
 def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
                    snapshot_capacity: int | None = None):  # fmt: skip
     """(executor, has recurrent layers) for this rank's stage."""
@@ -135,8 +145,10 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
             raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
         model = MODELS[c.model]
         layers = split_layers(model.num_layers, world, counts)[rank]
-        cost = StageCostModel(model, DEVICES[c.sim_device], layers, rank == world - 1,
-                              c.weight_format)  # fmt: skip
+        placement = sim_placement(c, world)
+        cost = StageCostModel(model, placement.device, layers, rank == world - 1,
+                              c.weight_format, tp=c.sim_tp,
+                              tp_link=placement.tp_link)  # fmt: skip
         recurrent = any(model.kind(layer) == "L" for layer in layers)
         return SimExecutor(cost, c.time_scale), recurrent
     if c.model in BUILTIN:
@@ -220,7 +232,7 @@ def device_pools(c: RunConfig, world: int) -> list[StagePool] | None:
     stages = split_layers(model.num_layers, world, counts)
     try:
         return [stage_pool(model, device, layers, s == 0, s == world - 1, c.block_size,
-                           c.snapshot_interval, c.weight_format)
+                           c.snapshot_interval, c.weight_format, c.sim_tp)
                 for s, layers in enumerate(stages)]  # fmt: skip
     except ValueError as error:
         log(f"{error}; the pools follow the workload instead (as if memory were unbounded)")
@@ -300,11 +312,24 @@ def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool)
     return publisher, announcer
 
 
-async def open_planes(c: RunConfig, watchdog: Watchdog | None) -> Planes:
-    """The rounds plane and this rank's data-plane links, as configured."""
+async def open_planes(c: RunConfig, rank: int, world: int,
+                      watchdog: Watchdog | None) -> Planes:  # fmt: skip
+    """The rounds plane and this rank's data-plane links, as configured; with the sim,
+    the link to the next stage takes the time its activations need over the link the
+    placement gives it (``wavepp.sim.links``)."""
     device = pick_device(c.device) if c.executor == "torch" else None
-    return await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
-                              on_wait=watchdog.set_status if watchdog is not None else None)
+    planes = await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
+                                on_wait=watchdog.set_status if watchdog is not None else None)
+    if c.executor != "sim":
+        return planes
+    placement = sim_placement(c, world)
+    if rank == 0:
+        log(f"SIMULATED placement: {placement.describe()}")
+    if planes.outbound is None:
+        return planes
+    outbound = SimulatedLink(planes.outbound, placement.stage_link(rank), MODELS[c.model],
+                             c.time_scale)  # fmt: skip
+    return attrs.evolve(planes, outbound=outbound)
 
 
 @attrs.frozen
@@ -527,7 +552,7 @@ async def rank_main(
     c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
 ) -> tuple[dict | None, int]:  # fmt: skip
-    planes = await open_planes(c, watchdog)
+    planes = await open_planes(c, rank, world, watchdog)
     setup = await agree_setup(c, rank, world, planes.rounds, offline=client is None)
     if setup is None:
         return None, 2
