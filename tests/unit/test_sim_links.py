@@ -158,3 +158,17 @@ def test_a_tensor_parallel_stage_splits_weights_and_the_kv_its_heads_split():
     # GQA with 8 KV heads: the cache splits 8 ways at T = 8, no further at T = 16
     assert minimax.kv_shards(0, 8) == 8 and minimax.kv_shards(0, 16) == 8
     assert kimi.kv_shards(4, 8) == 1  # MLA: the latent serves every head
+
+
+def test_the_run_options_place_the_stages():
+    from wavepp.config import load
+    from wavepp.main import device_pools, preflight
+
+    kimi = ["--executor", "sim", "--model", "kimi-k3-class", "--sim-device", "gb300"]
+    assert device_pools(load(kimi), 1) is None  # 0.56 TB of weights on one GPU: no pool
+    (pool,) = device_pools(load([*kimi, "--sim-tp", "8"]), 1)  # TP8/EP8
+    assert pool.tp == 8 and pool.blocks > 0
+    with pytest.raises(SystemExit, match="tile it"):
+        preflight(load(["--executor", "sim", "--sim-device", "h200", "--sim-tp", "3"]), 2)
+    with pytest.raises(SystemExit, match="sim only"):
+        load(["--executor", "torch", "--sim-tp", "2"])
