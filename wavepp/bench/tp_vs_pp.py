@@ -45,13 +45,16 @@ LAYOUTS = (("TP8/EP8", 1, 8), ("PP8", 8, 1), ("TP2xPP4", 4, 2))  # (name, stages
 MODELS = (("kimi-k3-class", "gb300"), ("minimax-m2-class", "b300"))
 
 
-def workloads() -> list[tuple[str, tuple[str, ...], int]]:
-    """(label, wavepp.main options, prompt tokens the layers are balanced for)."""
+BALANCED_FOR = 131_072  # prompt tokens the pipelines' layer splits are balanced for
+
+
+def workloads() -> list[tuple[str, tuple[str, ...]]]:
+    """(label, wavepp.main options)."""
     return [
-        ("cold-131k", ("--workload", "cold", "--prompt-tokens", "131072"), 131_072),
-        ("seeded-131k", ("--workload", "seeded", "--prompt-tokens", "131072"), 131_072),
+        ("cold-131k", ("--workload", "cold", "--prompt-tokens", "131072")),
+        ("seeded-131k", ("--workload", "seeded", "--prompt-tokens", "131072")),
         ("mixed-131k-262k", ("--workload", "mixed", "--prompt-tokens", "131072",
-                             "--cold-tokens", "262144"), 131_072),
+                             "--cold-tokens", "262144")),
     ]
 
 
@@ -60,14 +63,14 @@ def cells(a: argparse.Namespace) -> list[tuple[dict, Cell]]:
     for model, device in MODELS:
         if a.models and model not in a.models.split(","):
             continue
-        for label, options, tokens in workloads():
+        splits = {stages: ",".join(map(str, balanced_split(model, device, stages,
+                                                           BALANCED_FOR, a.budget)))
+                  for _, stages, _ in LAYOUTS if stages > 1}  # fmt: skip
+        for label, options in workloads():
             for c in (8, 32):
                 requests = c if a.quick else 2 * c
                 for name, stages, tp in LAYOUTS:
-                    split = ()
-                    if stages > 1:
-                        counts = balanced_split(model, device, stages, tokens, a.budget)
-                        split = ("--layers-per-stage", ",".join(map(str, counts)))
+                    split = ("--layers-per-stage", splits[stages]) if stages > 1 else ()
                     args = ("--executor", "sim", "--model", model, "--sim-device", device,
                             "--weight-format", "nvfp4", "--sim-tp", str(tp), "--budget",
                             str(a.budget), "--requests", str(requests), "--time-scale",
