@@ -323,12 +323,15 @@ async def open_planes(c: RunConfig, rank: int, world: int,
     if c.executor != "sim":
         return planes
     placement = sim_placement(c, world)
-    if rank == 0:
-        log(f"SIMULATED placement: {placement.describe()}")
     if planes.outbound is None:
+        if rank == 0:
+            log(f"SIMULATED placement: {placement.describe()}")
         return planes
     outbound = SimulatedLink(planes.outbound, placement.stage_link(rank), MODELS[c.model],
                              c.time_scale)  # fmt: skip
+    if rank == 0:
+        log(f"SIMULATED placement: {placement.describe()}; a {c.budget:,}-token wave's "
+            f"activations reach stage 1 in {outbound.transfer_s(c.budget) * 1e3:.2f} ms")
     return attrs.evolve(planes, outbound=outbound)
 
 
