@@ -58,6 +58,8 @@ class RunConfig:
     max_batch: int = 256
     model: str | None = None
     sim_device: str = "h200"
+    sim_tp: int = 1
+    sim_link: str | None = None
     weight_format: str | None = None
     device: str = "auto"
     dtype: str = "float32"
@@ -125,6 +127,12 @@ HELP: dict[str, str] = {
     "tiny-hybrid, tiny-llama, small-hybrid, small-llama, or a checkpoint directory "
     "(Hugging Face Llama, Kimi Linear, Qwen3-Next, MiniMax-M2; or WavePP's layout)",
     "sim_device": "device profile of the sim executor: h100, h200, b200, b300 or gb300",
+    "sim_tp": "sim: devices per stage, tensor parallel with experts spread over them (each "
+    "does 1/T of every layer and holds 1/T of the weights and of the KV its heads split; "
+    "two all-reduces per layer over the node's link); modelled, still one rank per stage",
+    "sim_link": "sim: the link every stage's activations cross to the next stage: nvlink4, "
+    "nvlink5, pcie5, ib-ndr, ib-xdr or roce-400 (default: the device's node link between "
+    "stages in one node, its network between nodes; docs/design.md §6)",
     "weight_format": "sim: weight format bf16, fp8 or nvfp4 (bytes streamed per parameter, "
     "matrix rate); default: the model profile's (nvfp4 for the paper's models)",
     "device": "torch executor: 'cuda' (this rank's GPU by LOCAL_RANK), 'cpu', or 'auto' "
@@ -187,6 +195,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"), "rounds_plane": ("auto", "local", "gloo"),
     "data_plane": ("auto", "local", "gloo"),
     "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
+    "sim_link": ("nvlink4", "nvlink5", "pcie5", "ib-ndr", "ib-xdr", "roce-400"),
     "weight_format": ("bf16", "fp8", "nvfp4"),
     "dtype": ("float32", "bfloat16", "float16"),
     "handoff_format": ("wavepp", "vllm-example"),
@@ -201,7 +210,7 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix_tokens": _AT_LEAST_1, "concurrency": _AT_LEAST_1, "block_size": _AT_LEAST_1,
     "snapshot_interval": _AT_LEAST_1, "snapshot_capacity": _AT_LEAST_1, "budget": _AT_LEAST_1,
     "min_budget": _AT_LEAST_1, "ring": _AT_LEAST_0, "max_batch": _AT_LEAST_1,
-    "threads": _AT_LEAST_0, "time_scale": _POSITIVE, "seed": _AT_LEAST_0,
+    "threads": _AT_LEAST_0, "sim_tp": _AT_LEAST_1, "time_scale": _POSITIVE, "seed": _AT_LEAST_0,
     "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
     "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
     "handoff_budget_mib": _AT_LEAST_1,
@@ -367,6 +376,8 @@ def validate(c: RunConfig) -> None:
     )
     need(c.workload != "trace" or c.trace, "--workload trace needs --trace PATH")
     need(not c.compile or c.executor == "torch", "--compile applies to --executor torch only")
+    need((c.sim_tp == 1 and c.sim_link is None) or c.executor == "sim",
+         "--sim-tp and --sim-link apply to --executor sim only")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
     need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),

@@ -67,6 +67,7 @@ from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.handoff import HandoffTargets, fingerprint
 from wavepp.runtime.planning import WavePlanner
 from wavepp.sim.executor import SimExecutor, StageCostModel
+from wavepp.sim.links import SimulatedLink, Topology
 from wavepp.sim.profiles import DEVICES, MODELS, StagePool, stage_pool
 from wavepp.state import audit, block_hashes, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
@@ -103,6 +104,7 @@ def preflight(c: RunConfig, world: int) -> None:
         if c.model not in MODELS:
             raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
         num_layers = MODELS[c.model].num_layers
+        sim_topology(c, world)
     elif c.model in BUILTIN:
         num_layers = BUILTIN[c.model].num_layers
     elif not Path(c.model).is_dir():
@@ -144,6 +146,14 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     return specs, rejected, []
 
 
+def sim_topology(c: RunConfig, world: int) -> Topology:
+    """Where the sim's stages sit (``--sim-device``, ``--sim-tp``, ``--sim-link``)."""
+    try:
+        return Topology(DEVICES[c.sim_device], world, c.sim_tp, c.sim_link)
+    except ValueError as error:
+        raise SystemExit(f"wavepp: {error}") from None
+
+
 def load_model(c: RunConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]] | None:
     """The torch executor's model: its config and every layer's weights (None: the sim)."""
     if c.executor == "sim":
@@ -165,8 +175,10 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     if c.executor == "sim":
         profile = MODELS[c.model]
         layers = range(units.start // 2, units.stop // 2)
-        cost = StageCostModel(profile, DEVICES[c.sim_device], layers, rank == world - 1,
-                              c.weight_format)  # fmt: skip
+        topology = sim_topology(c, world)
+        cost = StageCostModel(profile, topology.device, layers, rank == world - 1,
+                              c.weight_format, tp=c.sim_tp,
+                              tp_link=topology.tp_link)  # fmt: skip
         recurrent = any(profile.kind(layer) == "L" for layer in layers)
         return SimExecutor(cost, c.time_scale), recurrent
     cfg, weights = model
@@ -226,13 +238,14 @@ def _measured_placement(c: RunConfig, world: int, shape: WaveShape,
 
 def _sim_placement(c: RunConfig, world: int, shape: WaveShape) -> Placement:
     """Whole layers, each stage's time on the wave from the simulator's cost model."""
-    profile, device = MODELS[c.model], DEVICES[c.sim_device]
+    profile, topology = MODELS[c.model], sim_topology(c, world)
     chunks = [(shape.prefix, shape.prefix + shape.tokens)] * shape.chunks
 
     @functools.cache
     def span(a: int, b: int, s: int) -> float:
         last = s == world - 1
-        cost = StageCostModel(profile, device, range(a, b), last, c.weight_format)
+        cost = StageCostModel(profile, topology.device, range(a, b), last, c.weight_format,
+                              tp=c.sim_tp, tp_link=topology.tp_link)  # fmt: skip
         return cost.cost(chunks, shape.chunks if last else 0).seconds
 
     counts = whole_layers(span, profile.num_layers, world)
@@ -325,7 +338,7 @@ def device_pools(c: RunConfig, world: int, placement: Placement) -> list[StagePo
     stages = [range(u.start // 2, u.stop // 2) for u in placement.spans]
     try:
         return [stage_pool(model, device, layers, s == 0, s == world - 1, c.block_size,
-                           c.snapshot_interval, c.weight_format)
+                           c.snapshot_interval, c.weight_format, c.sim_tp)
                 for s, layers in enumerate(stages)]  # fmt: skip
     except ValueError as error:
         log(f"{error}; the pools follow the workload instead (as if memory were unbounded)")
@@ -405,11 +418,27 @@ def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool)
     return publisher, announcer
 
 
-async def open_planes(c: RunConfig, watchdog: Watchdog | None) -> Planes:
-    """The rounds plane and this rank's data-plane links, as configured."""
+async def open_planes(c: RunConfig, rank: int, world: int,
+                      watchdog: Watchdog | None) -> Planes:  # fmt: skip
+    """The rounds plane and this rank's data-plane links, as configured; with the sim,
+    the link to the next stage takes the time its activations need over the link the
+    topology gives it (``wavepp.sim.links``)."""
     device = pick_device(c.device) if c.executor == "torch" else None
-    return await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
-                              on_wait=watchdog.set_status if watchdog is not None else None)
+    planes = await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
+                                on_wait=watchdog.set_status if watchdog is not None else None)
+    if c.executor != "sim":
+        return planes
+    topology = sim_topology(c, world)
+    if planes.outbound is None:
+        if rank == 0:
+            log(f"SIMULATED topology: {topology.describe()}")
+        return planes
+    outbound = SimulatedLink(planes.outbound, topology.stage_link(rank), MODELS[c.model],
+                             c.time_scale)  # fmt: skip
+    if rank == 0:
+        log(f"SIMULATED topology: {topology.describe()}; a {c.budget:,}-token wave's "
+            f"activations reach stage 1 in {outbound.transfer_s(c.budget) * 1e3:.2f} ms")
+    return attrs.evolve(planes, outbound=outbound)
 
 
 @attrs.frozen
@@ -637,7 +666,7 @@ async def rank_main(
     c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
 ) -> tuple[dict | None, int]:  # fmt: skip
-    planes = await open_planes(c, watchdog)
+    planes = await open_planes(c, rank, world, watchdog)
     model = load_model(c)
     setup = await agree_setup(c, rank, world, planes.rounds, client is None, model)
     if setup is None:

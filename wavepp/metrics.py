@@ -137,6 +137,7 @@ def table(record: dict) -> str:
     cfg = record["config"]
     kind = (
         f"SIMULATED — sim executor, {cfg['model']} on {cfg.get('sim_device', cfg.get('device'))}"
+        + (f" (TP {cfg['sim_tp']} per stage)" if cfg.get("sim_tp", 1) > 1 else "")
         if record["simulated"]
         else f"real model (torch executor, {cfg['model']})"
     )

@@ -157,6 +157,7 @@ def test_server_under_load_matches_offline_and_drains(tmp_path):
             assert busy == [0, 0, 0], busy
             check_bad_input(client)
         record = json.loads((tmp_path / "load.json").read_text())
+        assert record["simulated"] is False  # a torch server's answers say real waves
         requests = [r for r in record["requests"] if not r["warmup"]]
         assert len(requests) == 200
         picked = [r for r in requests if r["to_cancel"]]

@@ -121,3 +121,14 @@ def test_a_lone_prompt_is_planned_in_equal_time_chunks(run_wavepp):
         waves[rung] = record["stage_waves"]
     assert waves["R3"] == [4, 4]
     assert waves["R5"][0] == waves["R5"][1] > 4
+
+
+def test_tensor_parallel_stages_over_a_named_link(run_wavepp):
+    # Two stages of two simulated devices each, activations over InfiniBand: the run
+    # finishes clean and its record and table say how the stages were laid out.
+    record, stdout = run_wavepp(2, *SMALL, "--workload", "cold", "--requests", "8",
+                                "--concurrency", "4", "--sim-tp", "2",
+                                "--sim-link", "ib-ndr")  # fmt: skip
+    check_clean(record, 2)
+    assert (record["config"]["sim_tp"], record["config"]["sim_link"]) == (2, "ib-ndr")
+    assert "SIMULATED" in stdout and "(TP 2 per stage)" in stdout

@@ -35,6 +35,7 @@ def test_tables_stay_within_the_concurrency_and_memory_levels_off(tmp_path):
     record = json.loads(out.read_text())
     samples = record["samples"]
     assert record["server_exit"] == 0  # drained, and every stage's leak check held
+    assert record["simulated"] is False  # the torch executor: real waves
     assert len(samples) >= 12, done.stdout
 
     # The first third warms up (pools fill, allocators and caches settle).

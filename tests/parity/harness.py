@@ -12,6 +12,7 @@ from wavepp.exec.stage import Admitted, Stage
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.model import ModelConfig, build_stage
 from wavepp.plan import Pending, PlanContext, static
+from wavepp.plan.placement import even, given
 from wavepp.rounds.admission import (
     Offer,
     RoundMode,
@@ -24,7 +25,6 @@ from wavepp.rounds.admission import (
     settle,
 )
 from wavepp.rounds.messages import ChunkMsg, WaveMsg
-from wavepp.plan.placement import even, given
 from wavepp.state import block_hashes, empty_cache, point_from_mask
 
 

@@ -86,8 +86,8 @@ def test_whole_layers_minimizes_the_slowest_stage(layer_costs, stages, head):
     assert len(counts) == stages and sum(counts) == n and min(counts) >= 1
 
     def slowest(counts) -> float:
-        starts = list(itertools.accumulate(counts, initial=0))
-        return max(span(a, a + c, s) for s, (a, c) in enumerate(zip(starts, counts)))
+        starts = list(itertools.accumulate(counts[:-1], initial=0))
+        return max(span(a, a + c, s) for s, (a, c) in enumerate(zip(starts, counts, strict=True)))
 
     best = min(slowest(tuple(b - a for a, b in itertools.pairwise((0, *cuts, n))))
                for cuts in itertools.combinations(range(1, n), stages - 1))  # fmt: skip

@@ -186,10 +186,10 @@ def test_result_body_without_a_deadline_is_unchanged():
     from wavepp.engine import Result
 
     plain = Result("r", "done", 1, 1.0, 4, 0, None, 1.0, 1.1, 1.2, 1.3)
-    assert "deadline_met" not in result_body(plain)
+    assert "deadline_met" not in result_body(plain, False)
     timed = Result("r", "done", 1, 1.0, 4, 0, None, 1.0, 1.1, 1.2, 1.3, deadline_s=0.1,
                    deadline_met=False)
-    assert result_body(timed)["deadline_met"] is False
+    assert result_body(timed, False)["deadline_met"] is False
 
 
 # -- requests files and traces ---------------------------------------------------------------

@@ -406,3 +406,18 @@ def test_listening_socket_lets_asyncio_disable_nagle():
             bind("127.0.0.1", sock.getsockname()[1])
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+async def test_every_answer_says_whether_the_waves_are_simulated(simulated):
+    async def test(h: Harness):
+        models = (await h.client.get("/v1/models")).json()
+        assert models["data"][0]["wavepp"]["simulated"] is simulated
+        prefill = (await h.client.post("/v1/prefill", json={"tokens": [1, 2, 3]})).json()
+        assert prefill["simulated"] is simulated
+        completion = (await h.client.post("/v1/completions", json={"prompt": [1, 2, 3]})).json()
+        assert completion["wavepp"]["simulated"] is simulated
+        metrics = parse_exposition((await h.client.get("/metrics")).text)
+        assert sample(metrics, "wavepp_simulated") == float(simulated)
+
+    await _with_engine(test, ServeOptions(simulated=simulated))

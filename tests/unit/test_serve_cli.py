@@ -31,3 +31,10 @@ def test_help_lists_the_server_and_the_run_options():
 def test_bad_server_options_say_why(argv, message):
     with pytest.raises(SystemExit, match=message.replace(".", r"\.")):
         main(argv)
+
+
+def test_a_sim_server_labels_its_answers_simulated():
+    from wavepp.serve.__main__ import check
+
+    assert check(["--executor", "sim", "--model", "llama3-70b"])[0].simulated
+    assert not check(["--executor", "torch"])[0].simulated

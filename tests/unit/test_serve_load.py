@@ -10,6 +10,7 @@ import pytest
 
 from tests.fake_engine import FakeEngine, expected_first_token
 from wavepp.bench.load import amain, parser, table, validate
+from wavepp.serve.app import ServeOptions
 from wavepp.serve.server import serve
 from wavepp.workload import read_requests_file
 
@@ -23,7 +24,7 @@ def anyio_backend():
     return "asyncio"
 
 
-async def run_load(engine: FakeEngine, argv: list[str]) -> dict:
+async def run_load(engine: FakeEngine, argv: list[str], simulated: bool = False) -> dict:
     ready, where = anyio.Event(), {}
 
     def on_ready(host: str, port: int) -> None:
@@ -32,7 +33,8 @@ async def run_load(engine: FakeEngine, argv: list[str]) -> dict:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
-        tg.start_soon(lambda: serve(engine, "127.0.0.1", 0, on_ready=on_ready))
+        options = ServeOptions(simulated=simulated)
+        tg.start_soon(lambda: serve(engine, "127.0.0.1", 0, options, on_ready=on_ready))
         with anyio.fail_after(30):
             await ready.wait()
         args = parser().parse_args(["--url", where["url"], "--no-progress", *argv])
@@ -131,3 +133,15 @@ def test_every_workload_of_the_main_job_builds(workload):
     assert specs and all(s.tokens.max() < VOCAB for s in specs)
     if workload != "cold":
         assert any(s.expected_reuse > 0 for s in specs)
+
+
+@pytest.mark.parametrize("simulated", [True, False])
+async def test_the_record_says_whether_the_server_is_simulated(simulated):
+    # The sim executor's server says so in /v1/models and in every answer; the load
+    # generator's record and table carry it on.
+    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=1000)
+    record = await run_load(engine, ["--workload", "cold", "--requests", "4",
+                                     "--prompt-tokens", "32", "--concurrency", "2"],
+                            simulated)  # fmt: skip
+    assert record["simulated"] is simulated
+    assert ("SIMULATED" in table(record).splitlines()[0]) is simulated

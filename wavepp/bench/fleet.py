@@ -245,7 +245,7 @@ async def one_run(url: str, workload: str, setup: Setup, load: float, fleet: int
         args = load_bench.parser().parse_args(argv)
         load_bench.validate(args)
         built = load_bench.with_arrivals(load_bench.build_specs(args, vocab, block_size), args)
-        runner = load_bench.LoadRun(args, client)
+        runner = load_bench.LoadRun(args, client, simulated=True)  # sim pipelines
         runner.prefix = f"f{run}-"
         record = await runner.run(_shifted(built, run, vocab))
     return summarize_run(record, setup, workload, load, offered_tok_s, rate)

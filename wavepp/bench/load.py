@@ -70,6 +70,7 @@ class Outcome:
     server_s: float | None = None  # submission to result inside the engine (its timings)
     deadline_s: float | None = None  # its deadline, seconds after submission (None: none)
     deadline_met: bool | None = None  # the server's verdict (None: no deadline or no answer)
+    simulated: bool = False  # the server's answer says the sim executor predicted it
 
     @property
     def latency_s(self) -> float | None:
@@ -158,9 +159,12 @@ class Progress:
 
 
 class LoadRun:
-    def __init__(self, args: argparse.Namespace, client: httpx.AsyncClient) -> None:
+    def __init__(self, args: argparse.Namespace, client: httpx.AsyncClient,
+                 simulated: bool) -> None:  # fmt: skip
+        """``simulated``: the server's /v1/models says its executor is the sim."""
         self.args = args
         self.client = client
+        self.simulated = simulated
         self.prefix = args.id_prefix if args.id_prefix is not None else os.urandom(3).hex() + "-"
         self.outcomes: list[Outcome] = []
         self.progress = Progress(args.progress)
@@ -232,6 +236,7 @@ class LoadRun:
         outcome.error = result.get("error")
         outcome.server_s = (result.get("timings") or {}).get("total_s")
         outcome.deadline_met = result.get("deadline_met")
+        outcome.simulated = bool(result.get("simulated"))
         if outcome.status == "done":
             self.latencies.append(outcome.latency_s)
 
@@ -339,6 +344,8 @@ class LoadRun:
         if fleet is not None and server_tokens is None:
             server_tokens, server_cached = fleet["prompt_tokens"], fleet["cached_tokens"]
         return {
+            # the sim executor predicted the waves (the server's /v1/models or any answer)
+            "simulated": self.simulated or any(o.simulated for o in self.outcomes),
             "url": self.args.url,
             "workload": self.args.trace or self.args.requests_file or self.args.workload,
             "open_loop": self.args.open_loop or self.args.rate is not None,
@@ -379,7 +386,8 @@ def table(record: dict) -> str:
 
     statuses = ", ".join(f"{k} {v}" for k, v in sorted(record["by_status"].items()))
     return "\n".join([
-        f"WavePP load — {record['workload']} at concurrency {record['concurrency']}"
+        f"WavePP load{' — SIMULATED' if record['simulated'] else ''} — "
+        f"{record['workload']} at concurrency {record['concurrency']}"
         f"{' (open loop)' if record['open_loop'] else ''} against {record['url']}",
         f"  requests            {record['measured_requests']} measured ({statuses}), "
         f"{record['warmup_requests']} warm-up",
@@ -507,7 +515,7 @@ async def amain(args: argparse.Namespace) -> dict:
             raise SystemExit("wavepp.bench.load: no requests to send")
         if args.dump_requests:
             write_requests_file(specs, args.dump_requests)
-        return await LoadRun(args, client).run(specs)
+        return await LoadRun(args, client, bool(info.get("simulated"))).run(specs)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -287,14 +287,17 @@ def stop_server(proc: subprocess.Popen, timeout_s: float) -> int:
         return proc.wait()
 
 
-async def drive(args: argparse.Namespace, url: str, launcher: int) -> Soak:
+async def drive(args: argparse.Namespace, url: str, launcher: int) -> tuple[Soak, bool]:
+    """The soak, and whether the server says its waves are simulated (``--executor sim``)."""
     limits = httpx.Limits(max_connections=2 * args.concurrency + 4,
                           max_keepalive_connections=2 * args.concurrency + 4)  # fmt: skip
     timeout = httpx.Timeout(args.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+        models = await client.get("/v1/models")
+        simulated = bool(models.json()["data"][0]["wavepp"].get("simulated"))
         soak = Soak(args, client, launcher)
         await soak.run()
-        return soak
+        return soak, simulated
 
 
 def parser() -> argparse.ArgumentParser:
@@ -349,12 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: server at {url}, launcher pid {proc.pid}; {args.duration_s:g} s of load at "
           f"c = {args.concurrency}, a sample every {args.every_s:g} s", flush=True)  # fmt: skip
     try:
-        soak = anyio.run(drive, args, url, proc.pid)
+        soak, simulated = anyio.run(drive, args, url, proc.pid)
     finally:
         code = stop_server(proc, timeout_s=120)
-    print(f"soak: server exit status {code} (0: drained and the leak check held)")
+    print(f"soak: server exit status {code} (0: drained and the leak check held)"
+          + ("; its waves were SIMULATED (--executor sim)" if simulated else ""))
     if args.json:
         record = {
+            "simulated": simulated,
             "config": {k: v for k, v in vars(args).items() if k not in ("json", "log")},
             "server_args": [*SERVER_DEFAULTS, *server_args],
             "server_exit": code,

@@ -136,6 +136,7 @@ def check(argv: list[str] | None, world: int | None = None):
         header_timeout_s=args.header_timeout_s,
         drain_timeout_s=args.drain_timeout_s,
         decode=check_decode_option(args.decode),
+        simulated=config.executor == "sim",
     )
     if options.decode is not None and config.executor != "torch":
         raise SystemExit("wavepp serve: --decode needs the torch executor")

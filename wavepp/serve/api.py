@@ -240,10 +240,12 @@ def timings(result: Any) -> dict:
     }
 
 
-def result_body(result: Any) -> dict:
-    """``POST /v1/prefill``'s answer: the engine's result and its timings."""
+def result_body(result: Any, simulated: bool) -> dict:
+    """``POST /v1/prefill``'s answer: the engine's result and its timings; ``simulated``:
+    the sim executor predicted its waves (its first token is -1)."""
     return {
         "id": result.request_id,
+        "simulated": simulated,
         "status": result.status,
         "first_token": result.first_token,
         "top_logit": _finite(result.top_logit),
@@ -259,7 +261,7 @@ def result_body(result: Any) -> dict:
 
 def completion_body(
     result: Any, body: CompletionBody, detokenize: Callable[[int], str] | None,
-    token_ids: list[int] | None = None,
+    simulated: bool, token_ids: list[int] | None = None,
 ) -> dict:
     """``POST /v1/completions``'s answer, in the OpenAI shape plus a ``wavepp`` record.
     ``token_ids``: what the decoder generated (the first token included); None: the
@@ -292,7 +294,7 @@ def completion_body(
             "total_tokens": result.num_tokens + len(token_ids),
             "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
         },
-        "wavepp": result_body(result),
+        "wavepp": result_body(result, simulated),
     }
 
 

@@ -64,6 +64,7 @@ class ServeOptions:
     drain_timeout_s: float = 25.0  # after SIGTERM, requests in flight get this long, seconds
     decode: str | None = None  # the decoder's address (--decode): max_tokens > 1, stream
     decode_timeout_s: float = 300.0  # a decode's whole stream, seconds
+    simulated: bool = False  # the sim executor predicts the waves: every answer says so
 
 
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait before trying again
@@ -135,7 +136,8 @@ class Frontend:
         self._settled = anyio.Event()  # set (and replaced) each time ``handles`` empties
         self._reading: set[anyio.CancelScope] = set()  # handlers reading a body
         self._waiting: set[anyio.CancelScope] = set()  # handlers awaiting a result
-        self.metrics = ServerMetrics(engine, lambda: self.in_flight, self.tables)
+        self.metrics = ServerMetrics(engine, lambda: self.in_flight, self.tables,
+                                     simulated=options.simulated)  # fmt: skip
 
     # -- what the server does to every request in flight -----------------------------------
 
@@ -281,7 +283,8 @@ class Frontend:
                 raw, parse_prefill, raw, self.options.tokenize
             )
             result = await self._run(request, submission)
-            return result_body(result), STATUS_CODE.get(result.status, 500)
+            return (result_body(result, self.options.simulated),
+                    STATUS_CODE.get(result.status, 500))  # fmt: skip
 
         return await self._guarded("/v1/prefill", request, work)
 
@@ -295,7 +298,8 @@ class Frontend:
             result = await self._run(request, submission)
             if submission.handoff is not None and result.status == "done":
                 return await self._decoded(result, body)
-            answer = completion_body(result, body, self.options.detokenize)
+            answer = completion_body(result, body, self.options.detokenize,
+                                     self.options.simulated)  # fmt: skip
             if result.status in ("rejected", "failed"):
                 kind = "invalid_request_error" if result.status == "rejected" else "server_error"
                 answer["error"] = {"message": result.error, "type": kind}
@@ -321,7 +325,8 @@ class Frontend:
                 token_ids += chunk
         except DecodeError as error:
             raise ApiError(502, str(error), "decoder_error") from None
-        return completion_body(result, body, self.options.detokenize, token_ids), 200
+        return completion_body(result, body, self.options.detokenize, self.options.simulated,
+                               token_ids), 200  # fmt: skip
 
     async def _events(self, result: ServedResult, body: CompletionBody,
                       stream) -> AsyncIterator[str]:  # fmt: skip
@@ -332,7 +337,8 @@ class Frontend:
         try:
             async for chunk in stream:
                 token_ids += chunk
-                event = completion_body(result, body, detokenize, chunk)
+                event = completion_body(result, body, detokenize, self.options.simulated,
+                                        chunk)  # fmt: skip
                 event["choices"][0]["finish_reason"] = None
                 del event["choices"][0]["token"], event["usage"], event["wavepp"]
                 yield f"data: {json.dumps(event)}\n\n"
@@ -340,7 +346,7 @@ class Frontend:
             failure = ApiError(502, str(error), "decoder_error").body()
             yield f"data: {json.dumps(failure)}\n\n"
             return
-        final = completion_body(result, body, detokenize, token_ids)
+        final = completion_body(result, body, detokenize, self.options.simulated, token_ids)
         final["choices"][0]["text"], final["choices"][0]["token_ids"] = "", []
         yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
 
@@ -377,6 +383,7 @@ class Frontend:
             "vocab_size": self.engine.vocab_size,
             "tokenizer": self.options.tokenize is not None,
             "block_size": self.engine.block_size,
+            "simulated": self.options.simulated,
         }
         if self.engine.kv_events is not None:  # where a router subscribes (docs/fleet.md)
             info["kv_events"] = self.engine.kv_events

@@ -180,7 +180,8 @@ class ServerMetrics:
     their result, and the server's tables by name ({name: entries})."""
 
     def __init__(self, engine: ServedEngine, in_flight: Callable[[], int],
-                 tables: Callable[[], Mapping[str, int]], clock=time.time) -> None:  # fmt: skip
+                 tables: Callable[[], Mapping[str, int]], clock=time.time,
+                 simulated: bool = False) -> None:  # fmt: skip
         self.clock = clock
         self.started_at = clock()
         self.registry = registry = CollectorRegistry()
@@ -223,6 +224,8 @@ class ServerMetrics:
         ]  # fmt: skip
         for name, help_text, read in gauges:
             Gauge(PREFIX + name, help_text, registry=registry).set_function(read)
+        Gauge(PREFIX + "simulated", "1: the sim executor predicts every wave's time; the "
+              "figures are simulated", registry=registry).set(int(simulated))  # fmt: skip
         registry.register(EngineCollector(engine, lambda: {**tables(), **self.tables()},
                                           self.table_limits))  # fmt: skip
 

@@ -15,7 +15,13 @@ import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.sim.profiles import KV_BYTES, WEIGHT_FORMATS, DeviceProfile, ModelProfile
+from wavepp.sim.profiles import (
+    KV_BYTES,
+    WEIGHT_FORMATS,
+    DeviceProfile,
+    LinkProfile,
+    ModelProfile,
+)
 from wavepp.state import BlockHash, RequestId
 
 
@@ -25,6 +31,7 @@ class WaveCost:
     flops: float
     bytes: float
     peak_seconds: float = 0.0  # the same work at 100% of every datasheet peak
+    all_reduce_seconds: float = 0.0  # of seconds: a tp-way stage's all-reduces
 
 
 def attention_pairs(prefix: int, tokens: int, topk: int = 0) -> float:
@@ -41,13 +48,28 @@ def attention_pairs(prefix: int, tokens: int, topk: int = 0) -> float:
 
 @attrs.frozen
 class StageCostModel:
-    """Predicted time of one wave on one stage: a roofline of FLOPs and bytes."""
+    """Predicted time of one wave on one stage: a roofline of FLOPs and bytes.
+
+    A stage may span ``tp`` devices (tensor parallel, experts spread over them): each
+    device does 1/``tp`` of every matmul, attention head and expert and streams its share
+    of the weights and KV; after each layer's mixer and after its MLP/MoE the devices
+    all-reduce the wave's activations over ``tp_link`` (a ring), which the layer waits
+    for. Experts spread (EP) as SGLang's TP+EP without DP attention places them: every
+    device sees every token and runs its own experts, and the MoE output's all-reduce
+    combines them, so EP adds no all-to-all to the two all-reduces.
+    """
 
     model: ModelProfile
     device: DeviceProfile
     layers: range
     is_last: bool
     weight_format: str | None = None  # None: the model's default
+    tp: int = attrs.field(default=1, kw_only=True)
+    tp_link: LinkProfile | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.tp < 1 or (self.tp > 1 and self.tp_link is None):
+            raise ValueError(f"a stage over {self.tp} devices needs a link for its all-reduces")
 
     @property
     def fmt(self) -> str:
@@ -86,8 +108,12 @@ class StageCostModel:
             share = active / total
             expert_bytes += total * max(min(1.0, tokens * share), share)
         weights = (mixer + expert_bytes) * WEIGHT_FORMATS[fmt]
-        kv = sum(start for start, _ in chunks) * sum(m.kv_bytes_per_token(i) for i in layers)
-        act = tokens * m.d_model * KV_BYTES * len(kinds)
+        kv = sum(start for start, _ in chunks) * sum(
+            m.kv_bytes_per_token(i) / m.kv_shards(i, self.tp) for i in layers
+        )
+        act = tokens * m.d_model * KV_BYTES * len(kinds)  # each device holds all of them
+        # One device's share of a tp-way stage (tp = 1: the whole stage).
+        gemm, attn, recurrent, weights = (x / self.tp for x in (gemm, attn, recurrent, weights))
         nbytes = weights + kv + act
         compute = (
             gemm / dev.gemm_rate(fmt)
@@ -95,16 +121,23 @@ class StageCostModel:
             + attn / (dev.peak_flops * dev.attention_efficiency)
         )
         memory = nbytes / (dev.hbm_bytes_s * dev.hbm_efficiency)
-        seconds = max(compute, memory) + dev.wave_overhead_s
+        comm = self.all_reduce_s(tokens) * 2 * len(kinds)
+        seconds = max(compute, memory) + comm + dev.wave_overhead_s
         flops = gemm + attn + recurrent
-        peak = max(
+        peak = comm + max(
             gemm / dev.matrix_flops(fmt) + (attn + recurrent) / dev.peak_flops,
             nbytes / dev.hbm_bytes_s,
         )
         # Roofline guard: no wave may beat the device's peaks.
         if seconds < peak:
             raise AssertionError(f"wave of {tokens} tokens predicted faster than peak")
-        return WaveCost(seconds, flops, nbytes, peak)
+        return WaveCost(seconds, flops, nbytes, peak, comm)
+
+    def all_reduce_s(self, tokens: int) -> float:
+        """One all-reduce of ``tokens`` bf16 activation rows over the stage's devices."""
+        if self.tp == 1:
+            return 0.0
+        return self.tp_link.all_reduce_s(tokens * self.model.d_model * KV_BYTES, self.tp)
 
 
 class SimExecutor:

@@ -8,6 +8,11 @@ each family (``config.json`` on the Hugging Face Hub, or the defaults of the con
 Weights are stored in one format per run (``WEIGHT_FORMATS``): it sets the bytes a wave
 streams per parameter and the matrix rate of the projection and MLP/MoE GEMMs.
 Attention (QK and PV), the recurrent update and the KV cache stay in bf16.
+
+Each device profile names its links (``LINKS``): the link inside a node (NVLink) and the
+network between nodes (InfiniBand), with the node's size. Bandwidths are datasheet
+figures per GPU and direction; latencies are our assumption (neither datasheet nor
+measured). ``wavepp.sim.links`` places the stages on them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,43 @@ import attrs
 # (the per-tensor FP32 scale is negligible); fp8: E4M3 with per-block scales (negligible).
 WEIGHT_FORMATS: dict[str, float] = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 1 / 16}
 KV_BYTES = 2  # bf16 KV cache and activations
+
+
+@attrs.frozen
+class LinkProfile:
+    """One GPU's link in one direction: datasheet bandwidth, assumed per-message latency."""
+
+    name: str
+    bytes_s: float  # per GPU and direction (datasheet)
+    latency_s: float  # per message: our assumption, not a datasheet or measured figure
+
+    def transfer_s(self, nbytes: float) -> float:
+        """One message of ``nbytes`` from one GPU to another."""
+        return self.latency_s + nbytes / self.bytes_s
+
+    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
+        """A ring all-reduce of ``nbytes`` over ``ranks`` GPUs: 2(T-1) steps, each moving
+        ``nbytes``/T per GPU, so 2(T-1)/T x bytes / bandwidth + 2(T-1) latencies."""
+        if ranks <= 1:
+            return 0.0
+        steps = 2 * (ranks - 1)
+        return steps * self.latency_s + steps / ranks * nbytes / self.bytes_s
+
+
+LINKS: dict[str, LinkProfile] = {
+    # NVLink 4 (H100/H200 SXM): 900 GB/s per GPU both directions together -> 450 each way.
+    "nvlink4": LinkProfile("nvlink4", 450e9, 5e-6),
+    # NVLink 5 (B200, B300, GB300): 1.8 TB/s per GPU both directions -> 900 each way.
+    "nvlink5": LinkProfile("nvlink5", 900e9, 5e-6),
+    # PCIe Gen5 x16: 32 GT/s x 16 lanes, about 64 GB/s each way.
+    "pcie5": LinkProfile("pcie5", 64e9, 10e-6),
+    # InfiniBand NDR, one ConnectX-7 of 400 Gb/s per GPU (HGX H100/H200/B200): 50 GB/s.
+    "ib-ndr": LinkProfile("ib-ndr", 50e9, 10e-6),
+    # InfiniBand XDR, one ConnectX-8 of 800 Gb/s per GPU (HGX B300, GB300 NVL72): 100 GB/s.
+    "ib-xdr": LinkProfile("ib-xdr", 100e9, 10e-6),
+    # RoCE over 400 GbE, one NIC per GPU: 50 GB/s.
+    "roce-400": LinkProfile("roce-400", 50e9, 15e-6),
+}
 
 
 @attrs.frozen
@@ -33,6 +75,9 @@ class DeviceProfile:
     fp4_efficiency: float = 0.0  # share of the FP4 peak an NVFP4 GEMM reaches
     hbm_efficiency: float = 1.0  # share of the datasheet bandwidth a weight stream reaches
     memory_bytes: float = 0.0  # HBM capacity (datasheet), bytes
+    node_link: str = "nvlink4"  # LINKS: between the GPUs of one node (NVLink domain)
+    network_link: str = "ib-ndr"  # LINKS: between nodes, one NIC per GPU
+    gpus_per_node: int = 8  # GPUs one node_link joins
 
     def matrix_flops(self, weight_format: str) -> float:
         """Dense peak of the GEMMs whose weights are in ``weight_format``."""
@@ -55,15 +100,18 @@ class DeviceProfile:
 
 DEVICES: dict[str, DeviceProfile] = {
     # H100 SXM / H200: 989 TFLOP/s bf16, 1,979 fp8 (dense); 3.35 / 4.8 TB/s. GEMMs at 80%
-    # (≈ 790 TFLOP/s measured bf16), attention at 55%; these three keep the datasheet
-    # bandwidth (hbm_efficiency 1.0), as in the tables measured before the paper profiles.
+    # (about 790 TFLOP/s: our judgement of a large bf16 GEMM, not measured here), attention
+    # at 55%; these three keep the datasheet bandwidth (hbm_efficiency 1.0), as in the
+    # tables simulated before the paper profiles. HGX nodes of 8 on NVLink 4, one
+    # ConnectX-7 (IB NDR) per GPU.
     "h100": DeviceProfile(
         "h100", 989e12, 3.35e12, 0.80, 0.55, 0.0005, fp8_flops=1979e12, memory_bytes=80e9
     ),
     "h200": DeviceProfile(
         "h200", 989e12, 4.8e12, 0.80, 0.55, 0.0005, fp8_flops=1979e12, memory_bytes=141e9
     ),
-    # B200: 2.25 PFLOP/s bf16, 4.5 fp8, 9 fp4 (dense); 8 TB/s.
+    # B200: 2.25 PFLOP/s bf16, 4.5 fp8, 9 fp4 (dense); 8 TB/s. HGX B200: 8 on NVLink 5,
+    # one ConnectX-7 (IB NDR) per GPU.
     "b200": DeviceProfile(
         "b200",
         2.25e15,
@@ -75,12 +123,14 @@ DEVICES: dict[str, DeviceProfile] = {
         fp4_flops=9e15,
         fp4_efficiency=0.70,
         memory_bytes=192e9,
+        node_link="nvlink5",
     ),
     # B300 (Blackwell Ultra, HGX B300 datasheet, per GPU = system / 8): FP4 108 PFLOP/s
     # dense -> 13.5; FP8 72 sparse -> 4.5 dense; BF16 36 sparse -> 2.25 dense; HBM3e 8 TB/s.
     # Efficiencies (our judgement, not measured): bf16/fp8 GEMMs 80%, NVFP4 GEMMs 70%
     # (block-scale handling and smaller tiles), attention 55% of bf16, weight streams at
-    # 85% of the HBM datasheet rate.
+    # 85% of the HBM datasheet rate. HGX B300: 8 on NVLink 5, one ConnectX-8 (IB XDR,
+    # 800 Gb/s) per GPU.
     "b300": DeviceProfile(
         "b300",
         2.25e15,
@@ -93,10 +143,13 @@ DEVICES: dict[str, DeviceProfile] = {
         fp4_efficiency=0.70,
         hbm_efficiency=0.85,
         memory_bytes=288e9,
+        node_link="nvlink5",
+        network_link="ib-xdr",
     ),
     # GB300 (GB300 NVL72 datasheet, per GPU = rack / 72): FP4 1,080 PFLOP/s dense -> 15;
     # FP8 720 sparse -> 5 dense; BF16 360 sparse -> 2.5 dense; HBM3e 576 TB/s -> 8 TB/s.
-    # Same efficiencies as B300.
+    # Same efficiencies as B300. One NVLink 5 domain of 72 GPUs (the rack), one ConnectX-8
+    # (IB XDR) per GPU beyond it.
     "gb300": DeviceProfile(
         "gb300",
         2.5e15,
@@ -109,6 +162,9 @@ DEVICES: dict[str, DeviceProfile] = {
         fp4_efficiency=0.70,
         hbm_efficiency=0.85,
         memory_bytes=288e9,
+        node_link="nvlink5",
+        network_link="ib-xdr",
+        gpus_per_node=72,
     ),
 }
 
@@ -205,6 +261,14 @@ class ModelProfile:
         if kind == "M":
             return (self.kv_lora_rank + self.qk_rope_dim) * KV_BYTES
         return 0
+
+    def kv_shards(self, layer: int, tp: int) -> int:
+        """Devices of a ``tp``-way tensor-parallel stage that split a layer's per-token
+        cache: A layers by KV head (replicated beyond ``num_kv_heads``); an M layer's
+        latent serves every head, so each device keeps all of it."""
+        if self.kind(layer) == "A":
+            return min(tp, self.num_kv_heads)
+        return 1 if self.kind(layer) == "M" else tp
 
     def total_params(self) -> int:
         """Parameters of all layers (embeddings and head excluded)."""
@@ -323,59 +387,67 @@ MODELS: dict[str, ModelProfile] = {
 
 
 def stage_weight_bytes(
-    model: ModelProfile, layers: range, first: bool, last: bool, weight_format: str | None = None
-) -> float:
-    """Bytes of one stage's weights: its layers in the weight format, plus the embedding
-    table on the first stage and the LM head on the last (both bf16)."""
+    model: ModelProfile, layers: range, first: bool, last: bool,
+    weight_format: str | None = None, tp: int = 1,
+) -> float:  # fmt: skip
+    """Bytes of one device's weights on a stage: its layers in the weight format, plus the
+    embedding table on the first stage and the LM head on the last (both bf16), split
+    over the ``tp`` devices of the stage (tensor-parallel shards, experts spread)."""
     fmt = weight_format or model.weight_format
     params = sum(model.mixer_params(i) + model.mlp_params(i)[1] for i in layers)
     table = model.vocab * model.d_model * KV_BYTES
-    return params * WEIGHT_FORMATS[fmt] + table * (int(first) + int(last))
+    return (params * WEIGHT_FORMATS[fmt] + table * (int(first) + int(last))) / tp
 
 
-def kv_block_bytes(model: ModelProfile, layers: range, block_size: int) -> int:
-    """Bytes one cached block of ``block_size`` tokens takes on a stage holding ``layers``
-    (A and M layers; L layers keep per-request states, not per-token caches)."""
-    return block_size * sum(model.kv_bytes_per_token(i) for i in layers)
+def kv_block_bytes(model: ModelProfile, layers: range, block_size: int, tp: int = 1) -> float:
+    """Bytes one cached block of ``block_size`` tokens takes on one device of a stage
+    holding ``layers`` over ``tp`` devices (A and M layers; L layers keep per-request
+    states, not per-token caches)."""
+    return block_size * sum(model.kv_bytes_per_token(i) / model.kv_shards(i, tp) for i in layers)
 
 
 STATE_BYTES = 4  # recurrent states (and their snapshots) kept in fp32
 POOL_HEADROOM = 0.9  # share of HBM the weights and caches may take (activations, workspace)
 
 
-def snapshot_bytes(model: ModelProfile, layers: range) -> int:
-    """Bytes of one recurrent-state snapshot on a stage holding ``layers``: a
-    ``head_dim x head_dim`` state per value head of each L layer, fp32."""
+def snapshot_bytes(model: ModelProfile, layers: range, tp: int = 1) -> float:
+    """Bytes of one recurrent-state snapshot on one device of a stage holding ``layers``
+    over ``tp`` devices: a ``head_dim x head_dim`` state per value head of each L layer,
+    fp32, the heads split over the devices."""
     per_layer = model.linear_heads * model.linear_head_dim**2 * STATE_BYTES
-    return per_layer * sum(1 for i in layers if model.kind(i) == "L")
+    return per_layer * sum(1 for i in layers if model.kind(i) == "L") / tp
 
 
 @attrs.frozen
 class StagePool:
-    """One stage's KV pool sized from its device memory (the sim's default pools)."""
+    """One stage's KV pool sized from its device memory (the sim's default pools); every
+    figure is one device's where the stage spans several (``tp``)."""
 
     blocks: int  # KV blocks the pool holds
     memory_bytes: float  # the device's HBM
     weight_bytes: float  # this stage's weights (embeddings on the first, head on the last)
     block_bytes: float  # per block: its KV plus 1/interval of a snapshot (recurrent stages)
+    tp: int = 1  # devices of the stage
 
     def describe(self) -> str:
+        each = f" per device of {self.tp}" if self.tp > 1 else ""
         return (f"{self.blocks:,} blocks = ({self.memory_bytes / 1e9:,.0f} GB x "
                 f"{POOL_HEADROOM:.0%} - {self.weight_bytes / 1e9:,.1f} GB weights) / "
-                f"{self.block_bytes / 1e6:,.3f} MB per block")  # fmt: skip
+                f"{self.block_bytes / 1e6:,.3f} MB per block{each}")  # fmt: skip
 
 
 def stage_pool(
     model: ModelProfile, device: DeviceProfile, layers: range, first: bool, last: bool,
-    block_size: int, snapshot_interval: int, weight_format: str | None = None,
+    block_size: int, snapshot_interval: int, weight_format: str | None = None, tp: int = 1,
 ) -> StagePool:  # fmt: skip
     """The KV pool a stage's device memory leaves: ``(memory x POOL_HEADROOM - this
-    stage's weights) / bytes per block``. On a stage with L layers each block also
-    carries 1/``snapshot_interval`` of a snapshot (one snapshot per interval), so pools
-    differ between stages as their weights and layer kinds do."""
-    weights = stage_weight_bytes(model, layers, first, last, weight_format)
-    per_block = kv_block_bytes(model, layers, block_size)
-    per_block += snapshot_bytes(model, layers) / max(snapshot_interval, 1)
+    stage's weights) / bytes per block``, per device where the stage spans ``tp``
+    devices (each holds its share of the weights and of every block). On a stage with
+    L layers each block also carries 1/``snapshot_interval`` of a snapshot (one snapshot
+    per interval), so pools differ between stages as their weights and layer kinds do."""
+    weights = stage_weight_bytes(model, layers, first, last, weight_format, tp)
+    per_block = kv_block_bytes(model, layers, block_size, tp)
+    per_block += snapshot_bytes(model, layers, tp) / max(snapshot_interval, 1)
     room = device.memory_bytes * POOL_HEADROOM - weights
     if device.memory_bytes <= 0 or per_block <= 0 or room < per_block:
         raise ValueError(
@@ -384,7 +456,7 @@ def stage_pool(
             f"{device.memory_bytes / 1e9:,.0f} GB x {POOL_HEADROOM:.0%}; use more stages "
             "or --capacity-blocks"
         )
-    return StagePool(int(room // per_block), device.memory_bytes, weights, per_block)
+    return StagePool(int(room // per_block), device.memory_bytes, weights, per_block, tp)
 
 
 def split_layers(num_layers: int, num_stages: int, counts: list[int] | None = None) -> list[range]:
