@@ -37,3 +37,11 @@ def test_reusable_prefixes_follow_earlier_prompts():
              spec("c", rng.integers(0, 100, 30, dtype=np.int32), reuse=16)]  # fmt: skip
     # a: three blocks of the seed; b: all of a's five full blocks; c: its expected reuse
     assert reusable_prefixes(specs, 16) == [(88, 48), (88, 80), (30, 16)]
+
+
+def test_a_seed_names_the_same_weights():
+    # Layers register norms, mixer, MLP in this order whatever part of them a stage
+    # holds: random_weights draws in it, and a seed's first tokens must not move.
+    weights = random_weights(BUILTIN["tiny-kimi"], 0)
+    total = sum(float(t.double().sum()) for t in weights.values())
+    assert abs(total - (-887.908229)) < 1e-3

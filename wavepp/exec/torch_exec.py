@@ -25,20 +25,20 @@ chunks at once; paged attention reads the pool through the block tables of all c
 the recurrence runs chunk by chunk, chunk-parallel inside. On the last stage, the
 model's last layer writes its cache for every token and computes its outputs only for
 the last token of each prompt the wave ends, the rows the logits read
-(``full_last_layer``: for every token). The forward runs in a worker thread, so the
-event loop keeps admitting while it computes.
+(``full_last_layer``: for every token). The forward runs in a thread of its own (one for
+every wave), so the event loop keeps admitting while it computes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-import anyio
-import anyio.to_thread
 import numpy as np
 import torch
 from torch import nn
@@ -132,6 +132,12 @@ class TorchExecutor:
         self._key_slots: dict[BlockHash, int] = {}  # block-hash key path: hash -> slot
         self._free_slots = list(range(self.snapshot_capacity - 1, -1, -1))
         self.last_logits: OrderedDict[RequestId, torch.Tensor] = OrderedDict()
+        # Every wave runs on this one thread. OpenMP keeps a pool of threads per thread
+        # that starts a parallel region: waves spread over a thread pool's workers built
+        # one pool each, and with more pool threads than cores every barrier went to
+        # sleep — at P = 1 on two cores, 7.6-7.9K tok/s where one thread gives 9.1-9.6K
+        # (vllm_compare's cold-4k row, budget 2048).
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="wavepp-compute")
         self.fused: dict[int, FusedLayer] = {}  # layer -> its compiled form (--compile)
         if compile:
             self.fused = {i: FusedLayer(modules.layer(i)) for i in modules.layer_ids
@@ -147,7 +153,8 @@ class TorchExecutor:
         self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
     ) -> StageOutput:
         started = time.perf_counter()
-        out, results = await anyio.to_thread.run_sync(self.forward, list(chunks), activations)
+        future = self._compute.submit(self.forward, list(chunks), activations)
+        out, results = await asyncio.wrap_future(future)
         return StageOutput(out, time.perf_counter() - started, results)
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:

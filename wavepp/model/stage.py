@@ -80,12 +80,16 @@ class DecoderLayer(nn.Module):
         self.has_mixer, self.has_ffn = mixer, mlp
         self.mixer_name, make = MIXERS[cfg.mixers[layer]]
         self.mlp_name = layout.mlp_name
+        # registered in this order (norms, mixer, MLP): random_weights draws a seed's
+        # tensors in it
         if mixer:
             self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps, layout.norm_offset)
-            setattr(self, self.mixer_name, make(cfg))
         if mlp:
             self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps,
                                                     layout.norm_offset)  # fmt: skip
+        if mixer:
+            setattr(self, self.mixer_name, make(cfg))
+        if mlp:
             setattr(self, self.mlp_name, _mlp(cfg, cfg.mlps[layer]))
 
     @property
