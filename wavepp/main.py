@@ -206,6 +206,9 @@ async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlan
     split or the given counts, or (auto) rank 0's balanced placement from the costs it
     measures on the run's typical wave, sent to every rank."""
     num_layers = model[0].num_layers if model else MODELS[c.model].num_layers
+    if num_layers < world:  # a checkpoint's layer count is known only here, on every rank
+        raise SystemExit(f"wavepp: the model has {num_layers} layers, fewer than the {world} "
+                         "stages")  # fmt: skip
     counts = layer_counts(c.layers_per_stage)
     if counts is not None:
         try:
@@ -259,7 +262,7 @@ def _units(raw: bytes, world: int, num_layers: int) -> tuple[int, ...]:
     """Rank 0's placement as received: ``world`` unit counts, checked before use."""
     try:
         units = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         units = None
     if (not isinstance(units, list) or len(units) != world
             or not all(type(n) is int and n >= 1 for n in units)

@@ -56,12 +56,21 @@ def measure(cfg: ModelConfig, weights: dict[str, torch.Tensor], shape: WaveShape
     mlps = tuple(unit(i, 1) for i in range(last))
     tail = build_stage(cfg, range(last, last + 1), False, True, weights, device, dtype)
     with_head = _time_stage(tail, shape, block_size, True, repeats, full_last_layer)
-    rows = torch.zeros(shape.chunks, cfg.d_model, device=device, dtype=dtype)
-    head = _median(lambda: tail.head(rows), repeats)
+    rows = _activations(shape.chunks, cfg.d_model, device, dtype)
+    head = _median(lambda: tail.head(rows), repeats, device)
     first = build_stage(cfg, range(0), True, False, weights, device, dtype)
-    ids = torch.zeros(shape.chunks * shape.tokens, dtype=torch.long, device=device)
-    embed = _median(lambda: first.model.embed_tokens(ids), repeats)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape.chunks * shape.tokens,), generator=generator)
+    ids = ids.to(device)
+    embed = _median(lambda: first.model.embed_tokens(ids), repeats, device)
     return ModelCosts(mixers, mlps, max(0.0, with_head - head), embed, head, shape)
+
+
+def _activations(tokens: int, width: int, device: torch.device, dtype: torch.dtype):
+    """Seeded random hidden states: zeros would route every token of a MoE layer to the
+    same experts, a path real traffic does not take."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(tokens, width, generator=generator).to(device, dtype)
 
 
 def _time_stage(stage, shape: WaveShape, block_size: int, ending: bool, repeats: int,
@@ -77,23 +86,35 @@ def _time_stage(stage, shape: WaveShape, block_size: int, ending: bool, repeats:
                         resume_slot=0 if shape.prefix else None,
                         tokens=np.zeros(shape.tokens, dtype=np.int32))
               for s in range(shape.chunks)]  # fmt: skip
-    x = torch.zeros(shape.chunks * shape.tokens, stage.cfg.d_model,
-                    device=executor.device, dtype=executor.dtype)  # fmt: skip
+    x = _activations(shape.chunks * shape.tokens, stage.cfg.d_model, executor.device,
+                     executor.dtype)  # fmt: skip
 
     def wave() -> None:
         executor.forward(chunks, x)
         for c in chunks:  # recurrent layers: resume from the snapshot slot each time
             executor.cancel(c.request_id)
 
-    return _median(wave, repeats)
+    try:
+        return _median(wave, repeats, executor.device)
+    finally:
+        executor.close()
 
 
 @torch.inference_mode()
-def _median(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up: first-call allocations, kernel plans
+def _median(run: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median seconds of ``run`` after one warm-up call (first-call allocations, kernel
+    plans); on a GPU each call is timed to its kernels' end."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
     times = []
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         run()
+        sync()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
