@@ -201,3 +201,15 @@ def test_torch_exec_bench_rows(tmp_path):
         paths = [p for p in cpu_kernel.BF16_PATHS if cpu_kernel._has(p)]
         for r in gflops:
             assert r["fp32_gflop_s"] > 0 and all(r[f"bf16_{p}_gflop_s"] > 0 for p in paths)
+
+
+def test_short_waves_profiles_a_wave(tmp_path):
+    from wavepp.bench.short_waves import main as short_waves_main
+
+    out = tmp_path / "sw.json"
+    short_waves_main(["--model", "tiny-llama", "--shapes", "3x8x40", "--repeats", "1",
+                      "--threads", "1", "--json", str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["chunks"], row["tokens"], row["prefix"]) == (3, 8, 40)
+    assert row["new_tok_s"] > 0 and abs(sum(row["shares"].values()) - 1.0) < 1e-6
+    assert "matrix products" in row["shares"] and row["top_ops"]

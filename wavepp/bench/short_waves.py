@@ -27,12 +27,14 @@ from wavepp.bench.torch_exec import MODELS
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.device import default_threads
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model import cpu_kernel
 from wavepp.model.stage import build_stage, random_weights
 
 PREFIXES = 4  # distinct cached prefixes the chunks share
 # op name -> group of the profile
 GROUPS = (
-    ("attention kernel", ("wavepp::paged_attention", "flash_attention", "scaled_dot")),
+    ("attention kernel", ("wavepp::paged_attention", "aten::_scaled_dot_product",
+                          "aten::scaled_dot_product")),
     ("matrix products", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
     ("rotary, norms, activations", ("aten::mul", "aten::add", "aten::silu", "aten::pow",
                                     "aten::mean", "aten::rsqrt", "aten::neg", "aten::cat",
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", default="16x128x2048,64x128x2048,16x512x2048,16x256x32768",
                    help="comma-separated CHUNKSxTOKENSxPREFIX")  # fmt: skip
     p.add_argument("--block", type=int, default=16, help="KV block size")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="weights, activations and KV pool")  # fmt: skip
     p.add_argument("--threads", type=int, default=0, help="0: every core of this machine")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=8, help="costliest ops listed per shape")
@@ -123,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     threads = a.threads or default_threads()
     torch.set_num_threads(threads)
     cfg = MODELS[a.model]
-    stage = build_stage(cfg, range(cfg.num_layers), True, True, random_weights(cfg, 0))
+    stage = build_stage(cfg, range(cfg.num_layers), True, True, random_weights(cfg, 0),
+                        dtype=getattr(torch, a.dtype))  # fmt: skip
     rows = []
     for shape in shapes:
         row = run_shape(stage, shape, a.block, a.repeats, a.top)
@@ -132,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['chunks']} x {row['tokens']} after {row['prefix']:,}: "
               f"{row['seconds'] * 1e3:,.1f} ms, {row['new_tok_s']:,.0f} new tok/s; {shares}",
               file=sys.stderr, flush=True)  # fmt: skip
-    emit({"benchmark": "short_waves", "model": a.model, "threads": threads, "block": a.block,
+    emit({"benchmark": "short_waves", "model": a.model, "dtype": a.dtype, "threads": threads,
+          "block": a.block, "attention": cpu_kernel.describe(torch.device("cpu"),
+                                                             getattr(torch, a.dtype)),
           "rows": rows}, a.json)  # fmt: skip
 
 
