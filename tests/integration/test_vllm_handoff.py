@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -77,14 +78,36 @@ def run_vllm(tmp: Path, name: str, model: Path, prompts: list[list[int]],
     return json.loads(answers[-1][len(MARK) :]), log
 
 
-def test_vllm_decodes_from_the_handed_off_cache(tmp_path):
-    model_dir, storage = tmp_path / "llama", tmp_path / "kv"
+@dataclass
+class Decoded:
+    """Everything the tests read: one vLLM run on its own and one as the consumer of the
+    folder, over the prompts of both tests (vLLM's start-up is the slow part)."""
+
+    cases: list[tuple[int, bool, bool]]
+    prompts: list[list[int]]  # the hand-written folders' prompts, then the pipeline's
+    expected_cached: list[int]
+    first: dict[str, int]  # the pipeline's first token per request
+    bare: list[list[int]]  # the pipeline's prompts without their first token
+    record: dict
+    alone: list[dict]
+    alone_first: list[dict]  # vLLM alone on ``bare``
+    handed: list[dict]
+    alone_log: str
+    handed_log: str
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory) -> Decoded:
+    tmp = tmp_path_factory.mktemp("vllm")
+    model_dir, storage = tmp / "llama", tmp / "kv"
     model = tiny_llama(model_dir)
+
+    # written here from transformers' own cache: (prompt length, vLLM given the first
+    # token too, wrong KV written); 75 = 2 blocks + 11; 64 and 65 make vLLM look up one
+    # block less than it loads (two folders written)
     rng = np.random.default_rng(7)
-    # (prompt length, vLLM given the first token too, wrong KV written): 75 = 2 blocks + 11;
-    # 64 and 65 make vLLM look up one block less than it loads (two folders written).
     cases = [(75, True, False), (64, True, False), (65, False, False), (75, True, True)]
-    prompts, expected_cached = [], []
+    prompts = []
     for length, with_first, wrong in cases:
         tokens = rng.integers(3, VOCAB, length).tolist()
         first, layers = prompt_cache(model, tokens)
@@ -94,57 +117,57 @@ def test_vllm_decodes_from_the_handed_off_cache(tmp_path):
             folder = storage / folder_name(tokens[:n], BLOCK)
             for i, (k, v) in enumerate(layers):
                 write_layer(folder, i, k[:n], v[:n], BLOCK)
-        prompt = [*tokens, first] if with_first else tokens
-        prompts.append(prompt)
-        expected_cached.append((len(prompt) - 2) // BLOCK * BLOCK)  # what vLLM looks up
-    assert expected_cached == [64, 32, 32, 64]
+        prompts.append([*tokens, first] if with_first else tokens)
 
-    alone, alone_log = run_vllm(tmp_path, "alone", model_dir, prompts, None)
-    handed, handed_log = run_vllm(tmp_path, "consumer", model_dir, prompts, storage)
+    # written by a WavePP run at P = 2 (``--handoff-format vllm-example``) into the same folder
+    from tests.handoff_rig import run_pipeline, write_requests
 
-    assert "External Cache Hit!" not in alone_log
-    assert handed_log.count("External Cache Hit!") >= len(prompts)
-    injected = [int(n) for n in re.findall(r"Inject KV cache of (\d+) tokens", handed_log)]
-    assert sorted(injected) == [64] * len(prompts), injected  # vLLM loads (P - 1) // B * B
-    assert [a["num_cached_tokens"] for a in alone] == [0] * len(prompts)
-    assert [a["num_cached_tokens"] for a in handed] == expected_cached
-    for i, (a, h) in enumerate(zip(alone, handed, strict=True)):
+    rng = np.random.default_rng(11)
+    doc = rng.integers(3, VOCAB, 64).tolist()
+    asked = {"doc": doc, "turn": doc + rng.integers(3, VOCAB, 30).tolist()}
+    requests = write_requests(tmp / "requests.jsonl", asked, True)
+    record = run_pipeline(2, str(model_dir), requests, tmp / "out.json",
+                          "--concurrency", "1", "--handoff-format", "vllm-example",
+                          "--handoff-dir", str(storage),
+                          "--handoff-block-size", str(BLOCK))  # fmt: skip
+    first = {r["id"]: r["first_token"] for r in record["requests"]}
+    prompts += [[*tokens, first[rid]] for rid, tokens in asked.items()]
+    bare = list(asked.values())
+
+    both, alone_log = run_vllm(tmp, "alone", model_dir, prompts + bare, None)
+    handed, handed_log = run_vllm(tmp, "consumer", model_dir, prompts, storage)
+    return Decoded(cases, prompts, [(len(p) - 2) // BLOCK * BLOCK for p in prompts], first,
+                   bare, record, both[: len(prompts)], both[len(prompts) :], handed,
+                   alone_log, handed_log)  # fmt: skip
+
+
+def test_vllm_decodes_from_the_handed_off_cache(decoded):
+    """The K/V written from transformers' cache: vLLM loads them, counts them as cached and
+    decodes the tokens it decodes alone; the reversed rows change the tokens."""
+    d, n = decoded, len(decoded.cases)
+    assert d.expected_cached[:n] == [64, 32, 32, 64]  # what vLLM looks up
+    assert "External Cache Hit!" not in d.alone_log
+    assert d.handed_log.count("External Cache Hit!") >= len(d.prompts)
+    injected = [int(k) for k in re.findall(r"Inject KV cache of (\d+) tokens", d.handed_log)]
+    # vLLM loads (P - 1) // B * B (64 for every prompt here) of each hand-written prompt; the
+    # pipeline's "turn" may instead find "doc"'s blocks in vLLM's own prefix cache
+    assert {(len(p) - 1) // BLOCK * BLOCK for p in d.prompts} == {64}
+    assert len(d.prompts) >= len(injected) >= n and set(injected) == {64}, injected
+    assert [a["num_cached_tokens"] for a in d.alone[:n]] == [0] * n  # ("turn" shares "doc")
+    assert [h["num_cached_tokens"] for h in d.handed] == d.expected_cached
+    for i, (a, h) in enumerate(zip(d.alone[:n], d.handed[:n], strict=True)):
         assert len(a["token_ids"]) == len(h["token_ids"]) == DECODE
-        if cases[i][2]:  # wrong KV: the decode must notice
+        if d.cases[i][2]:  # wrong KV: the decode must notice
             assert a["token_ids"] != h["token_ids"], f"prompt {i}: wrong KV went unnoticed"
         else:
             assert a["token_ids"] == h["token_ids"], f"prompt {i}"
             assert np.allclose(a["logprobs"], h["logprobs"], atol=1e-3), (a, h)
-    print("alone:", [a["token_ids"] for a in alone])
-    print("handed off:", [h["token_ids"] for h in handed])
 
 
-def test_vllm_decodes_what_the_pipeline_handed_off(tmp_path):
-    """The whole path: a WavePP run at P = 2 fills the folder (``--handoff-format
-    vllm-example``), then vLLM continues each prompt plus its first token from it."""
-    from tests.handoff_rig import run_pipeline, write_requests
-
-    model_dir, storage = tmp_path / "llama", tmp_path / "kv"
-    tiny_llama(model_dir)
-    rng = np.random.default_rng(11)
-    doc = rng.integers(3, VOCAB, 64).tolist()
-    asked = {"doc": doc, "turn": doc + rng.integers(3, VOCAB, 30).tolist()}
-    requests = write_requests(tmp_path / "requests.jsonl", asked, True)
-    record = run_pipeline(2, str(model_dir), requests, tmp_path / "out.json",
-                          "--concurrency", "1", "--handoff-format", "vllm-example",
-                          "--handoff-dir", str(storage),
-                          "--handoff-block-size", str(BLOCK))  # fmt: skip
-    assert record["handoff"] == {"done": 2}
-    first = {r["id"]: r["first_token"] for r in record["requests"]}
-    prompts = [[*tokens, first[rid]] for rid, tokens in asked.items()]
-    # one vLLM start (the slow part) for both alone runs: the prompts with their first
-    # token, and the bare prompts whose first token must be WavePP's
-    both, _ = run_vllm(tmp_path, "alone", model_dir, prompts + list(asked.values()), None)
-    alone, alone_first = both[: len(prompts)], both[len(prompts) :]
-    handed, log = run_vllm(tmp_path, "consumer", model_dir, prompts, storage)
-    assert log.count("External Cache Hit!") >= len(prompts)
-    assert [h["num_cached_tokens"] for h in handed] == [(len(p) - 2) // BLOCK * BLOCK
-                                                       for p in prompts]  # fmt: skip
-    assert [a["token_ids"] for a in alone] == [h["token_ids"] for h in handed]
-    # vLLM's own first token, decoding the whole prompt alone, is WavePP's
-    assert [a["token_ids"][0] for a in alone_first] == list(first.values())
+def test_vllm_decodes_what_the_pipeline_handed_off(decoded):
+    """The whole path: what a WavePP run at P = 2 wrote, vLLM continues each prompt plus its
+    first token from, with the tokens it decodes alone; its own first token is WavePP's."""
+    d, n = decoded, len(decoded.cases)
+    assert d.record["handoff"] == {"done": 2}
+    assert [a["token_ids"] for a in d.alone[n:]] == [h["token_ids"] for h in d.handed[n:]]
+    assert [a["token_ids"][0] for a in d.alone_first] == list(d.first.values())
