@@ -267,6 +267,39 @@ def test_subscribe_learns_the_past_fills_gaps_and_shows_its_state():
         pub.close()
 
 
+def test_a_quiet_publisher_stays_connected_and_a_gone_one_does_not():
+    """An idle pipeline publishes nothing; its replay socket answers the subscriber's probe,
+    so the router does not take it out. A closed publisher answers nothing."""
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=BS)
+    pub.publish([stored([7], None, [0] * BS, BS, 0)])
+    closed = False
+
+    async def main():
+        nonlocal closed
+        feed = subscribe(pub.endpoint, pub.replay_endpoint, ReplicaIndex(BS), silent_s=0.2,
+                         replay_timeout_s=0.2)  # fmt: skip
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed.run)
+            with anyio.fail_after(10):  # hang guard
+                while feed.last_seq != 0:
+                    await anyio.sleep(0.02)
+                for _ in range(20):  # 2 s of quiet: ten silences, each probed
+                    await anyio.sleep(0.1)
+                    assert feed.connected
+                assert feed.feed.num_batches == 1
+                pub.close()
+                closed = True
+                while feed.connected:
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        if not closed:
+            pub.close()
+
+
 def test_kv_events_options_are_checked():
     from wavepp.config import OptionError, RunConfig, check_option, kv_events_replay, validate
 

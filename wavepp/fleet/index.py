@@ -93,6 +93,7 @@ class Feed:
     topic: str
     last_seq: int | None = None  # the latest batch applied
     connected: bool = False  # a batch or a replay answer came within ``silent_s``
+    # (a stream quiet for ``silent_s`` is probed through the replay socket)
     num_batches: int = 0
     num_replays: int = 0
     num_rebuilds: int = 0  # gaps no replay could fill: the index was cleared
@@ -127,7 +128,8 @@ class _Subscription:
     @property
     def connected(self) -> bool:
         feed = self.feed
-        return feed.connected and time.monotonic() - feed.last_heard < self.silent_s
+        quiet = time.monotonic() - feed.last_heard  # a probe follows silent_s of quiet
+        return feed.connected and quiet < self.silent_s + self.replay_timeout_s
 
     def __await__(self):
         return self.run().__await__()
@@ -153,7 +155,14 @@ class _Subscription:
                 try:
                     frames = await _recv(sub, self.silent_s)
                 except TimeoutError:
-                    feed.connected = False
+                    # a quiet publisher is not a dead one: an idle pipeline announces
+                    # nothing, but its replay socket answers (and hands over any batch
+                    # that was lost meanwhile)
+                    last = feed.last_seq
+                    alive = feed.replay_endpoint is not None and await self._replay(
+                        ctx, 0 if last is None else last + 1, probe=True)  # fmt: skip
+                    if not alive:
+                        feed.connected = False
                     continue
                 if len(frames) != 3 or len(frames[1]) != 8 or frames[0] != feed.topic.encode():
                     feed.num_refused += 1
@@ -191,12 +200,14 @@ class _Subscription:
         self.feed.last_seq = seq
         self.feed.num_batches += 1
 
-    async def _replay(self, ctx, start: int) -> None:
-        """Ask for every batch from ``start`` on; apply what comes until its end mark."""
+    async def _replay(self, ctx, start: int, *, probe: bool = False) -> bool:
+        """Ask for every batch from ``start`` on; apply what comes until its end mark.
+        Whether the end mark came (a ``probe`` asks only that, on a quiet stream)."""
         import zmq
 
         feed = self.feed
-        feed.num_replays += 1
+        if not probe:
+            feed.num_replays += 1
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
         dealer.setsockopt(zmq.LINGER, 0)
@@ -211,13 +222,15 @@ class _Subscription:
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq < 0:
                     feed.connected, feed.last_heard = True, time.monotonic()
-                    return
+                    return True
                 last = feed.last_seq
                 if last is not None and seq <= last:
                     continue
                 self._apply(seq, frames[3])
         except TimeoutError:
-            logger.warning("KV events: no replay answer from %s", feed.replay_endpoint)
+            if feed.connected or not probe:  # once per silence, not once per probe
+                logger.warning("KV events: no replay answer from %s", feed.replay_endpoint)
+            return False
         finally:
             dealer.close(linger=0)
 
