@@ -767,11 +767,15 @@ async def _beside_the_runtime(coordinator: Coordinator, client, engine: Engine,
             raise
 
 
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions inside ``error``'s groups, however nested (task groups nest them)."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
+
+
 def _reason(error: BaseException) -> str:
-    leaves = [error]
-    while leaves and isinstance(leaves[0], BaseExceptionGroup):
-        leaves = list(leaves[0].exceptions)
-    return "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(error)
+    return "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(error)) or repr(error)
 
 
 def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePlanner:
@@ -793,10 +797,8 @@ def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
         # would kill this rank silently before it has named the peer that failed.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)
-    leaves = [error]
-    while leaves and isinstance(leaves[0], BaseExceptionGroup):
-        leaves = list(leaves[0].exceptions)
-    reason = "; ".join(f"{type(e).__name__}: {e}" for e in leaves) or repr(error)
+    leaves = _leaves(error)
+    reason = _reason(error)
     if isinstance(error, SystemExit) and isinstance(error.code, str):
         reason = error.code
     peers = ""

@@ -87,6 +87,7 @@ async def test_a_drain_ends_whatever_clients_do():
                 await anyio.sleep(0.1)
                 health = await client.get("/health")
                 assert health.status_code == 503 and health.json()["status"] == "draining"
+                assert health.json()["error"] == "draining"
                 late = await client.post("/v1/prefill", json={"tokens": [5]})
                 assert late.status_code == 503 and late.headers["retry-after"]
                 assert "draining" in late.json()["error"]["message"]
@@ -150,7 +151,7 @@ async def test_a_fault_answers_every_request_as_json_503_naming_the_rank():
     [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
      ({"logprobs": 1}, "logprobs"), ({"temperature": 0.7}, "temperature"),
      ({"top_p": 0.5}, "top_p"), ({"stop": ["\n"]}, "stop"),
-     ({"prompt": [1.5, 2.5]}, "integer")],
+     ({"echo": True}, "echo"), ({"prompt": [1.5, 2.5]}, "integer")],
 )  # fmt: skip
 async def test_completions_refuse_what_a_prefill_does_not_do(body, field):
     from wavepp.serve.api import ApiError, parse_completion

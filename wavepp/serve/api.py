@@ -60,7 +60,6 @@ class CompletionBody(msgspec.Struct):
     model: str | None = None
     max_tokens: int | None = None
     stream: bool = False
-    echo: bool = False
     n: int = 1
     priority: Priority = 0
     request_id: RequestIdText | None = None
@@ -76,12 +75,13 @@ class CompletionBody(msgspec.Struct):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    echo: Any = None
 
 
 NEUTRAL = {"logprobs": (None,), "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0),
            "best_of": (None, 1), "stop": (None, [], ""), "suffix": (None, ""),
            "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logit_bias": (None, {})}  # fmt: skip
+           "logit_bias": (None, {}), "echo": (None, False)}  # fmt: skip
 """Completion fields a prefill server does not do, and the values that ask nothing of it."""
 
 

@@ -370,7 +370,7 @@ class Frontend:
         if ok and not draining and not self.fault:
             return self._answer("/health", {"status": "ok"}, 200)
         status = "failed" if self.fault else "draining" if ok else "unhealthy"
-        body = {"status": status, "error": self.fault or why or status}
+        body = {"status": status, "error": self.fault or (status if ok else why or status)}
         self.metrics.http_answer("/health", 503)
         return _error_shaped(body, 503)
 

@@ -11,7 +11,7 @@ goes to torchrun as usual.
 
 Every check that does not need the ranks (server and run options, the split of layers and
 pools over P stages, the model's name) runs here first: a bad option is one line and
-exit 2, before torchrun starts. When a run fails, the launcher's last line repeats the
+exit 1, before torchrun starts. When a run fails, the launcher's last line repeats the
 rank's own line naming the cause (torchrun's summary names whichever rank ended first),
 and ranks left behind (a stopped one, which torchrun would wait 30 s for) are killed
 LEFT_BEHIND_S after the serving rank failed.
