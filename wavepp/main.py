@@ -754,6 +754,8 @@ async def _beside_the_runtime(coordinator: Coordinator, client, engine: Engine,
             await client(engine)
         finally:
             client_done.set()
+            if watchdog is not None:
+                watchdog.answered()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run_client)

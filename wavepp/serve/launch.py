@@ -32,7 +32,7 @@ from pathlib import Path
 
 READY = re.compile(r"\[wavepp serve\] listening on \S+ \(pid (\d+)\)")
 CAUSE = re.compile(r"^\[wavepp rank \d+\] (failed: |rank \d+: ).*")
-LEFT_BEHIND_S = 3.0  # once the serving rank failed, how long the others get to end
+LEFT_BEHIND_S = 1.0  # once the serving rank failed, how long the others get to end
 
 
 def _children(pid: int) -> list[int]:

@@ -35,6 +35,7 @@ class Watchdog:
         self.rank, self.world, self.log = rank, world, log
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self.fault_grace_s = fault_grace_s
+        self._answered = threading.Event()  # the server answered its callers: no more grace
         self.fatal: str | None = None  # why this run can no longer answer (set once)
         self._on_fatal: list[Callable[[str], None]] = []
         self.status = "starting"
@@ -88,7 +89,7 @@ class Watchdog:
             if problem:
                 self.declare(problem)
                 self.log(f"rank {self.rank}: {problem}; this rank was {self.status}")
-                time.sleep(self.fault_grace_s)
+                self._answered.wait(self.fault_grace_s)
                 os._exit(1)
             self._stop.wait(self.interval_s)
 
@@ -125,6 +126,11 @@ class Watchdog:
         self.fatal = problem[:2000]
         for callback in list(self._on_fatal):
             callback(self.fatal)
+
+    def answered(self) -> None:
+        """The server has answered every caller (or stopped): a fault need not wait out the
+        rest of ``fault_grace_s`` before this rank exits."""
+        self._answered.set()
 
     def when_fatal(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(why)`` once the run has failed (at once if it has), from the
