@@ -94,3 +94,21 @@ def test_table_and_plots_say_simulated(tmp_path):
     assert text.count("\ntrace") == 6
     (path,) = fleet.plot(record, tmp_path)
     assert path.name == "fleet_slo_trace_n2.png" and path.stat().st_size > 1000
+
+
+def test_closed_loop_runs_replace_the_loads_and_say_saturated():
+    setup = fleet.setup_from(fleet.parser().parse_args(["--closed-loop", "16"]))
+    assert setup.closed_loop == 16 and fleet._loads(setup) == (None,)
+    argv = fleet._load_argv("conversation", setup, "http://x", None, None, concurrency=32)
+    args = parser().parse_args(argv)
+    validate(args)
+    assert args.concurrency == 32 and args.rate is None  # closed loop, N x C in flight
+    row = {"replicas": 2, "policy": "prefix", "workload": "conversation", "load": None,
+           "closed_loop": 16, "offered_tok_s": None, "throughput_tok_s": 7e5,
+           "good_hit_rate": 0.9, "reused_share": 0.6, "completion_p50_s": 0.4,
+           "completion_p99_s": 1.0, "slo_attainment": 0.5, "slo_s": 1.0}  # fmt: skip
+    assert "closed loop, 16 in flight a replica" in fleet._line(row)
+    record = {"setup": attrs.asdict(setup), "kv_events": True, "rows": [row]}
+    assert "closed    (saturated)" in fleet.table(record)
+    with pytest.raises(SystemExit, match="--closed-loop"):
+        fleet.main(["--closed-loop", "0"])

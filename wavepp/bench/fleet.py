@@ -11,7 +11,10 @@ arrivals. Every request carries a deadline (``--slo-s``, simulated seconds). The
 is one pipeline holding N times a replica's pool, driven directly at the same rates.
 
 Rates are fractions (``--loads``) of the fleet's nominal capacity, N × ``--pipeline-tok-s``
-(one P-stage pipeline's cold prefill throughput on the simulated device). Each run's
+(one P-stage pipeline's cold prefill throughput on the simulated device). ``--closed-loop
+C`` replaces the rates with one closed-loop run per policy, C requests in flight per
+replica (N × C on the ceiling): the fleet's saturated throughput, where what routing saves
+in compute shows, with a conversation's next turn sent only as a slot frees. Each run's
 prompts are the same requests with their token ids shifted by a run-specific offset, so
 no run reuses another's cache and every policy sees the same workload.
 
@@ -66,6 +69,7 @@ class Setup:
     model: str
     conversation_tokens: int  # the conversation workload's --prompt-tokens
     seed: int
+    closed_loop: int | None = None  # requests in flight per replica instead of rates
 
 
 def _free_port() -> int:
@@ -200,8 +204,8 @@ def base_specs(workload: str, setup: Setup, block_size: int, vocab: int) -> list
 
 
 def _load_argv(workload: str, setup: Setup, url: str, rate: float | None,
-               trace_scale: float | None) -> list[str]:  # fmt: skip
-    argv = ["--url", url, "--concurrency", "1024", "--requests", str(setup.requests),
+               trace_scale: float | None, concurrency: int = 1024) -> list[str]:  # fmt: skip
+    argv = ["--url", url, "--concurrency", str(concurrency), "--requests", str(setup.requests),
             "--seed", str(setup.seed), "--no-progress", "--timeout-s", "600"]  # fmt: skip
     if workload == "trace":
         argv += ["--trace", str(TRACE)]
@@ -222,9 +226,11 @@ def working_set_blocks(specs: Sequence[RequestSpec], block_size: int) -> int:
     return len(seen)
 
 
-async def one_run(url: str, workload: str, setup: Setup, load: float, fleet: int,
+async def one_run(url: str, workload: str, setup: Setup, load: float | None, fleet: int,
                   run: int) -> dict:  # fmt: skip
-    """Replay ``workload`` at ``load`` × the fleet's nominal capacity against ``url``."""
+    """Replay ``workload`` at ``load`` × the fleet's nominal capacity against ``url``; with
+    ``load`` None, closed loop with ``setup.closed_loop`` × ``fleet`` requests in flight
+    (the fleet's saturated throughput)."""
     limits = httpx.Limits(max_connections=2048, max_keepalive_connections=256)
     timeout = httpx.Timeout(600.0, connect=30.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
@@ -232,15 +238,20 @@ async def one_run(url: str, workload: str, setup: Setup, load: float, fleet: int
         vocab, block_size = int(info.get("vocab_size") or 32_000), int(info["block_size"])
         specs = base_specs(workload, setup, block_size, vocab)
         mean_tokens = sum(s.num_tokens for s in specs) / len(specs)
-        offered_tok_s = load * fleet * setup.pipeline_tok_s  # simulated
-        rate = offered_tok_s / mean_tokens  # requests per simulated second
-        if workload == "trace":
-            span = max(s.arrival_s or 0.0 for s in _trace_open(specs, setup))
-            natural = len(specs) / max(span, 1e-9)  # the trace's own rate, per trace second
-            trace_scale = natural / rate * setup.time_scale  # real s per trace s
-            argv = _load_argv(workload, setup, url, None, trace_scale)
+        offered_tok_s = rate = None
+        if load is None:
+            argv = _load_argv(workload, setup, url, None, None,
+                              concurrency=setup.closed_loop * fleet)  # fmt: skip
         else:
-            argv = _load_argv(workload, setup, url, rate / setup.time_scale, None)
+            offered_tok_s = load * fleet * setup.pipeline_tok_s  # simulated
+            rate = offered_tok_s / mean_tokens  # requests per simulated second
+            if workload == "trace":
+                span = max(s.arrival_s or 0.0 for s in _trace_open(specs, setup))
+                natural = len(specs) / max(span, 1e-9)  # the trace's own rate, per trace s
+                trace_scale = natural / rate * setup.time_scale  # real s per trace s
+                argv = _load_argv(workload, setup, url, None, trace_scale)
+            else:
+                argv = _load_argv(workload, setup, url, rate / setup.time_scale, None)
         argv += ["--deadline-s", repr(setup.slo_s[workload] * setup.time_scale)]
         args = load_bench.parser().parse_args(argv)
         load_bench.validate(args)
@@ -257,8 +268,8 @@ def _trace_open(specs: list[RequestSpec], setup: Setup) -> list[RequestSpec]:
     return trace(TRACE, setup.requests, setup.seed, open_loop=True)
 
 
-def summarize_run(record: dict, setup: Setup, workload: str, load: float,
-                  offered_tok_s: float, rate: float) -> dict:  # fmt: skip
+def summarize_run(record: dict, setup: Setup, workload: str, load: float | None,
+                  offered_tok_s: float | None, rate: float | None) -> dict:  # fmt: skip
     """Simulated-second figures of one load run."""
     scale = setup.time_scale
     done = [r for r in record["requests"] if not r["warmup"] and r["status"] == "done"]
@@ -272,6 +283,7 @@ def summarize_run(record: dict, setup: Setup, workload: str, load: float,
         "load": load,
         "offered_tok_s": offered_tok_s,
         "offered_req_s": rate,
+        "closed_loop": None if load is not None else setup.closed_loop,
         "slo_s": setup.slo_s[workload],
         "measured_requests": record["measured_requests"],
         "done": len(done),
@@ -306,14 +318,14 @@ def run_bench(setup: Setup, logs: Path) -> dict:
                 with replicas(procs, setup, n, capacity, label) as urls:
                     for policy in setup.policies:
                         with router(procs, urls, policy, label) as url:
-                            for load in setup.loads:
+                            for load in _loads(setup):
                                 run += 1
                                 row = anyio.run(one_run, url, workload, setup, load, n, run)
                                 rows.append({"replicas": n, "policy": policy, **row})
                                 _log(_line(rows[-1]))
                 big = _big_capacity(workload, setup, n, ceiling)
                 with replicas(procs, setup, 1, big, f"{label}-ceiling") as (url,):
-                    for load in setup.loads:
+                    for load in _loads(setup):
                         run += 1
                         row = anyio.run(one_run, url, workload, setup, load, n, run)
                         rows.append({"replicas": n, "policy": "ceiling", **row})
@@ -322,6 +334,10 @@ def run_bench(setup: Setup, logs: Path) -> dict:
         procs.stop_all()
     return {"simulated": True, "setup": attrs.asdict(setup), "kv_events": True,
             "pools_blocks": pools, "rows": rows}  # fmt: skip
+
+
+def _loads(setup: Setup) -> tuple[float | None, ...]:
+    return (None,) if setup.closed_loop else setup.loads
 
 
 def _capacity(workload: str, setup: Setup, n: int) -> int | None:
@@ -349,11 +365,17 @@ def _line(row: dict) -> str:
     def pct(v):
         return "  n/a" if v is None else f"{100 * v:5.1f}%"
 
-    return (f"{row['workload']:<12} N={row['replicas']} {row['policy']:<11} load {row['load']:.2f}"
-            f" ({row['offered_tok_s']:,.0f} tok/s): {row['throughput_tok_s']:>9,.0f} tok/s, "
+    return (f"{row['workload']:<12} N={row['replicas']} {row['policy']:<11} {_offered(row)}: "
+            f"{row['throughput_tok_s']:>9,.0f} tok/s, "
             f"good-hit {pct(row['good_hit_rate'])}, reused {pct(row['reused_share'])}, "
             f"p50/p99 {row['completion_p50_s'] or 0:.2f}/{row['completion_p99_s'] or 0:.2f} s, "
             f"SLO {pct(row['slo_attainment'])}")  # fmt: skip
+
+
+def _offered(row: dict) -> str:
+    if row["load"] is None:
+        return f"closed loop, {row['closed_loop']} in flight a replica"
+    return f"load {row['load']:.2f} ({row['offered_tok_s']:,.0f} tok/s)"
 
 
 def table(record: dict) -> str:
@@ -368,8 +390,10 @@ def table(record: dict) -> str:
         return "  n/a " if v is None else f"{100 * v:5.1f}%"
 
     for r in record["rows"]:
-        lines.append(f"{r['workload']:<12} {r['replicas']}  {r['policy']:<11} {r['load']:4.2f}  "
-                     f"{r['offered_tok_s']:>13,.0f}  {r['throughput_tok_s']:>9,.0f}  "
+        load = "closed" if r["load"] is None else f"{r['load']:4.2f}"
+        offered = "(saturated)" if r["offered_tok_s"] is None else f"{r['offered_tok_s']:,.0f}"
+        lines.append(f"{r['workload']:<12} {r['replicas']}  {r['policy']:<11} {load:>6}  "
+                     f"{offered:>13}  {r['throughput_tok_s']:>9,.0f}  "
                      f"{pct(r['good_hit_rate'])}    {pct(r['reused_share'])} "
                      f"{r['completion_p50_s'] or 0:6.2f} {r['completion_p99_s'] or 0:6.2f}  "
                      f"{pct(r['slo_attainment'])}")  # fmt: skip
@@ -395,7 +419,8 @@ def plot(record: dict, out: Path) -> list[Path]:
             fig, ax = plt.subplots(figsize=(6, 4))
             for policy in [*POLICIES, "ceiling"]:
                 pts = sorted((r["offered_tok_s"], r["slo_attainment"]) for r in sub
-                             if r["policy"] == policy and r["slo_attainment"] is not None)
+                             if r["policy"] == policy and r["slo_attainment"] is not None
+                             and r["offered_tok_s"] is not None)
                 if pts:
                     ax.plot([x / 1e3 for x, _ in pts], [100 * y for _, y in pts], marker="o",
                             linestyle="--" if policy == "ceiling" else "-",
@@ -431,6 +456,7 @@ def setup_from(args: argparse.Namespace) -> Setup:
         model=args.model,
         conversation_tokens=args.conversation_tokens,
         seed=args.seed,
+        closed_loop=args.closed_loop,
     )  # fmt: skip
 
 
@@ -471,6 +497,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--conversation-tokens", type=int, default=8192,
                    help="the conversation workload's prompt scale (--prompt-tokens) [8192]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--closed-loop", type=int, default=None, metavar="C",
+                   help="instead of --loads: closed loop, C requests in flight per replica "
+                   "(the ceiling gets N x C) — each policy's saturated throughput")
     p.add_argument("--json", help="write the record here")
     p.add_argument("--plots", help="write the plots into this folder")
     p.add_argument("--logs", default=None, help="children's logs folder [a temporary one]")
@@ -482,6 +511,8 @@ def main(argv: list[str] | None = None) -> None:
     setup = setup_from(args)
     if args.stages < 1 or args.time_scale <= 0 or not setup.loads or min(setup.loads) <= 0:
         raise SystemExit("bench.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")
+    if args.closed_loop is not None and args.closed_loop < 1:
+        raise SystemExit("bench.fleet: --closed-loop C needs C ≥ 1")
     unknown = set(setup.policies) - set(POLICIES)
     if unknown:
         raise SystemExit(f"bench.fleet: unknown policies {sorted(unknown)}; "
