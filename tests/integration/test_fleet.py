@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from tests.integration.conftest import ROOT, torchrun
-from wavepp.serve.prom import parse_exposition
+from wavepp.serve.prom import parse_exposition, sample
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +123,10 @@ def test_prefix_routing_predicts_the_reuse_replicas_grant(fleet, tmp_path):
         _wait_for_blocks(client, "r0", 2)
         _wait_for_blocks(client, "r1", 2)
         for rid in ("b2", "a2", "c"):
-            reply = client.post("/v1/prefill", json={"tokens": prompts[rid], "id": rid})
+            # c with a deadline: the replica is given what is left of it, and says if met
+            deadline = {"deadline_s": 600} if rid == "c" else {}
+            reply = client.post("/v1/prefill", json={"tokens": prompts[rid], "id": rid,
+                                                     **deadline})  # fmt: skip
             assert reply.status_code == 200, reply.text
             answers[rid] = reply.json(), reply.headers
         metrics = parse_exposition(client.get("/metrics").text)
@@ -135,6 +138,11 @@ def test_prefix_routing_predicts_the_reuse_replicas_grant(fleet, tmp_path):
         assert body["cached_tokens"] == 2 * BLOCK
         assert int(headers["x-wavepp-predicted-cached-tokens"]) == body["cached_tokens"]
     assert answers["c"][0]["cached_tokens"] == 0
+    assert answers["c"][0]["deadline_met"] is True and answers["c"][0]["deadline_s"] < 600
+    replica_c = {"replica": answers["c"][1]["x-wavepp-replica"], "policy": "prefix"}
+    assert sample(metrics, "wavepp_route_with_deadline_total", **replica_c) == 1
+    assert sample(metrics, "wavepp_route_deadlines_met_total", **replica_c) == 1
+    assert sample(metrics, "wavepp_route_slo_attainment") == 1
     assert answers["c"][1]["x-wavepp-predicted-cached-tokens"] == "0"
     exact = sum(v for k, v in metrics.items() if k.startswith("wavepp_route_predicted_exact_total"))
     predicted = sum(v for k, v in metrics.items()
