@@ -62,6 +62,13 @@ class Attainment:
         self.met = 0
         self.expired = 0
 
+    def answer(self, met: bool) -> None:
+        self.answered += 1
+        self.met += int(met)
+
+    def expire(self) -> None:
+        self.expired += 1
+
     @property
     def share(self) -> float | None:
         """Met / requests with a deadline (None before the first)."""
@@ -128,7 +135,7 @@ class RouteMetrics:
 
     def expired(self) -> None:
         self.deadlines_expired.inc()
-        self.attainment.expired += 1
+        self.attainment.expire()
 
     def passed_on(self, replica: str, code: int) -> None:
         self.answers.labels(replica, str(code)).inc()
@@ -139,8 +146,7 @@ class RouteMetrics:
         if answer.deadline_met is not None:
             self.with_deadline.labels(*labels).inc()
             self.deadlines_met.labels(*labels).inc(int(answer.deadline_met))
-            self.attainment.answered += 1
-            self.attainment.met += answer.deadline_met
+            self.attainment.answer(answer.deadline_met)
         num_tokens, cached = answer.num_tokens, answer.cached_tokens
         if answer.status == "done" and num_tokens is not None and cached is not None:
             self.prompt_tokens.labels(*labels).inc(num_tokens)
