@@ -6,7 +6,11 @@ replica goes there, the router's predicted reuse equals the ``cached_tokens`` th
 answers, and every first token equals a single pipeline's (``wavepp.main`` on the same
 prompts). Then a replica's ranks are killed under light load: every request completes
 (on the other replica once it is out), none twice, and the router's ``/health`` names the
-replica that is out; SIGTERM drains what is left.
+replica that is out; SIGTERM drains what is left — the router and the live replica end 0
+after their drains, and the launcher's exit 1 names the killed replica alone. A fleet
+that still has every replica ends 0 on SIGTERM: the launcher over the real router and two
+stand-in replicas (ready lines and a clean exit, no ranks: a second real fleet would
+take about 25 s more of the suite's time).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 import pytest
 
 from tests.integration.conftest import ROOT, torchrun
-from wavepp.serve.prom import parse_exposition
+from wavepp.serve.prom import parse_exposition, sample
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +123,10 @@ def test_prefix_routing_predicts_the_reuse_replicas_grant(fleet, tmp_path):
         _wait_for_blocks(client, "r0", 2)
         _wait_for_blocks(client, "r1", 2)
         for rid in ("b2", "a2", "c"):
-            reply = client.post("/v1/prefill", json={"tokens": prompts[rid], "id": rid})
+            # c with a deadline: the replica is given what is left of it, and says if met
+            deadline = {"deadline_s": 600} if rid == "c" else {}
+            reply = client.post("/v1/prefill", json={"tokens": prompts[rid], "id": rid,
+                                                     **deadline})  # fmt: skip
             assert reply.status_code == 200, reply.text
             answers[rid] = reply.json(), reply.headers
         metrics = parse_exposition(client.get("/metrics").text)
@@ -131,6 +138,11 @@ def test_prefix_routing_predicts_the_reuse_replicas_grant(fleet, tmp_path):
         assert body["cached_tokens"] == 2 * BLOCK
         assert int(headers["x-wavepp-predicted-cached-tokens"]) == body["cached_tokens"]
     assert answers["c"][0]["cached_tokens"] == 0
+    assert answers["c"][0]["deadline_met"] is True and answers["c"][0]["deadline_s"] < 600
+    replica_c = {"replica": answers["c"][1]["x-wavepp-replica"], "policy": "prefix"}
+    assert sample(metrics, "wavepp_route_with_deadline_total", **replica_c) == 1
+    assert sample(metrics, "wavepp_route_deadlines_met_total", **replica_c) == 1
+    assert sample(metrics, "wavepp_route_slo_attainment") == 1
     assert answers["c"][1]["x-wavepp-predicted-cached-tokens"] == "0"
     exact = sum(v for k, v in metrics.items() if k.startswith("wavepp_route_predicted_exact_total"))
     predicted = sum(v for k, v in metrics.items()
@@ -194,11 +206,61 @@ def test_a_killed_replica_is_taken_out_and_every_request_completes_once(fleet):
     retries = sum(v for k, v in metrics.items() if k.startswith("wavepp_route_retries_total"))
     assert retries >= 1  # requests routed to r1 after the kill went on to r0
     code = fleet.stop()
-    assert code != 0  # r1's launcher exited non-zero, and the fleet says so
-    assert "replica r1 exit" in fleet.err.read_text().splitlines()[-1]
+    assert code == 1  # r1's launcher exited non-zero, and the fleet says so ...
+    err = fleet.err.read_text()
+    assert re.fullmatch(r"wavepp fleet: drained; not every child exited 0: replica r1 exit \d+",
+                        err.splitlines()[-1])  # ... naming r1 alone: SIGTERM drained the rest
+    for child, name in (("router", "route"), ("replica r0", "serve")):
+        assert f"[{child}] [wavepp {name}] draining: " in err, child
+        assert f"[{child}] [wavepp {name}] stopped" in err, child
     survivor = json.loads((fleet.tmp / "rec-r0.json").read_text())
     done_r0 = [r["id"] for r in survivor["requests"] if r["status"] == "done"]
     assert len(done_r0) == len(set(done_r0))  # no id ran twice on r0
     on_r1 = {rid for rid, name in by.items() if name == "r1"}
     assert not on_r1 & set(done_r0)  # none answered by r1 also ran on r0
     assert {rid for rid, name in by.items() if name == "r0"} <= set(done_r0)
+
+
+# A replica as the launcher sees one: its ready line (a port of its own, bound, refusing
+# connections: the router never finds it up), then on SIGTERM its last line and exit 0.
+STAND_IN_REPLICA = """
+import os, signal, socket, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))  # not listening
+port = sock.getsockname()[1]
+print(f"[wavepp serve] listening on http://127.0.0.1:{port} (pid {os.getpid()})",
+      file=sys.stderr, flush=True)
+signal.sigwait([signal.SIGTERM])
+print("[wavepp serve] stopped", file=sys.stderr, flush=True)
+"""
+LAUNCHER = """
+import sys
+import wavepp.fleet.__main__ as fleet
+fleet.replica_command = lambda args, rest, index: [sys.executable, "-c", sys.argv[1]]
+fleet.main(["--replicas", "2", "--nproc-per-node", "1", "--port", "0"])
+"""
+
+
+def test_sigterm_drains_the_router_and_every_replica_and_the_launcher_exits_0(tmp_path):
+    """The launcher's own SIGTERM path to exit 0, with the real router over two stand-in
+    replicas (the real fleet above ends with a killed replica, so its exit is 1)."""
+    err = tmp_path / "fleet.err"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, STAND_IN_REPLICA], cwd=ROOT,
+                                stderr=stderr)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "[wavepp fleet] ready: " not in err.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert code == 0, text
+    assert text.splitlines()[-1] == "[wavepp fleet] drained: every child exited 0"
+    for child in ("router", "replica r0", "replica r1"):
+        assert re.search(rf"^\[{child}\] \[wavepp \w+\] stopped$", text, re.M), (child, text)

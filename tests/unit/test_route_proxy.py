@@ -3,6 +3,7 @@ retries, failover, streams, /health, /metrics, /v1/models, and a replica's watch
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from wavepp.route.app import build_app
-from wavepp.route.policies import ROUTE_POLICIES
+from wavepp.route.policies import ROUTE_POLICIES, RouteRequest
 from wavepp.route.replicas import Replica, WatchOptions, events_endpoint
 from wavepp.route.router import Router
 from wavepp.serve.prom import parse_exposition, sample
@@ -113,6 +114,7 @@ def test_the_router_names_a_request_without_id_and_keeps_the_body_otherwise():
         (_, path, sent), = fleet.seen
         assert path == "/v1/completions"
         assert sent.pop("request_id").startswith("route-")
+        assert 0 < sent.pop("deadline_s") <= body.pop("deadline_s")  # what is left of it
         assert sent == body
         assert reply.headers["x-wavepp-request-id"].startswith("route-")
 
@@ -361,5 +363,121 @@ def test_fleet_figures_are_what_the_load_generator_reports_of_a_router():
         assert figures["replicas"]["r0"]["requests"] == 2  # the cold one too: ties go to r0
         assert figures["reused_share"] == 8 / 13 and figures["retries"] == 0
         assert fleet_figures({}, {"wavepp_prompt_tokens_total": 5.0}) is None  # one server
+
+    run(test)
+
+
+def _met(verdicts: dict[str, bool]):
+    """A replica's answer, with the engine's verdict when the request had a deadline."""
+
+    async def answer(name, request, body):
+        result = {"id": body["id"], "status": "done", "num_tokens": 3, "cached_tokens": 0}
+        if "deadline_s" in body:
+            result |= {"deadline_s": body["deadline_s"], "deadline_met": verdicts[name]}
+        return httpx.Response(200, json=result)
+
+    return answer
+
+
+async def _draining_after(seconds: float, name, request, body) -> httpx.Response:
+    await anyio.sleep(seconds)
+    return httpx.Response(503, json={"error": {"message": "the server is draining",
+                                               "type": "draining", "code": 503}})
+
+
+def test_a_policy_sees_the_requests_priority_and_what_is_left_of_its_deadline():
+    async def test():
+        fleet = Fleet()
+        asked: list[RouteRequest] = []
+
+        def policy(request: RouteRequest, replicas) -> int:
+            asked.append(request)
+            return 0
+
+        client = httpx.AsyncClient(transport=httpx.MockTransport(fleet.handler))
+        router = Router(fleet.replicas, policy, "tests:policy", client)
+        async with client_of(router) as client:
+            await client.post("/v1/prefill", json={"tokens": [1, 2], "priority": 5,
+                                                   "deadline_s": 30})
+            await client.post("/v1/completions", json={"prompt": [1, 2], "priority": -3})
+            # not a deadline the server takes: no deadline for the policy, sent untouched
+            await client.post("/v1/prefill", json={"tokens": [1, 2], "deadline_s": -1})
+        assert [(r.priority, r.num_tokens) for r in asked] == [(5, 2), (-3, 2), (0, 2)]
+        assert 0 < asked[0].deadline_s <= 30 and asked[1].deadline_s is None
+        assert asked[2].deadline_s is None and fleet.seen[2][2]["deadline_s"] == -1
+        # the replica is given no more than the policy saw left
+        assert 0 < fleet.seen[0][2]["deadline_s"] <= asked[0].deadline_s
+
+    run(test)
+
+
+def test_a_retry_carries_the_deadline_less_the_time_spent_on_the_failed_replica():
+    async def test():
+        fleet = Fleet()
+        fleet.behave["r0"] = functools.partial(_draining_after, 0.3)
+        async with client_of(fleet.router("round-robin")) as client:
+            reply = await client.post("/v1/prefill", json={"tokens": [1, 2, 3], "id": "d",
+                                                           "deadline_s": 30})
+        assert reply.status_code == 200 and reply.headers["x-wavepp-replica"] == "r1"
+        (_, _, first), (_, _, retry) = fleet.seen
+        assert first["deadline_s"] <= 30  # less the router's own time before the send
+        assert 0 < retry["deadline_s"] <= first["deadline_s"] - 0.3
+
+    run(test)
+
+
+def test_past_its_deadline_a_request_is_not_sent_again_and_the_client_gets_a_504():
+    async def test():
+        fleet = Fleet()
+
+        async def draining_past_the_deadline(name, request, body):
+            return await _draining_after(body["deadline_s"] + 0.01, name, request, body)
+
+        fleet.behave["r0"] = draining_past_the_deadline
+        async with client_of(fleet.router("round-robin")) as client:
+            reply = await client.post("/v1/prefill", json={"tokens": [1, 2, 3], "id": "late",
+                                                           "deadline_s": 2})
+            metrics = parse_exposition((await client.get("/metrics")).text)
+            health = (await client.get("/health")).json()
+        assert reply.status_code == 504
+        error = reply.json()["error"]
+        assert error["type"] == "deadline_exceeded" and error["code"] == 504
+        assert "deadline_s 2 " in error["message"] and "r0 (http://r0.test)" in error["message"]
+        assert [name for name, _, _ in fleet.seen] == ["r0"]  # r1 never got work it could not meet
+        assert sample(metrics, "wavepp_route_deadlines_expired_total") == 1
+        assert sample(metrics, "wavepp_route_refused_total", code="504") == 1
+        assert sample(metrics, "wavepp_route_slo_attainment") == 0
+        assert health["deadlines"] == {"answered": 0, "met": 0, "expired": 1,
+                                       "slo_attainment": 0.0}
+
+    run(test)
+
+
+def test_metrics_count_the_deadlines_each_replica_met_and_the_fleets_attainment():
+    from wavepp.route.prom import fleet_figures
+
+    async def test():
+        fleet = Fleet()
+        verdicts = {"r0": True, "r1": False}
+        fleet.behave = {name: _met(verdicts) for name in verdicts}
+        async with client_of(fleet.router("round-robin")) as client:
+            before = parse_exposition((await client.get("/metrics")).text)
+            assert sample(before, "wavepp_route_slo_attainment") is None  # no deadline yet
+            for _ in range(3):  # r0, r1, r0
+                await client.post("/v1/prefill", json={"tokens": [1, 2, 3], "deadline_s": 9})
+            await client.post("/v1/prefill", json={"tokens": [1, 2, 3]})  # none: not counted
+            after = parse_exposition((await client.get("/metrics")).text)
+            health = (await client.get("/health")).json()
+        for replica, timed, met in (("r0", 2, 2), ("r1", 1, 0)):
+            labels = {"replica": replica, "policy": "round-robin"}
+            assert sample(after, "wavepp_route_with_deadline_total", **labels) == timed
+            assert sample(after, "wavepp_route_deadlines_met_total", **labels) == met
+        assert sample(after, "wavepp_route_slo_attainment") == 2 / 3
+        assert health["deadlines"] == {"answered": 3, "met": 2, "expired": 0,
+                                       "slo_attainment": 2 / 3}
+        figures = fleet_figures(before, after)
+        assert figures["with_deadline"] == 3 and figures["deadlines_met"] == 2
+        assert figures["replicas"]["r1"]["deadlines_met"] == 0
+        assert figures["slo_attainment"] == 2 / 3 and figures["deadlines_expired"] == 0
 
     run(test)

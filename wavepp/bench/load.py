@@ -9,7 +9,8 @@ of the measured requests (by ``--seed``) and abandons each at a random point of 
 life by closing the connection, which the server turns into a cancel. ``--rate R`` sends
 a workload open loop, Poisson arrivals at R requests per second (by ``--seed``);
 ``--deadline-s D`` gives every measured request a deadline (``deadline_s``, seconds after
-the server's submission) and the report its SLO attainment.
+the server's submission, or after its arrival at a router) and the report its SLO
+attainment (a router's own figure too).
 
 Reports throughput (prompt tokens of the requests done, cached included, over the
 measured makespan), time to result p50/p99 (client side, queue included), reuse and
@@ -400,7 +401,9 @@ def table(record: dict) -> str:
         f"cached; good-hit {fmt(record['good_hit_rate'], '%', 100, 1)}; server says "
         f"{fmt(record['server_reused_share'], '%', 100, 1)}",
         *([f"  SLO attainment      {fmt(record['slo_attainment'], '%', 100, 1)} at the client"
-           f"; server says {fmt(record['server_slo_attainment'], '%', 100, 1)}"]
+           f"; server says {fmt(record['server_slo_attainment'], '%', 100, 1)}"
+           + (f"; router says {fmt(record['fleet']['slo_attainment'], '%', 100, 1)}"
+              if record.get("fleet") else "")]
           if record.get("slo_attainment") is not None else []),
         *([f"  fleet               {record['fleet']['replicas_up']:g} replicas up; router "
            f"predicted {fmt(record['fleet']['predicted_share'], '%', 100, 1)} cached, "

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/prefill`` and ``POST /v1/completions`` (forwarded, see
 :mod:`wavepp.route.router`), ``DELETE /v1/requests/{id}`` (to the replica the request is
-at), ``GET /health`` (200 while at least one replica is up; every replica's state),
+at), ``GET /health`` (200 while at least one replica is up; every replica's state, the
+deadlines met so far),
 ``GET /metrics`` (``wavepp_route_*``) and ``GET /v1/models`` (a replica's, with the
 fleet's size: what ``wavepp.bench.load`` reads). A client that disconnects while its
 request waits closes the router's connection to the replica, which cancels the request
@@ -14,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 
 import anyio
 import httpx
@@ -48,6 +50,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
     async def forward(request: Request, route: str) -> Response:
         try:
             raw = await read_body(request, max_body_bytes)
+            arrived = time.monotonic()  # a deadline counts from here (docs/fleet.md)
             answer: Response | None = None
 
             async def watch_disconnect() -> None:
@@ -58,7 +61,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_disconnect)
                 try:
-                    answer = await router.forward(route, peek(route, raw))
+                    answer = await router.forward(route, peek(route, raw), arrived)
                 except ApiError as error:  # raised here, not out of the task group
                     answer = refuse(error)
                 tg.cancel_scope.cancel()
@@ -88,7 +91,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
         up = sum(1 for r in router.replicas if r.routable)
         status = "draining" if router.draining else "ok" if up else "unavailable"
         body = {"status": status, "policy": router.policy_name, "replicas_up": up,
-                "replicas": replicas}  # fmt: skip
+                "replicas": replicas, "deadlines": metrics.attainment.snapshot()}  # fmt: skip
         return JSONResponse(body, status_code=200 if up and not router.draining else 503)
 
     async def prometheus(request: Request) -> Response:

@@ -1,10 +1,12 @@
-"""What the router reads of a request body: its id, its prompt's token ids, whether it streams.
+"""What the router reads of a request body: its id, its prompt's token ids, whether it
+streams, its priority and deadline.
 
-The body itself is forwarded as it came, with one exception: a request without an id gets
+The body itself is forwarded as it came, with two exceptions: a request without an id gets
 one (``id`` for ``/v1/prefill``, ``request_id`` for ``/v1/completions``), so that a retry
-on another replica runs under the same id. A body the router cannot read (not JSON, a
-field of the wrong type) is forwarded anyway, routed as a prompt of unknown tokens: the
-replica answers it as a single server would (a 400 naming the field).
+on another replica runs under the same id; and a request with a deadline is sent with
+what is left of it (:func:`with_deadline`). A body the router cannot read (not JSON, a
+field of the wrong type) is forwarded anyway, routed as a prompt of unknown tokens with
+no deadline: the replica answers it as a single server would (a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import msgspec
 import numpy as np
 
 from wavepp.ids import id_problem
+from wavepp.serve.api import MAX_DEADLINE_S, PRIORITY_RANGE
 
 ID_FIELD = {"/v1/prefill": "id", "/v1/completions": "request_id"}
 
@@ -25,12 +28,16 @@ class _Prefill(msgspec.Struct):
     tokens: Any = None
     text: Any = None
     id: Any = None
+    priority: Any = 0
+    deadline_s: Any = None
 
 
 class _Completion(msgspec.Struct):
     prompt: Any = None
     request_id: Any = None
     stream: Any = False
+    priority: Any = 0
+    deadline_s: Any = None
 
 
 @attrs.frozen
@@ -43,6 +50,10 @@ class Peek:
     tokens: np.ndarray | None  # int32 token ids, when the prompt is token ids
     tree_key: tuple[int, ...] | None  # the text tree's key: token ids or a text's code points
     stream: bool  # a completion asking for server-sent events
+    priority: int = 0  # its priority class (0 when absent or not one the server takes)
+    # seconds from its arrival at the router to its result's deadline; None when it has
+    # none, or one the server does not take (sent untouched: the replica refuses it)
+    deadline_s: float | None = None
 
 
 def _ids(value: Any) -> np.ndarray | None:
@@ -62,6 +73,16 @@ def _prompt(value: Any) -> tuple[np.ndarray | None, str | None]:
     return _ids(value), None
 
 
+def _priority(value: Any) -> int:
+    ok = type(value) is int and PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]
+    return value if ok else 0
+
+
+def _deadline(value: Any) -> float | None:
+    ok = type(value) in (int, float) and 0 < value <= MAX_DEADLINE_S
+    return float(value) if ok else None
+
+
 def new_request_id() -> str:
     return f"route-{uuid.uuid4().hex}"
 
@@ -73,6 +94,7 @@ def peek(route: str, raw: bytes) -> Peek:
         parsed = msgspec.json.decode(raw, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return Peek(raw, None, False, None, None, False)
+    priority, deadline_s = _priority(parsed.priority), _deadline(parsed.deadline_s)
     if isinstance(parsed, _Prefill):
         tokens, text, given, stream = _ids(parsed.tokens), parsed.text, parsed.id, False
     else:
@@ -85,20 +107,39 @@ def peek(route: str, raw: bytes) -> Peek:
         request_id = new_request_id()
         whole = msgspec.json.decode(raw)
         whole[ID_FIELD[route]] = request_id
-        return Peek(msgspec.json.encode(whole), request_id, True, tokens, tree_key, stream)
+        return Peek(msgspec.json.encode(whole), request_id, True, tokens, tree_key, stream,
+                    priority, deadline_s)  # fmt: skip
     request_id = given if id_problem(given) is None else None
-    return Peek(raw, request_id, False, tokens, tree_key, stream)
+    return Peek(raw, request_id, False, tokens, tree_key, stream, priority, deadline_s)
 
 
-def answer_figures(body: Any) -> tuple[str | None, int | None, int | None]:
-    """(status, prompt tokens, cached tokens) of a replica's JSON answer, where it says."""
+def with_deadline(body: bytes, deadline_s: float) -> bytes:
+    """``body`` (a JSON object the router has read) with ``deadline_s`` in it instead."""
+    whole = msgspec.json.decode(body)
+    whole["deadline_s"] = deadline_s
+    return msgspec.json.encode(whole)
+
+
+@attrs.frozen
+class Answer:
+    """What the router counts of a replica's JSON answer (None where it does not say)."""
+
+    status: str | None = None  # the engine's: done, cancelled, rejected, failed
+    num_tokens: int | None = None  # prompt tokens (with cached_tokens, or neither)
+    cached_tokens: int | None = None
+    deadline_met: bool | None = None  # only in the answer to a request with a deadline
+
+
+def read_answer(body: Any) -> Answer:
+    """The figures of a replica's decoded answer: ``/v1/prefill``'s result, or the
+    ``wavepp`` record of a completion."""
     if not isinstance(body, dict):
-        return None, None, None
+        return Answer()
     result = body.get("wavepp", body)
     if not isinstance(result, dict):
-        return None, None, None
+        return Answer()
     status, num = result.get("status"), result.get("num_tokens")
-    cached = result.get("cached_tokens")
+    cached, met = result.get("cached_tokens"), result.get("deadline_met")
     ok = all(isinstance(x, int) and not isinstance(x, bool) for x in (num, cached))
-    return (status if isinstance(status, str) else None,
-            num if ok else None, cached if ok else None)  # fmt: skip
+    return Answer(status if isinstance(status, str) else None, num if ok else None,
+                  cached if ok else None, met if isinstance(met, bool) else None)  # fmt: skip

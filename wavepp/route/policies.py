@@ -15,6 +15,10 @@ name (``--policy NAME``), or any function as ``pkg.mod:fn``:
 - ``cost``: Dynamo's KV-router cost, lowest first (:func:`dynamo_cost`);
 - ``text-tree``: SGLang's gateway ("cache-aware"), over an approximate radix tree of the
   token ids routed to each replica (:func:`text_tree`).
+
+No built-in reads the request's ``priority`` or ``deadline_s``: a choice by deadline
+needs each replica's rate to tell whether it would meet it, which the router does not
+estimate. A ``pkg.mod:fn`` policy may use them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ class RouteRequest:
 
     seq: int  # the router's count of requests routed before this one (round robin)
     num_tokens: int  # prompt length in tokens; 0 when the router could not read token ids
+    priority: int = 0  # the body's priority class (higher is admitted first); 0 if none
+    # seconds left until the request's deadline as this choice is made (counted from its
+    # arrival at the router; what the chosen replica is given); None: no deadline
+    deadline_s: float | None = None
 
 
 @attrs.frozen

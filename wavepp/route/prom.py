@@ -2,9 +2,10 @@
 
 Counters by replica (labels stay few: one value per replica, per policy, per reason):
 requests routed, prompt and cached tokens of their answers, the cached tokens the router
-predicted for them (and how many answers had exactly the predicted reuse), retries by
-reason, answers by HTTP code; gauges: replicas up, each replica's state, requests in
-flight, the blocks its index holds.
+predicted for them (and how many answers had exactly the predicted reuse), answers to
+requests with a deadline and those that met it (the replica's ``deadline_met``), retries
+by reason, answers by HTTP code, deadlines that passed at the router; gauges: replicas
+up, each replica's state, requests in flight, the blocks its index holds, SLO attainment.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from wavepp.route.body import Answer
 from wavepp.route.replicas import STATES, Replica
 
 # No ``_created`` timestamp series beside each counter and histogram (a process-wide
@@ -51,6 +53,39 @@ class ReplicaCollector:
         yield from (state, in_flight, blocks)
 
 
+class Attainment:
+    """The fleet's deadlines so far: answers that said whether theirs was met, the ones
+    met, and requests whose deadline passed at the router (missed, answered 504)."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.met = 0
+        self.expired = 0
+
+    def answer(self, met: bool) -> None:
+        self.answered += 1
+        self.met += int(met)
+
+    def expire(self) -> None:
+        self.expired += 1
+
+    @property
+    def share(self) -> float | None:
+        """Met / requests with a deadline (None before the first)."""
+        timed = self.answered + self.expired
+        return self.met / timed if timed else None
+
+    def snapshot(self) -> dict:
+        return {"answered": self.answered, "met": self.met, "expired": self.expired,
+                "slo_attainment": self.share}  # fmt: skip
+
+    def collect(self) -> Iterator[Metric]:
+        if self.share is not None:
+            yield GaugeMetricFamily(PREFIX + "slo_attainment", "SLO attainment: answers that "
+                                    "met their deadline / answers with one plus deadlines that "
+                                    "passed at the router", value=self.share)  # fmt: skip
+
+
 class RouteMetrics:
     """The router's counters and gauges, in a registry of its own."""
 
@@ -73,13 +108,21 @@ class RouteMetrics:
                                             "done answers the router predicted")
         self.predicted_exact = by_replica("predicted_exact",
                                           "done answers whose cached tokens were as predicted")
+        self.with_deadline = by_replica("with_deadline", "answers to requests with a deadline "
+                                        "(that said whether it was met)")
+        self.deadlines_met = by_replica("deadlines_met", "answers that met their deadline")
         self.answers = Counter(PREFIX + "answers", "replica answers passed on, by HTTP code",
                                ["replica", "code"], registry=registry)  # fmt: skip
         self.retries = Counter(PREFIX + "retries", "requests sent again to another replica",
                                ["reason"], registry=registry)  # fmt: skip
         self.refused = Counter(PREFIX + "refused", "requests the router answered itself",
                                ["code"], registry=registry)  # fmt: skip
+        self.deadlines_expired = Counter(PREFIX + "deadlines_expired", "requests whose "
+                                         "deadline passed before a replica could take them "
+                                         "(the router's 504)", registry=registry)  # fmt: skip
+        self.attainment = Attainment()
         registry.register(ReplicaCollector(replicas))
+        registry.register(self.attainment)
 
     def sent(self, replica: str) -> None:
         self.requests.labels(replica, self.policy).inc()
@@ -90,14 +133,22 @@ class RouteMetrics:
     def refused_with(self, code: int) -> None:
         self.refused.labels(str(code)).inc()
 
+    def expired(self) -> None:
+        self.deadlines_expired.inc()
+        self.attainment.expire()
+
     def passed_on(self, replica: str, code: int) -> None:
         self.answers.labels(replica, str(code)).inc()
 
-    def answered(self, replica: str, code: int, status: str | None, num_tokens: int | None,
-                 cached: int | None, predicted: int) -> None:  # fmt: skip
+    def answered(self, replica: str, code: int, answer: Answer, predicted: int) -> None:
         self.passed_on(replica, code)
-        if status == "done" and num_tokens is not None and cached is not None:
-            labels = (replica, self.policy)
+        labels = (replica, self.policy)
+        if answer.deadline_met is not None:
+            self.with_deadline.labels(*labels).inc()
+            self.deadlines_met.labels(*labels).inc(int(answer.deadline_met))
+            self.attainment.answer(answer.deadline_met)
+        num_tokens, cached = answer.num_tokens, answer.cached_tokens
+        if answer.status == "done" and num_tokens is not None and cached is not None:
             self.prompt_tokens.labels(*labels).inc(num_tokens)
             self.cached_tokens.labels(*labels).inc(cached)
             self.predicted_tokens.labels(*labels).inc(predicted)
@@ -124,29 +175,38 @@ _REPLICA = re.compile(r'replica="([^"]*)"')
 def fleet_figures(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """What a router's ``/metrics`` says of the requests between two scrapes (parsed by
     ``wavepp.serve.prom.parse_exposition``): per replica and in all, requests sent, prompt
-    and cached tokens of done answers, the cached tokens predicted for them; retries.
-    None when the scrapes are not a router's (``wavepp.bench.load`` against one server)."""
+    and cached tokens of done answers, the cached tokens predicted for them, answers with
+    a deadline and those that met it; retries, deadlines that passed at the router, and
+    the SLO attainment of the requests with a deadline (None without any). None when the
+    scrapes are not a router's (``wavepp.bench.load`` against one server)."""
     if not any(k.startswith(PREFIX) for k in after):
         return None
     fields = {"requests": "requests_total", "prompt_tokens": "prompt_tokens_total",
               "cached_tokens": "cached_tokens_total",
               "predicted_cached_tokens": "predicted_cached_tokens_total",
               "predicted_exact": "predicted_exact_total",
-              "predicted_answers": "predicted_answers_total"}  # fmt: skip
+              "predicted_answers": "predicted_answers_total",
+              "with_deadline": "with_deadline_total",
+              "deadlines_met": "deadlines_met_total"}  # fmt: skip
     replicas: dict[str, dict[str, float]] = {}
     for field, name in fields.items():
         then = _by_replica(before, PREFIX + name)
         for replica, value in _by_replica(after, PREFIX + name).items():
             replicas.setdefault(replica, {})[field] = value - then.get(replica, 0.0)
     total = {f: sum(r.get(f, 0.0) for r in replicas.values()) for f in fields}
-    retries = sum(_by_replica(after, PREFIX + "retries_total").values()) - sum(
-        _by_replica(before, PREFIX + "retries_total").values())
-    prompt = total["prompt_tokens"]
+    def counted(name: str) -> float:
+        return sum(_by_replica(after, PREFIX + name).values()) - sum(
+            _by_replica(before, PREFIX + name).values())
+
+    retries, expired = counted("retries_total"), counted("deadlines_expired_total")
+    prompt, timed = total["prompt_tokens"], total["with_deadline"] + expired
     return {
         "replicas": replicas,
         "replicas_up": after.get(PREFIX + "replicas_up"),
         "retries": retries,
+        "deadlines_expired": expired,
         **total,
         "reused_share": total["cached_tokens"] / prompt if prompt else None,
         "predicted_share": total["predicted_cached_tokens"] / prompt if prompt else None,
+        "slo_attainment": total["deadlines_met"] / timed if timed else None,
     }

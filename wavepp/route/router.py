@@ -19,12 +19,20 @@ at most once: it remembers, for the last :data:`RECENT_IDS` ids, which replicas 
   answer — what one server answers for a repeated id.
 - Once a replica's answer has begun (its status line), it is the answer: a stream that
   breaks halfway ends with an error event, never a second run elsewhere.
+
+Deadlines are the router's to keep too. A request's ``deadline_s`` counts from its arrival
+at the router (as a server's counts from its own submission), and each send carries what
+is left of it: the replica's clock starts when it takes the request, so its
+``deadline_met`` judges the same instant, time spent at the router and at replicas that
+failed included. Once the deadline has passed the router sends the request nowhere else:
+the client gets a 504 ``deadline_exceeded`` naming what happened at each replica.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import anyio
@@ -33,7 +41,7 @@ import httpx
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
-from wavepp.route.body import Peek, answer_figures
+from wavepp.route.body import Peek, read_answer, with_deadline
 from wavepp.route.policies import ReplicaView, RouteRequest
 from wavepp.route.prom import RouteMetrics
 from wavepp.route.replicas import Flight, Replica
@@ -82,9 +90,12 @@ class Router:
             views.append(replica.view(num_tokens, hashes, peek.tree_key))
         return views
 
-    def choose(self, peek: Peek, candidates: Sequence[Replica]) -> tuple[Replica, ReplicaView]:
+    def choose(self, peek: Peek, candidates: Sequence[Replica],
+               deadline_s: float | None = None) -> tuple[Replica, ReplicaView]:  # fmt: skip
+        """``deadline_s``: seconds left until the request's deadline (None: none)."""
         views = self.views(peek, candidates)
-        request = RouteRequest(self.seq, 0 if peek.tokens is None else len(peek.tokens))
+        request = RouteRequest(self.seq, 0 if peek.tokens is None else len(peek.tokens),
+                               peek.priority, deadline_s)  # fmt: skip
         index = self.policy(request, views)
         if not (isinstance(index, int) and 0 <= index < len(views)):
             raise RuntimeError(f"routing policy {self.policy_name!r} returned {index!r}, not an "
@@ -100,8 +111,9 @@ class Router:
 
     # -- forwarding -------------------------------------------------------------------
 
-    async def forward(self, route: str, peek: Peek) -> Response:
-        """The answer to one request (a replica's, or the router's own refusal)."""
+    async def forward(self, route: str, peek: Peek, arrived: float) -> Response:
+        """The answer to one request (a replica's, or the router's own refusal);
+        ``arrived``: when its body was read, on ``time.monotonic``'s clock."""
         if self.draining:
             raise ApiError(503, "the router is draining and takes no new requests", "unavailable")
         rid = peek.request_id
@@ -111,14 +123,16 @@ class Router:
         if rid is not None:
             self.in_flight[rid] = None
         response = None
+        due = None if peek.deadline_s is None else arrived + peek.deadline_s
         try:
-            response = await self._attempts(route, peek)
+            response = await self._attempts(route, peek, due)
             return response
         finally:  # a stream's id stays in flight until the stream ends
             if rid is not None and not isinstance(response, StreamingResponse):
                 self.in_flight.pop(rid, None)
 
-    async def _attempts(self, route: str, peek: Peek) -> Response:
+    async def _attempts(self, route: str, peek: Peek, due: float | None) -> Response:
+        """``due``: the request's deadline on ``time.monotonic``'s clock (None: none)."""
         rid = peek.request_id
         seen = set(self.recent.get(rid, ())) if rid is not None else set()
         failures: list[str] = []
@@ -129,7 +143,11 @@ class Router:
                 candidates = up  # every replica up saw this id: its own 409 is the answer
             if not candidates:
                 break
-            replica, view = self.choose(peek, candidates)
+            left = self._left(peek, due, failures)
+            replica, view = self.choose(peek, candidates, left)
+            body = peek.body  # with what is left of its deadline, the policy's time counted
+            if due is not None:
+                body = with_deadline(peek.body, self._left(peek, due, failures))
             self.seq += 1
             seen.add(replica.name)
             if rid is not None:
@@ -138,7 +156,7 @@ class Router:
             if peek.tree_key:
                 replica.tree.insert(peek.tree_key)
             self.metrics.sent(replica.name)
-            outcome = await self._attempt(route, peek, replica, view, len(failures) + 1)
+            outcome = await self._attempt(route, peek, body, replica, view, len(failures) + 1)
             if isinstance(outcome, Response):
                 return outcome
             failures.append(f"{replica.name} ({replica.url}): {outcome.detail}")
@@ -150,6 +168,21 @@ class Router:
         raise ApiError(503, "no replica could take the request: " + "; ".join(failures),
                        "unavailable")  # fmt: skip
 
+    def _left(self, peek: Peek, due: float | None, failures: Sequence[str]) -> float | None:
+        """Seconds left until the deadline; past it, the router's 504 (it sends no work
+        that cannot meet its deadline)."""
+        if due is None:
+            return None
+        left = due - time.monotonic()
+        if left > 0:
+            return left
+        self.metrics.expired()
+        tried = (f"not sent again after {len(failures)} failed attempt(s): "
+                 + "; ".join(failures)) if failures else "not sent"  # fmt: skip
+        raise ApiError(504, f"the request's deadline (deadline_s {peek.deadline_s:g} after "
+                       f"its arrival at the router) passed {-left:.3f} s ago; {tried}",
+                       "deadline_exceeded")  # fmt: skip
+
     def _headers(self, replica: Replica, view: ReplicaView, peek: Peek, attempt: int) -> dict:
         headers = {"x-wavepp-replica": replica.name, "x-wavepp-attempts": str(attempt),
                    "x-wavepp-predicted-cached-tokens": str(view.predicted_tokens)}  # fmt: skip
@@ -157,8 +190,8 @@ class Router:
             headers["x-wavepp-request-id"] = peek.request_id
         return headers
 
-    async def _attempt(self, route: str, peek: Peek, replica: Replica, view: ReplicaView,
-                       attempt: int) -> Response | _Retry:  # fmt: skip
+    async def _attempt(self, route: str, peek: Peek, body: bytes, replica: Replica,
+                       view: ReplicaView, attempt: int) -> Response | _Retry:  # fmt: skip
         num_tokens = 0 if peek.tokens is None else len(peek.tokens)
         flight = Flight(peek.request_id, num_tokens, max(num_tokens - view.predicted_tokens, 0))
         replica.flights.add(flight)
@@ -167,7 +200,7 @@ class Router:
             with anyio.CancelScope() as scope:
                 flight.scope = scope
                 request = self.client.build_request(
-                    "POST", replica.url + route, content=peek.body,
+                    "POST", replica.url + route, content=body,
                     headers={"content-type": "application/json"},
                 )  # fmt: skip
                 try:
@@ -236,8 +269,7 @@ class Router:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             body = None
-        status, num, cached = answer_figures(body)
-        self.metrics.answered(replica.name, code, status, num, cached, view.predicted_tokens)
+        self.metrics.answered(replica.name, code, read_answer(body), view.predicted_tokens)
 
     def _stream(self, replica: Replica, flight: Flight, upstream: httpx.Response,
                 headers: dict) -> StreamingResponse:  # fmt: skip
