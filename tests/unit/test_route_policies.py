@@ -17,8 +17,9 @@ from wavepp.route import (
 
 
 def view(name: str, *, load: int = 0, new: int = 0, n: int = 0, predicted: int = 0,
-         match: int = 0, tree: int = 0, block: int = 16) -> ReplicaView:  # fmt: skip
-    return ReplicaView(name, block, n, load, new, predicted, match, tree)
+         pending: int = 0, match: int = 0, tree: int = 0,
+         block: int = 16) -> ReplicaView:  # fmt: skip
+    return ReplicaView(name, block, n, load, new, predicted, pending, match, tree)
 
 
 def pick(policy: str, views: list[ReplicaView], num_tokens: int = 256, seq: int = 0) -> str:
@@ -40,6 +41,36 @@ def test_prefix_takes_the_most_predicted_reuse_then_the_least_load():
              view("r2", predicted=128, load=100)]  # fmt: skip
     assert pick("prefix", views) == "r2"
     assert pick("prefix", [view("r0", load=5), view("r1", load=1)]) == "r1"  # nothing cached
+    # a prefix still being computed at r1 counts as much as one announced at r0
+    views = [view("r0", predicted=64, load=0), view("r1", pending=128, load=300)]
+    assert pick("prefix", views) == "r1"
+
+
+def test_a_replica_knows_the_prefixes_in_flight_there():
+    from wavepp.route.replicas import Flight, Replica
+    from wavepp.state import block_hashes
+
+    replica = Replica("r0", "http://x")
+    replica.block_size = 4
+    doc = list(range(100, 120))  # five blocks
+    turn = [*doc, 7, 8, 9, 10, 11, 12]
+    other = [1, *doc[1:]]
+    first = Flight("a", len(doc), len(doc), tuple(block_hashes(doc, 4)))
+    replica.fly(first)
+
+    def pending(tokens):
+        return replica.view(len(tokens), block_hashes(tokens, 4), None).pending_tokens
+
+    assert pending(turn) == 20  # all of doc's blocks, in flight
+    assert pending(doc) == 16  # a prompt's own last token is never reused
+    assert pending(other) == 0  # another first block: nothing in common (chained hashes)
+    second = Flight("b", len(turn), 6, tuple(block_hashes(turn, 4)))
+    replica.fly(second)
+    replica.land(first)
+    assert pending([*turn, 1]) == 24 and pending([*doc, 5]) == 20  # b still holds doc's blocks
+    replica.land(second)
+    replica.land(second)  # twice: no effect
+    assert pending(turn) == 0 and not replica.pending and not replica.flights
 
 
 def test_cost_is_dynamos_formula():

@@ -54,6 +54,8 @@ class Peek:
     # seconds from its arrival at the router to its result's deadline; None when it has
     # none, or one the server does not take (sent untouched: the replica refuses it)
     deadline_s: float | None = None
+    # the prompt's chained block hashes per block size, filled once as replicas ask
+    hashes_of: dict[int, tuple[int, ...]] = attrs.field(factory=dict, eq=False, repr=False)
 
 
 def _ids(value: Any) -> np.ndarray | None:

@@ -10,8 +10,10 @@ name (``--policy NAME``), or any function as ``pkg.mod:fn``:
 - ``round-robin``: the next replica in turn (by the router's request count);
 - ``least-load``: the fewest prompt tokens in flight (sent and not yet answered), then
   the fewest requests;
-- ``prefix``: the most predicted cached tokens (the replica's KV-event index probed with
-  WavePP's own chained hashes), ties by load;
+- ``prefix``: the most predicted cached tokens — the replica's KV-event index probed with
+  WavePP's own chained hashes, or, where more, what requests in flight there will leave
+  (a replica waits for a prefix it is computing rather than computing it twice; events
+  announce a block only once every stage holds it) — ties by load;
 - ``cost``: Dynamo's KV-router cost, lowest first (:func:`dynamo_cost`);
 - ``text-tree``: SGLang's gateway ("cache-aware"), over an approximate radix tree of the
   token ids routed to each replica (:func:`text_tree`).
@@ -52,6 +54,7 @@ class ReplicaView:
     load_tokens: int  # prompt tokens of those requests (cached included)
     load_new_tokens: int  # of which predicted uncached when they were routed (the work)
     predicted_tokens: int  # tokens of this prompt the replica's cache holds (events + probe)
+    pending_tokens: int  # tokens of this prompt that requests in flight there are computing
     text_match_tokens: int  # tokens of this prompt matched in its approximate text tree
     text_tree_tokens: int  # tokens its approximate text tree holds
 
@@ -77,7 +80,8 @@ def least_load(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
 
 
 def prefix(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
-    return _argmin(replicas, lambda v: (-v.predicted_tokens, *_load_key(v)))
+    return _argmin(replicas, lambda v: (-max(v.predicted_tokens, v.pending_tokens),
+                                        *_load_key(v)))
 
 
 # Dynamo's KV router (docs.nvidia.com/dynamo, components/router, "Cost Calculation"):

@@ -12,6 +12,7 @@ that missed events would overstate what the replica holds).
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import sys
@@ -57,6 +58,7 @@ class Flight:
     request_id: str | None  # None: the body's id could not be read (the replica refuses it)
     num_tokens: int  # prompt tokens (0 when the router could not read token ids)
     new_tokens: int  # of which predicted uncached when routed
+    hashes: tuple[int, ...] = ()  # its prompt's chained block hashes at the replica's size
     scope: anyio.CancelScope | None = None  # cancelled when the replica is taken out
 
 
@@ -96,6 +98,9 @@ class Replica:
         self.feed: Any = None  # what subscribe returned (last_seq, connected), if anything
         self.tree = TextTree(tree_tokens) if tree_tokens else TextTree()
         self.flights: set[Flight] = set()
+        # the block hashes of the prompts in flight here, counted: a chained hash names its
+        # whole prefix, so a prompt's blocks in flight are a run from its first block
+        self.pending: collections.Counter[int] = collections.Counter()
         self.failures = 0  # failed health probes in a row
         self._disconnected_since: float | None = None
 
@@ -103,12 +108,39 @@ class Replica:
     def routable(self) -> bool:
         return self.state == "up"
 
+    def fly(self, flight: Flight) -> None:
+        self.flights.add(flight)
+        self.pending.update(flight.hashes)
+
+    def land(self, flight: Flight) -> None:
+        if flight in self.flights:
+            self.flights.discard(flight)
+            self.pending.subtract(flight.hashes)
+            for h in flight.hashes:
+                if self.pending[h] <= 0:
+                    del self.pending[h]
+
+    def _pending_blocks(self, hashes: Sequence[int], limit: int) -> int:
+        """Leading blocks of ``hashes`` (at most ``limit``) that prompts in flight here hold:
+        the membership of a chained hash is prefix-closed, so a binary search finds it."""
+        low, high = 0, min(limit, len(hashes))
+        while low < high:
+            mid = (low + high + 1) // 2
+            if hashes[mid - 1] in self.pending:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
     def view(self, num_tokens: int, hashes: Sequence[int] | None,
              tree_key: Sequence[int] | None) -> ReplicaView:  # fmt: skip
-        predicted = 0
-        if hashes and self.index is not None and num_tokens > 0:
+        predicted = pending = 0
+        if hashes and num_tokens > 0:
             limit = (num_tokens - 1) // self.block_size
-            predicted = self.index.predicted_blocks(hashes, limit) * self.block_size
+            if self.index is not None:
+                predicted = self.index.predicted_blocks(hashes, limit) * self.block_size
+            if self.pending:
+                pending = self._pending_blocks(hashes, limit) * self.block_size
         return ReplicaView(
             name=self.name,
             block_size=self.block_size,
@@ -116,6 +148,7 @@ class Replica:
             load_tokens=sum(f.num_tokens for f in self.flights),
             load_new_tokens=sum(f.new_tokens for f in self.flights),
             predicted_tokens=predicted,
+            pending_tokens=pending,
             text_match_tokens=self.tree.match(tree_key) if tree_key else 0,
             text_tree_tokens=self.tree.num_tokens,
         )

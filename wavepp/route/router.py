@@ -79,16 +79,18 @@ class Router:
 
     def views(self, peek: Peek, candidates: Sequence[Replica]) -> list[ReplicaView]:
         num_tokens = 0 if peek.tokens is None else len(peek.tokens)
-        hashes_of: dict[int, tuple[int, ...]] = {}
-        views = []
-        for replica in candidates:
-            hashes = None
-            if peek.tokens is not None and replica.block_size:
-                if replica.block_size not in hashes_of:
-                    hashes_of[replica.block_size] = block_hashes(peek.tokens, replica.block_size)
-                hashes = hashes_of[replica.block_size]
-            views.append(replica.view(num_tokens, hashes, peek.tree_key))
-        return views
+        return [replica.view(num_tokens, self._hashes(peek, replica), peek.tree_key)
+                for replica in candidates]  # fmt: skip
+
+    @staticmethod
+    def _hashes(peek: Peek, replica: Replica) -> tuple[int, ...] | None:
+        """The prompt's chained block hashes at ``replica``'s block size (once per size)."""
+        if peek.tokens is None or not replica.block_size:
+            return None
+        if replica.block_size not in peek.hashes_of:
+            peek.hashes_of[replica.block_size] = tuple(block_hashes(peek.tokens,
+                                                                    replica.block_size))
+        return peek.hashes_of[replica.block_size]
 
     def choose(self, peek: Peek, candidates: Sequence[Replica],
                deadline_s: float | None = None) -> tuple[Replica, ReplicaView]:  # fmt: skip
@@ -193,8 +195,9 @@ class Router:
     async def _attempt(self, route: str, peek: Peek, body: bytes, replica: Replica,
                        view: ReplicaView, attempt: int) -> Response | _Retry:  # fmt: skip
         num_tokens = 0 if peek.tokens is None else len(peek.tokens)
-        flight = Flight(peek.request_id, num_tokens, max(num_tokens - view.predicted_tokens, 0))
-        replica.flights.add(flight)
+        flight = Flight(peek.request_id, num_tokens, max(num_tokens - view.predicted_tokens, 0),
+                        self._hashes(peek, replica) or ())  # fmt: skip
+        replica.fly(flight)
         handed_on = False  # a stream's flight ends with the stream
         try:
             with anyio.CancelScope() as scope:
@@ -234,7 +237,7 @@ class Router:
                 self._land(replica, flight)
 
     def _land(self, replica: Replica, flight: Flight) -> None:
-        replica.flights.discard(flight)
+        replica.land(flight)
 
     def _lost(self, replica: Replica, error: Exception) -> _Retry:
         """A refused connection takes the replica out; a connection lost before the answer
