@@ -44,6 +44,11 @@ def test_prefix_takes_the_most_predicted_reuse_then_the_least_load():
     # a prefix still being computed at r1 counts as much as one announced at r0
     views = [view("r0", predicted=64, load=0), view("r1", pending=128, load=300)]
     assert pick("prefix", views) == "r1"
+    # under 30% of the prompt (76.8 of 256 tokens) a match does not outweigh load
+    views = [view("r0", predicted=64, load=300), view("r1", load=0)]
+    assert pick("prefix", views) == "r1"
+    views = [view("r0", predicted=80, load=300), view("r1", load=0)]
+    assert pick("prefix", views) == "r0"
 
 
 def test_a_replica_knows_the_prefixes_in_flight_there():

@@ -13,7 +13,9 @@ name (``--policy NAME``), or any function as ``pkg.mod:fn``:
 - ``prefix``: the most predicted cached tokens — the replica's KV-event index probed with
   WavePP's own chained hashes, or, where more, what requests in flight there will leave
   (a replica waits for a prefix it is computing rather than computing it twice; events
-  announce a block only once every stage holds it) — ties by load;
+  announce a block only once every stage holds it); a prediction under
+  :data:`PREFIX_MIN_SHARE` of the prompt counts as none (a short shared head, such as a
+  system prompt, does not outweigh load); ties by load;
 - ``cost``: Dynamo's KV-router cost, lowest first (:func:`dynamo_cost`);
 - ``text-tree``: SGLang's gateway ("cache-aware"), over an approximate radix tree of the
   token ids routed to each replica (:func:`text_tree`).
@@ -79,9 +81,18 @@ def least_load(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
     return _argmin(replicas, _load_key)
 
 
+# Below this share of the prompt, a predicted reuse does not steer ``prefix`` (SGLang's
+# gateway follows its tree only past 30% too, CACHE_THRESHOLD below): a system prompt of a
+# few blocks, cached on one replica, would otherwise pull every new conversation there.
+PREFIX_MIN_SHARE = 0.3
+
+
 def prefix(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
-    return _argmin(replicas, lambda v: (-max(v.predicted_tokens, v.pending_tokens),
-                                        *_load_key(v)))
+    def reuse(view: ReplicaView) -> int:
+        tokens = max(view.predicted_tokens, view.pending_tokens)
+        return tokens if tokens >= PREFIX_MIN_SHARE * request.num_tokens else 0
+
+    return _argmin(replicas, lambda v: (-reuse(v), *_load_key(v)))
 
 
 # Dynamo's KV router (docs.nvidia.com/dynamo, components/router, "Cost Calculation"):
