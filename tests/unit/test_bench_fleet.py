@@ -96,7 +96,7 @@ def test_table_and_plots_say_simulated(tmp_path):
     assert path.name == "fleet_slo_trace_n2.png" and path.stat().st_size > 1000
 
 
-def test_closed_loop_runs_replace_the_loads_and_say_saturated():
+def test_closed_loop_runs_replace_the_loads_and_say_saturated(tmp_path):
     setup = fleet.setup_from(fleet.parser().parse_args(["--closed-loop", "16"]))
     assert setup.closed_loop == 16 and fleet._loads(setup) == (None,)
     argv = fleet._load_argv("conversation", setup, "http://x", None, None, concurrency=32)
@@ -110,5 +110,6 @@ def test_closed_loop_runs_replace_the_loads_and_say_saturated():
     assert "closed loop, 16 in flight a replica" in fleet._line(row)
     record = {"setup": attrs.asdict(setup), "kv_events": True, "rows": [row]}
     assert "closed    (saturated)" in fleet.table(record)
+    assert fleet.plot(record, tmp_path) == []  # no offered load to plot against
     with pytest.raises(SystemExit, match="--closed-loop"):
         fleet.main(["--closed-loop", "0"])

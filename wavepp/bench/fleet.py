@@ -413,14 +413,14 @@ def plot(record: dict, out: Path) -> list[Path]:
     rows = record["rows"]
     for workload in sorted({r["workload"] for r in rows}):
         for n in sorted({r["replicas"] for r in rows}):
-            sub = [r for r in rows if r["workload"] == workload and r["replicas"] == n]
+            sub = [r for r in rows if r["workload"] == workload and r["replicas"] == n
+                   and r["offered_tok_s"] is not None]  # closed-loop runs have no offered load
             if not sub:
                 continue
             fig, ax = plt.subplots(figsize=(6, 4))
             for policy in [*POLICIES, "ceiling"]:
                 pts = sorted((r["offered_tok_s"], r["slo_attainment"]) for r in sub
-                             if r["policy"] == policy and r["slo_attainment"] is not None
-                             and r["offered_tok_s"] is not None)
+                             if r["policy"] == policy and r["slo_attainment"] is not None)
                 if pts:
                     ax.plot([x / 1e3 for x, _ in pts], [100 * y for _, y in pts], marker="o",
                             linestyle="--" if policy == "ceiling" else "-",
