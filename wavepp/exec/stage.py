@@ -115,13 +115,15 @@ class Stage:
     def drop(self, rid: RequestId) -> None:
         """Cancel whatever the request holds here: lease, escrow, slots, live state, a
         band on its way."""
-        self.book.cache = self.policy.cancel(self.book.cache, rid)
         self.requests.pop(rid, None)
         self._arrivals.pop(rid, None)
         self.executor.cancel(rid)
         if rid in self.handing_off:
-            self.handing_off.discard(rid)
+            # its band may be on the wire: the blocks stay held until the sender has
+            # stopped reading them, then go as any band's do (_handed_off)
             self.handoffs.cancel(rid)
+        else:
+            self.book.cache = self.policy.cancel(self.book.cache, rid)
 
     def forget(self, evicted: Sequence) -> None:
         """Blocks a materialization or a round evicted: gone from the executor (and, with
@@ -167,11 +169,9 @@ class Stage:
         ))  # fmt: skip
 
     def _handed_off(self, rid: RequestId) -> None:
-        """Its band ended (acknowledged or not): release what it held, unless a cancel
-        already dropped it."""
-        if rid in self.handing_off:
-            self.handing_off.discard(rid)
-            self.book.cache = self.policy.release(self.book.cache, rid)
+        """Its band ended (acknowledged, failed or cancelled): release what it held."""
+        self.handing_off.discard(rid)
+        self.book.cache = self.policy.release(self.book.cache, rid)
 
     def take_handoff_outcomes(self) -> list[HandoffOutcome]:
         return self.handoffs.take_outcomes() if self.handoffs is not None else []
