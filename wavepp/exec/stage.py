@@ -163,7 +163,9 @@ class Stage:
         self.handing_off.add(rid)
         self.handoffs.submit(BandJob(
             request_id=rid, target=admitted.offer.handoff, num_tokens=work.num_tokens,
-            block_table=work.block_table, states=states,
+            # the table after publishing: a block another request had cached meanwhile
+            # is read from that request's slot, the wave's own having gone back to the pool
+            block_table=block_table(self.book.cache, rid), states=states,
             tokens=prompt,
             first_token=token, top_logit=logit,
         ))  # fmt: skip
