@@ -389,3 +389,39 @@ def test_the_outcome_tells_the_time_on_the_wire_from_the_whole(sock_path):
     finally:
         receiver.close()
     assert 0 < outcomes["a"].wire_s <= outcomes["a"].seconds
+
+
+def test_a_band_reads_the_cached_slot_of_a_block_another_request_published_first():
+    """A prompt of whole blocks that is cached already recomputes its last block (its
+    last token's logits are needed); publishing then shares the cached block and gives
+    the wave's own slot back to the pool, where the next request may overwrite it. The
+    band's table is the one after publishing."""
+    from wavepp.exec.base import ChunkWork, StageOutput
+    from wavepp.exec.stage import Admitted, Stage
+    from wavepp.policy import DEFAULT as p
+    from wavepp.rounds.admission import Offer, StageBook
+    from wavepp.state import block_hashes, block_table, empty_cache, usage
+
+    class Executor:
+        def band(self, job):
+            return []
+
+    settings = HandoffSettings(1, 2, FP, 30.0, 1 << 20)
+    stage = Stage(1, StageBook(empty_cache(8)), Executor(), 4, 4, False, handoff=settings)
+    hashes = tuple(block_hashes(np.arange(8, dtype=np.int32), 4))
+    cache, _ = p.lease(stage.book.cache, "a", hashes, 0)  # "a" computes both blocks
+    cache, _ = p.escrow(cache, "a", 2)
+    cache, _ = p.materialize(cache, "a", 2)
+    cached = block_table(cache, "a")
+    cache = p.release(p.publish(cache, "a", hashes, 2), "a")
+    cache, got = p.lease(cache, "b", hashes, 1)  # "b": the same 8 tokens, block 1 again
+    cache, _ = p.escrow(cache, "b", 1)
+    stage.book.cache, _ = p.materialize(cache, "b", 1)
+    before = block_table(stage.book.cache, "b")
+    assert got == 1 and before[0] == cached[0] and before[1] not in cached
+    stage.register(Admitted(Offer("b", 8, hashes, 1, "unix:/nowhere"), 1))
+    work = ChunkWork("b", 4, 8, 8, before, (), False, handoff=True)
+    stage._publish(work, StageOutput(None, 0.0, {"b": (5, 1.0)}), None)
+    band = stage.handoffs._jobs.receive_nowait()
+    assert band.block_table == cached  # not before[1], which is free again
+    assert usage(stage.book.cache).num_free == 8 - 2
