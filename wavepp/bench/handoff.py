@@ -158,11 +158,9 @@ class LibraryBands:
         import torch
 
         from wavepp.handoff import wire
-        from wavepp.handoff.client import build_band
 
         fp = wire.fingerprint_from_hf_config(config, "float32")
         self.stages, self.length = stages, length
-        self._build = build_band
         self._fp = fp
         self._tensors = []
         bounds = np.linspace(0, fp.num_layers, stages + 1).round().astype(int)
@@ -179,11 +177,12 @@ class LibraryBands:
         import torch
 
         from wavepp.handoff import wire
+        from wavepp.handoff.client import build_band
 
         last = stage == self.stages - 1
-        header, payload = self._build(request_id, stage, self.stages, self._fp,
-                                      self._tensors[stage], self.length,
-                                      0 if last else -1)  # fmt: skip
+        header, payload = build_band(request_id, stage, self.stages, self._fp,
+                                     self._tensors[stage], self.length,
+                                     0 if last else -1)  # fmt: skip
         prefix = wire.encode_band_prefix(header)
         with socket.socket(socket.AF_UNIX) as sock:
             start = time.perf_counter()
