@@ -359,14 +359,15 @@ def _exchange(
 
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     queue = [memoryview(v).cast("B") for v in views if v.nbytes]
-    while queue:
-        sent = sock.sendmsg(queue[:IOV_MAX])
-        while sent and queue:  # drop what went out; a partial buffer keeps its tail
-            if sent >= queue[0].nbytes:
-                sent -= queue[0].nbytes
-                queue.pop(0)
+    first = 0  # an index, not pops from the front: a 32K-token band has 16K buffers
+    while first < len(queue):
+        sent = sock.sendmsg(queue[first : first + IOV_MAX])
+        while sent:  # step over what went out; a partial buffer keeps its tail
+            if sent >= queue[first].nbytes:
+                sent -= queue[first].nbytes
+                first += 1
             else:
-                queue[0] = queue[0][sent:]
+                queue[first] = queue[first][sent:]
                 sent = 0
 
 
