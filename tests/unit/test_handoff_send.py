@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import tempfile
 import threading
 
 import anyio
@@ -272,3 +273,155 @@ def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged():
         assert rx.receiver.counts["bands_ok"] == 1
     assert outcomes["t"].ok and released == ["t"]
     assert outcomes["t"].num_bytes == 4 * 33 * 4 * 4
+
+
+class GatedBand:
+    """A band whose second tensor is read like a GPU stage's (a copy to host memory, in
+    the worker thread) and holds there until ``gate`` opens; ``reads`` counts reads done."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+        self.reads = 0
+
+    def read(self, value: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        self.gate.wait(30)
+        self.reads += 1
+        return value
+
+    def __call__(self, job: BandJob) -> list[BandTensor]:
+        n = job.num_tokens
+        k = torch.zeros(n, 1, 4)
+        return [BandTensor(0, "k", "float32", (n, 1, 4), lambda: k),
+                BandTensor(0, "v", "float32", (n, 1, 4), lambda: self.read(k))]  # fmt: skip
+
+
+async def _until(condition) -> None:
+    with anyio.fail_after(60):  # hang guard
+        while not condition():
+            await anyio.sleep(0.005)
+
+
+def test_a_cancelled_band_is_released_only_after_its_thread_stops_reading(sock_path):
+    """A cancel mid-band shuts the socket, but the worker thread may still be reading the
+    pool: the release (which frees the blocks for reuse) waits for it."""
+    receiver = Receiver(sock_path, "silent")
+    receiver.start()
+    band = GatedBand()
+    released: list[str] = []
+    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 20), band, released.append)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            sender.submit(job("a", f"unix:{sock_path}"))
+            await _until(band.entered.is_set)  # the thread is inside the second read
+            sender.cancel("a")
+            await anyio.sleep(0.2)  # the event loop is free to settle the band...
+            assert released == [] and sender.num_pending == 1  # ...and must not yet
+            band.gate.set()
+            await _until(lambda: not sender.num_pending)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        receiver.close()
+    (outcome,) = sender.take_outcomes()
+    assert outcome.reason == "cancelled" and released == ["a"] and band.reads == 1
+
+
+def test_a_stage_keeps_a_cancelled_requests_blocks_until_its_band_has_stopped():
+    """``Stage.drop`` of a request whose band is on its way leaves the blocks (its partial
+    last block among them, which the free list would hand out at once) to the sender."""
+    from wavepp.exec.stage import Stage
+    from wavepp.policy import DEFAULT
+    from wavepp.rounds.admission import StageBook
+    from wavepp.state import empty_cache, usage
+
+    band = GatedBand()
+
+    class Executor:
+        def band(self, job):
+            return band(job)
+
+        def cancel(self, rid):
+            pass
+
+    settings = HandoffSettings(1, 2, FP, 30.0, 1 << 20)
+    stage = Stage(1, StageBook(empty_cache(8)), Executor(), 4, 4, False, handoff=settings)
+    cache, _ = DEFAULT.lease(stage.book.cache, "a", [], 0)
+    cache, ok = DEFAULT.escrow(cache, "a", 3)
+    stage.book.cache, _ = DEFAULT.materialize(cache, "a", 3)  # 10 tokens: 3 blocks
+    assert ok and usage(stage.book.cache).num_free == 5
+
+    async def main(path):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stage.handoffs.run)
+            stage.handing_off.add("a")
+            stage.handoffs.submit(job("a", f"unix:{path}"))
+            await _until(band.entered.is_set)
+            stage.drop("a")
+            assert "a" in stage.book.cache.claims  # still held: the thread reads them
+            assert usage(stage.book.cache).num_free == 5
+            band.gate.set()
+            await _until(lambda: not stage.handoffs.num_pending)
+            tg.cancel_scope.cancel()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        receiver = Receiver(f"{tmp}/r.sock", "silent")
+        receiver.start()
+        try:
+            anyio.run(main, f"{tmp}/r.sock")
+        finally:
+            receiver.close()
+    assert "a" not in stage.book.cache.claims and not stage.handing_off
+    assert usage(stage.book.cache).num_free == 8
+    (outcome,) = stage.take_handoff_outcomes()
+    assert outcome.reason == "cancelled"
+
+
+def test_the_outcome_tells_the_time_on_the_wire_from_the_whole(sock_path):
+    receiver = Receiver(sock_path)
+    receiver.start()
+    try:
+        outcomes, _ = run_jobs([job("a", f"unix:{sock_path}", n=500)])
+    finally:
+        receiver.close()
+    assert 0 < outcomes["a"].wire_s <= outcomes["a"].seconds
+
+
+def test_a_band_reads_the_cached_slot_of_a_block_another_request_published_first():
+    """A prompt of whole blocks that is cached already recomputes its last block (its
+    last token's logits are needed); publishing then shares the cached block and gives
+    the wave's own slot back to the pool, where the next request may overwrite it. The
+    band's table is the one after publishing."""
+    from wavepp.exec.base import ChunkWork, StageOutput
+    from wavepp.exec.stage import Admitted, Stage
+    from wavepp.policy import DEFAULT as p
+    from wavepp.rounds.admission import Offer, StageBook
+    from wavepp.state import block_hashes, block_table, empty_cache, usage
+
+    class Executor:
+        def band(self, job):
+            return []
+
+    settings = HandoffSettings(1, 2, FP, 30.0, 1 << 20)
+    stage = Stage(1, StageBook(empty_cache(8)), Executor(), 4, 4, False, handoff=settings)
+    hashes = tuple(block_hashes(np.arange(8, dtype=np.int32), 4))
+    cache, _ = p.lease(stage.book.cache, "a", hashes, 0)  # "a" computes both blocks
+    cache, _ = p.escrow(cache, "a", 2)
+    cache, _ = p.materialize(cache, "a", 2)
+    cached = block_table(cache, "a")
+    cache = p.release(p.publish(cache, "a", hashes, 2), "a")
+    cache, got = p.lease(cache, "b", hashes, 1)  # "b": the same 8 tokens, block 1 again
+    cache, _ = p.escrow(cache, "b", 1)
+    stage.book.cache, _ = p.materialize(cache, "b", 1)
+    before = block_table(stage.book.cache, "b")
+    assert got == 1 and before[0] == cached[0] and before[1] not in cached
+    stage.register(Admitted(Offer("b", 8, hashes, 1, "unix:/nowhere"), 1))
+    work = ChunkWork("b", 4, 8, 8, before, (), False, handoff=True)
+    stage._publish(work, StageOutput(None, 0.0, {"b": (5, 1.0)}), None)
+    band = stage.handoffs._jobs.receive_nowait()
+    assert band.block_table == cached  # not before[1], which is free again
+    assert usage(stage.book.cache).num_free == 8 - 2

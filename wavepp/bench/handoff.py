@@ -2,17 +2,28 @@
 
 Three measurements, each a ratio or a time from this invocation's own runs:
 
-- **bandwidth**: one prompt per length (default 4,096 and 32,768 tokens) prefilled at
-  ``--stages`` stages and handed to a receiver in this process (``wavepp.handoff``'s
-  ``Receiver``, checking every band); each stage's bytes over its time from the
-  request's last chunk there to the acknowledgement, against a plain Unix-socket copy
-  of the same number of bytes between two processes on this machine (``sendall`` of one
-  buffer into ``recv_into``), right after;
+- **bandwidth**: the server (``wavepp.serve.launch``, ``--stages`` stages, one request at
+  a time) prefills fresh prompts of each length (default 4,096 and 32,768 tokens) and
+  hands each to ``wavepp.handoff``'s ``Receiver`` in a process of its own (checking every
+  band, reading it into freshly allocated tensors). Each stage's band bytes over its
+  **wire time** — the stage's sender thread, from connect to the acknowledgement
+  received (``wire_s`` in the record; ``seconds``, from the last chunk on that stage to
+  the acknowledgement handled, adds the queueing and setup) — against a **plain copy**
+  timed the same way: this process connects to a receiver process of its own, writes the
+  same number of bytes from memory it holds (``sendall`` of one buffer) and stops the
+  clock at the receiver's 1-byte answer, sent once it holds every byte in fresh memory.
+  A third row, **plain sender into the library receiver**, sends bands of the same
+  layers from this process (blocking ``sendall`` per tensor) into the same ``Receiver``:
+  its gap to the plain copy is the receiver's cost, its gap to the handoff the stage
+  sender's. The three are interleaved, one of each per sample, in turn; every figure is
+  the median over ``--samples`` with its min–max, and one plain-copy median per length
+  is the denominator of both ratios;
 - **latency**: from the request's last chunk (on the last stage) to the receiver
-  holding every band (the last acknowledgement);
+  holding every band (the last stage's ``ended_at`` to the latest ``ended_at +
+  seconds``);
 - **throughput**: the default job (``wavepp.main`` with no options but ``--json``)
-  with every request handing its cache to a receiver (``--handoff-all``) against the
-  same job without, ``--repeats`` alternating pairs.
+  with every request handing its cache to the receiver process (``--handoff-all``)
+  against the same job without, ``--repeats`` alternating pairs.
 """
 
 from __future__ import annotations
@@ -20,29 +31,103 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-import anyio
-import anyio.from_thread
 import numpy as np
 
 from wavepp.bench._stats import emit
 
-COPIER = """
-import socket, sys
-size = int(sys.argv[2])
-data = bytearray(b"\x01") * size  # touched: real pages, as a cache is
-s = socket.socket(socket.AF_UNIX)
-s.connect(sys.argv[1])
-s.sendall(data)
-s.recv(1)
+RECEIVER = """
+import json, sys, anyio
+from wavepp.handoff.receive import Receiver
+
+async def main():
+    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None)
+    async with anyio.create_task_group() as tg:
+        await tg.start(rx.serve, sys.argv[1])
+        print("ready", flush=True)
+
+anyio.run(main)
 """
+
+COPY_RECEIVER = """
+import socket, struct, sys
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen(8)
+print("ready", flush=True)
+while True:
+    conn, _ = listener.accept()
+    with conn:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        (size,) = struct.unpack("<Q", head)
+        buffer = bytearray(size)  # fresh memory, as a receiver allocating a cache
+        view, got = memoryview(buffer), 0
+        while got < size:
+            n = conn.recv_into(view[got:])
+            if not n:
+                raise SystemExit("the sender hung up")
+            got += n
+        conn.sendall(b"k")
+        del view, buffer
+"""
+
+BLOCK = 16  # the server's block size (tokens)
+LISTENING = re.compile(r"listening on (http://\S+) \(pid")
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@contextmanager
+def _child(script: str, *args: str):
+    """A helper process that prints ``ready`` once it listens."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        if proc.stdout.readline().strip() != "ready":
+            raise SystemExit(f"a helper process did not start ({' '.join(args)[:200]})")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+
+@contextmanager
+def _server(args, tmp: Path):
+    """The server for the bandwidth runs; yields its URL."""
+    blocks = -(-max(args.lengths) // BLOCK) + 16  # the longest prompt, and some
+    cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node", str(args.stages),
+           "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--budget",
+           str(args.budget), "--concurrency", "1", "--block-size", str(BLOCK),
+           "--capacity-blocks", str(blocks)]  # fmt: skip
+    log = tmp / "server.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 300
+        while not (match := LISTENING.search(log.read_text())):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield match.group(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _torchrun(stages: int, args: list[str]) -> None:
@@ -53,108 +138,182 @@ def _torchrun(stages: int, args: list[str]) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-class _Receiver:
-    """A ``wavepp.handoff`` receiver for ``config`` on a Unix socket, in a thread."""
-
-    def __init__(self, config: dict, path: Path) -> None:
-        from wavepp.handoff.receive import Receiver
-
-        self.address = f"unix:{path}"
-        self.receiver = Receiver(config, "float32", on_complete=lambda h: None)
-
-    def __enter__(self):
-        self._cm = anyio.from_thread.start_blocking_portal()
-        portal = self._cm.__enter__()
-        self._future, _ = portal.start_task(self.receiver.serve, self.address)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._future.cancel()
-        self._cm.__exit__(None, None, None)
+def plain_copy_s(path: Path, data: bytearray) -> float:
+    """Connect to the copy receiver, write ``data``, wait for its answer: seconds."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        start = time.perf_counter()
+        sock.connect(str(path))
+        sock.sendall(struct.pack("<Q", len(data)))
+        sock.sendall(data)
+        if sock.recv(1) != b"k":
+            raise SystemExit("the copy receiver hung up")
+        return time.perf_counter() - start
 
 
-def plain_copy_s(num_bytes: int, tmp: Path) -> float:
-    """Seconds to move ``num_bytes`` over a Unix socket from another process."""
-    path = tmp / "copy.sock"
-    with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(str(path))
-        listener.listen(1)
-        child = subprocess.Popen([sys.executable, "-c", COPIER, str(path), str(num_bytes)])
-        conn, _ = listener.accept()
-        with conn:
+class LibraryBands:
+    """Bands of a prompt length, from this process into the library receiver: stage s of
+    ``stages`` holding an even split of the layers (stage 0 the token ids)."""
+
+    def __init__(self, config: dict, stages: int, length: int) -> None:
+        import torch
+
+        from wavepp.handoff import wire
+
+        fp = wire.fingerprint_from_hf_config(config, "float32")
+        self.stages, self.length = stages, length
+        self._fp = fp
+        self._tensors = []
+        bounds = np.linspace(0, fp.num_layers, stages + 1).round().astype(int)
+        for stage in range(stages):
+            tensors = {(-1, "tokens"): torch.zeros(length, dtype=torch.int32)} if stage == 0 else {}
+            for layer in range(bounds[stage], bounds[stage + 1]):
+                for name, (_, shape) in wire.expected_tensors(config, "float32", layer,
+                                                               length).items():  # fmt: skip
+                    tensors[(layer, name)] = torch.ones(shape)  # touched pages
+            self._tensors.append(tensors)
+
+    def send_s(self, path: Path, request_id: str, stage: int) -> tuple[int, float]:
+        """(payload bytes, seconds from connect to the acknowledgement)."""
+        import torch
+
+        from wavepp.handoff import wire
+        from wavepp.handoff.client import build_band
+
+        last = stage == self.stages - 1
+        header, payload = build_band(request_id, stage, self.stages, self._fp,
+                                     self._tensors[stage], self.length,
+                                     0 if last else -1)  # fmt: skip
+        prefix = wire.encode_band_prefix(header)
+        with socket.socket(socket.AF_UNIX) as sock:
             start = time.perf_counter()
-            buffer = bytearray(num_bytes)  # fresh memory, as a receiver holding a cache needs
-            view, got = memoryview(buffer), 0
-            while got < num_bytes:
-                n = conn.recv_into(view[got:])
-                if not n:
-                    raise RuntimeError("the copier hung up")
-                got += n
+            sock.connect(str(path))
+            sock.sendall(prefix)
+            for tensor in payload:
+                sock.sendall(tensor.reshape(-1).view(torch.uint8).numpy())
+            length = wire.ack_length(sock.recv(wire.ACK_PREFIX_BYTES, socket.MSG_WAITALL))
+            ack = wire.decode_ack(sock.recv(length, socket.MSG_WAITALL))
             seconds = time.perf_counter() - start
-            conn.sendall(b"k")
-        child.wait(60)
-    path.unlink()
-    return seconds
+        if not ack.ok:
+            raise SystemExit(f"the library receiver refused a plain band: {ack.error}")
+        return wire.band_bytes(header), seconds
 
 
-def bandwidth(args, model_config: dict, tmp: Path) -> list[dict]:
+def _handoff_sample(client, rx: str, tokens: list[int]) -> dict:
+    answer = client.post("/v1/prefill", json={"tokens": tokens, "handoff": rx})
+    body = answer.json()
+    handoff = body.get("handoff") or {}
+    if answer.status_code != 200 or handoff.get("status") != "done":
+        raise SystemExit(f"a handoff failed: {answer.status_code} {body}")
+    return handoff
+
+
+def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
+    import httpx
+
     rows = []
     rng = np.random.default_rng(0)
-    for length in args.lengths:
-        requests, out = tmp / f"len-{length}.jsonl", tmp / f"len-{length}.json"
-        with open(requests, "w") as f:
+    rx_path, copy_path = tmp / "rx.sock", tmp / "copy.sock"
+    rx = f"unix:{rx_path}"
+    with (_child(RECEIVER, rx, json.dumps(config)), _child(COPY_RECEIVER, str(copy_path)),
+          _server(args, tmp) as url,
+          httpx.Client(base_url=url, timeout=600) as client):  # fmt: skip
+        for length in args.lengths:
+            library = LibraryBands(config, args.stages, length)
+
+            def draw(n: int = length) -> list[int]:
+                return rng.integers(3, config["vocab_size"], n).tolist()
+
+            warm = _handoff_sample(client, rx, draw())  # warm-up, not counted
+            data = bytearray(b"\x01") * max(s["bytes"] for s in warm["stages"])
+            plain_copy_s(copy_path, data)
+            for stage in range(args.stages):
+                library.send_s(rx_path, f"warm-{length}-{stage}", stage)
+            handoffs, copies, plain_bands = [], [], []
+            kinds = ["handoff", "copy", "plain bands"]
             for k in range(args.samples):
-                tokens = rng.integers(3, model_config["vocab_size"], length).tolist()
-                f.write(json.dumps({"id": f"p{length}-{k}", "tokens": tokens,
-                                    "handoff": True}) + "\n")  # fmt: skip
-        with _Receiver(model_config, tmp / "rx.sock") as rx:
-            _torchrun(args.stages, ["--model", args.model, "--requests-file", str(requests),
-                                    "--budget", str(args.budget), "--concurrency", "1",
-                                    "--handoff-to", rx.address, "--json", str(out)])  # fmt: skip
-        latencies, per_stage = [], [[] for _ in range(args.stages)]
-        for request in json.loads(out.read_text())["requests"]:
-            stages = request["handoff"]["stages"]
-            if not all(s["ok"] for s in stages):
-                raise SystemExit(f"handoff of {length} tokens failed: {request['handoff']}")
-            last = stages[-1]["ended_at"]
-            latencies.append(max(s["ended_at"] + s["seconds"] for s in stages) - last)
-            for s in stages:
-                per_stage[s["stage"]].append((s["bytes"], s["seconds"]))
-        row = {"tokens": length, "samples": args.samples,
-               "latency_s": statistics.median(latencies), "stages": []}  # fmt: skip
-        for stage, samples in enumerate(per_stage):
-            num_bytes = samples[0][0]
-            seconds = statistics.median(s for _, s in samples)
-            plain = statistics.median(plain_copy_s(num_bytes, tmp) for _ in range(args.samples))
-            row["stages"].append({
-                "stage": stage, "bytes": num_bytes, "seconds": seconds,
-                "gb_s": num_bytes / seconds / 1e9, "plain_copy_s": plain,
-                "plain_copy_gb_s": num_bytes / plain / 1e9, "ratio": plain / seconds,
-            })  # fmt: skip
-        rows.append(row)
-        print(f"{length:>7,} tokens: cache held {row['latency_s'] * 1e3:.1f} ms after the "
-              "last chunk (median); " + "; ".join(
-                  f"stage {s['stage']} {s['bytes'] / 2**20:.1f} MiB at {s['gb_s']:.2f} GB/s = "
-                  f"{s['ratio']:.2f}x a plain copy ({s['plain_copy_gb_s']:.2f} GB/s)"
-                  for s in row["stages"]), flush=True)  # fmt: skip
+                # one of each per sample, in turn, each first in a third of the samples
+                for kind in kinds[k % 3 :] + kinds[: k % 3]:
+                    if kind == "handoff":
+                        handoffs.append(_handoff_sample(client, rx, draw()))
+                    elif kind == "copy":
+                        copies.append(plain_copy_s(copy_path, data))
+                    else:
+                        plain_bands.append([library.send_s(rx_path, f"p{length}-{k}", stage)
+                                            for stage in range(args.stages)])  # fmt: skip
+            rows.append(_row(length, args.stages, handoffs, copies, len(data), plain_bands))
+            _print_row(rows[-1])
     return rows
+
+
+def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
+         copy_bytes: int, plain_bands: list[list[tuple[int, float]]]) -> dict:  # fmt: skip
+    plain = statistics.median(copies)
+    plain_gb_s = copy_bytes / plain / 1e9
+    latencies = []
+    for h in handoffs:
+        last = h["stages"][-1]["ended_at"]
+        latencies.append(max(s["ended_at"] + s["seconds"] for s in h["stages"]) - last)
+    row = {
+        "tokens": length, "samples": len(handoffs), "latency_s": _spread(latencies),
+        "plain_copy": {"bytes": copy_bytes, "seconds": _spread(copies),
+                       "gb_s": _spread([copy_bytes / s / 1e9 for s in copies])},
+        "stages": [],
+    }  # fmt: skip
+    for stage in range(stages):
+        bands = [h["stages"][stage] for h in handoffs]
+        num_bytes = bands[0]["bytes"]
+        gb_s = [b["bytes"] / b["wire_s"] / 1e9 for b in bands]
+        lib = [plain[stage] for plain in plain_bands]
+        lib_gb_s = [n / s / 1e9 for n, s in lib]
+        row["stages"].append({
+            "stage": stage, "bytes": num_bytes,
+            "wire_s": _spread([b["wire_s"] for b in bands]),
+            "setup_s": _spread([b["seconds"] - b["wire_s"] for b in bands]),
+            "seconds": _spread([b["seconds"] for b in bands]),
+            "gb_s": _spread(gb_s),
+            "ratio": {k: v / plain_gb_s for k, v in _spread(gb_s).items()},
+            "plain_sender_library_receiver": {
+                "bytes": lib[0][0], "gb_s": _spread(lib_gb_s),
+                "ratio": {k: v / plain_gb_s for k, v in _spread(lib_gb_s).items()},
+            },
+        })  # fmt: skip
+    return row
+
+
+def _print_row(row: dict) -> None:
+    lat, plain = row["latency_s"], row["plain_copy"]["gb_s"]
+    print(f"{row['tokens']:>7,} tokens, {row['samples']} samples: cache held "
+          f"{lat['median'] * 1e3:.1f} ms ({lat['min'] * 1e3:.1f}-{lat['max'] * 1e3:.1f}) after "
+          f"the last chunk; plain copy {plain['median']:.2f} GB/s "
+          f"({plain['min']:.2f}-{plain['max']:.2f})", flush=True)  # fmt: skip
+    for s in row["stages"]:
+        r, lib = s["ratio"], s["plain_sender_library_receiver"]["ratio"]
+        print(f"  stage {s['stage']}: {s['bytes'] / 2**20:.1f} MiB at {s['gb_s']['median']:.2f} "
+              f"GB/s on the wire = {r['median']:.2f}x the plain copy ({r['min']:.2f}-"
+              f"{r['max']:.2f}); setup {s['setup_s']['median'] * 1e3:.1f} ms; plain sender "
+              f"into the library receiver {lib['median']:.2f}x ({lib['min']:.2f}-"
+              f"{lib['max']:.2f})", flush=True)  # fmt: skip
 
 
 def throughput(args, tmp: Path) -> dict:
     from wavepp.model import BUILTIN, hf_config
 
     runs: dict[str, list[float]] = {"off": [], "on": []}
+    config = json.dumps(hf_config(BUILTIN["tiny-kimi"]))
     for repeat in range(args.repeats):
         order = ("off", "on") if repeat % 2 == 0 else ("on", "off")
         for mode in order:
             out = tmp / f"default-{mode}-{repeat}.json"
             if mode == "on":
-                with _Receiver(hf_config(BUILTIN["tiny-kimi"]), tmp / "rx.sock") as rx:
-                    _torchrun(4, ["--handoff-all", "--handoff-to", rx.address,
-                                  "--json", str(out)])  # fmt: skip
+                rx = f"unix:{tmp / f'rx-default-{repeat}.sock'}"
+                with _child(RECEIVER, rx, config):  # a fresh receiver a run
+                    _torchrun(4, ["--handoff-all", "--handoff-to", rx, "--json", str(out)])
                 record = json.loads(out.read_text())
-                if record["handoff"].get("done") != sum(1 for _ in record["requests"]):
-                    raise SystemExit(f"not every handoff was done: {record['handoff']}")
+                if record["handoff"].get("done") != len(record["requests"]):
+                    errors = {(r.get("handoff") or {}).get("error") for r in record["requests"]}
+                    errors.discard(None)
+                    raise SystemExit(f"not every handoff was done: {record['handoff']}, "
+                                     f"e.g. {sorted(errors)[:3]}")  # fmt: skip
             else:
                 _torchrun(4, ["--json", str(out)])
                 record = json.loads(out.read_text())
@@ -163,7 +322,7 @@ def throughput(args, tmp: Path) -> dict:
                   flush=True)  # fmt: skip
     ratios = [on / off for on, off in zip(runs["on"], runs["off"], strict=True)]
     return {"tok_s_off": runs["off"], "tok_s_on": runs["on"], "ratios": ratios,
-            "median_ratio": statistics.median(ratios)}  # fmt: skip
+            "ratio": _spread(ratios)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,9 +334,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="model of the bandwidth runs (a built-in name)")  # fmt: skip
     parser.add_argument("--stages", type=int, default=2, help="stages of the bandwidth runs")
     parser.add_argument("--budget", type=int, default=2048, help="wave budget of those runs")
-    parser.add_argument("--samples", type=int, default=3,
-                        help="prompts per length (medians over them)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--samples", type=int, default=10,
+                        help="samples per length (medians and min-max over them)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3,
                         help="alternating on/off pairs of the default job (0: skip)")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
@@ -192,7 +351,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="wavepp-handoff-") as tmp:
         rows = bandwidth(args, config, Path(tmp))
         record = {"machine": f"{os.cpu_count()} cores", "model": args.model,
-                  "stages": args.stages, "bandwidth": rows}
+                  "stages": args.stages, "bandwidth": rows,
+                  "note": "wire_s: a stage's sender thread, connect to ack; setup_s: the "
+                          "rest of seconds (last chunk to ack handled)"}  # fmt: skip
+        if args.json:  # kept should the throughput runs fail
+            Path(args.json).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         if args.repeats:
             record["throughput_default_job"] = throughput(args, Path(tmp))
     emit(record, args.json)

@@ -7,13 +7,16 @@ sender reads the band's tensors from the pool one at a time (in a worker thread)
 streams them to the receiver in WavePP's wire format (``wavepp.handoff.wire``), waits
 for the receiver's acknowledgement and then releases the blocks through the stage's
 callback — however the band ends: acknowledged, refused, timed out, disconnected or
-cancelled. Its :class:`~wavepp.rounds.messages.HandoffOutcome` goes to rank 0 with the
-stage's next wave.
+cancelled — and only once the worker thread no longer reads them. Its
+:class:`~wavepp.rounds.messages.HandoffOutcome` (the whole time since the last chunk, and
+of it the time on the wire) goes to rank 0 with the stage's next wave.
 
 Memory: at most ``budget_bytes`` of bands are on their way at once per stage; a band
 that does not fit waits its turn (its blocks stay in the pool) and one larger than the
-whole budget goes alone. What is copied out of the pool at a time is one tensor (one
-layer's keys, values, latents or state). ``timeout_s`` bounds a band from the request's
+whole budget goes alone. On a CPU stage the pool's rows go out without a copy; a tensor
+without such buffers (a GPU stage's rows, a recurrent state) is copied to host memory,
+sent and dropped before the next is read: one tensor (one layer's keys, values, latents
+or state) at a time. ``timeout_s`` bounds a band from the request's
 last chunk to the acknowledgement, the wait for the budget included.
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
@@ -27,6 +30,7 @@ import contextlib
 import math
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -124,8 +128,8 @@ class HandoffSender:
         self._send_jobs.send_nowait(job)
 
     def cancel(self, rid: RequestId) -> None:
-        """The request was cancelled: stop its band wherever it is (its blocks were
-        released by the stage already)."""
+        """The request was cancelled: stop its band wherever it is. Its blocks are
+        released as for any other end (the callback), once nothing reads them."""
         scope = self._scopes.get(rid)
         if scope is not None:
             scope.cancel()
@@ -150,6 +154,7 @@ class HandoffSender:
 
     async def _one(self, job: BandJob, scope: anyio.CancelScope) -> None:
         reason, detail, sent = "", "", 0
+        wire_s = [0.0]  # filled by the worker thread: connect to the ack (or its end)
         with scope:
             try:
                 remaining = self.settings.timeout_s - (time.monotonic() - job.ended_at)
@@ -159,7 +164,7 @@ class HandoffSender:
                     held = min(size, self.settings.budget_bytes)
                     await self._acquire(held)
                     try:
-                        sent = await self._deliver(job, tensors)
+                        sent = await self._deliver(job, tensors, wire_s)
                     finally:
                         self._in_use -= held
                         self._budget_freed.set()  # every waiter looks again
@@ -174,22 +179,24 @@ class HandoffSender:
         if scope.cancelled_caught:
             reason, detail = "cancelled", "the request was cancelled during its handoff"
         self._scopes.pop(job.request_id, None)
-        self._settle(job, reason, detail, sent)
+        self._settle(job, reason, detail, sent, wire_s[0])
 
-    def _settle(self, job: BandJob, reason: str, detail: str, sent: int) -> None:
+    def _settle(self, job: BandJob, reason: str, detail: str, sent: int,
+                wire_s: float = 0.0) -> None:  # fmt: skip
         self.num_pending -= 1
         self._release(job.request_id)
         seconds = max(time.monotonic() - job.ended_at, 0.0)
         self.outcomes.append(HandoffOutcome(job.request_id, self.settings.stage, not reason,
                                             reason, detail[:1024], sent, seconds,
-                                            job.ended_wall))  # fmt: skip
+                                            job.ended_wall, min(wire_s, seconds)))  # fmt: skip
 
     async def _acquire(self, num_bytes: int) -> None:
         while self._in_use and self._in_use + num_bytes > self.settings.budget_bytes:
             await self._budget_freed.wait()
         self._in_use += num_bytes
 
-    async def _deliver(self, job: BandJob, tensors: Sequence[BandTensor]) -> int:
+    async def _deliver(self, job: BandJob, tensors: Sequence[BandTensor],
+                       wire_s: list[float]) -> int:  # fmt: skip
         try:
             address = wire.parse_address(job.target)
         except ValueError as error:
@@ -209,15 +216,23 @@ class HandoffSender:
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
                              if ":" in address.host else socket.AF_INET)  # fmt: skip
         deadline = job.ended_at + self.settings.timeout_s
+        finished = threading.Event()
         try:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
-            # or the timeout abandons the thread and shuts the socket, which ends it.
+            # or the timeout shuts the socket, which ends the thread's blocking calls.
             ack = await anyio.to_thread.run_sync(_send_band, sock, address, prefix, tensors,
-                                                 deadline, job.target, abandon_on_cancel=True)
+                                                 deadline, job.target, wire_s, finished,
+                                                 abandon_on_cancel=True)  # fmt: skip
         finally:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
+            if not finished.is_set():
+                # cancelled or timed out: the blocks stay held until the thread has
+                # stopped reading them (the shut socket ends it at once; a connect
+                # still waiting ends by the band's deadline)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(finished.wait)
         if ack.request_id != job.request_id or ack.stage != self.settings.stage:
             raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
                              f"{ack.stage}, not {job.request_id!r} stage "
@@ -275,10 +290,24 @@ SOCKET_BUFFER = 4 << 20  # bytes asked for the band's send buffer
 def _send_band(
     sock: socket.socket, address: wire.Address, prefix: bytes,
     tensors: Sequence[BandTensor], deadline: float, target: str,
+    wire_s: list[float], finished: threading.Event,
 ) -> wire.Ack:  # fmt: skip
     """A band's whole exchange with blocking calls (in a worker thread): connect, the
-    prefix and header, every tensor's bytes, the acknowledgement. Owns ``sock``."""
+    prefix and header, every tensor's bytes, the acknowledgement. Owns ``sock``; sets
+    ``wire_s[0]`` to its seconds from connect to the ack (or to its failure) and
+    ``finished`` when it no longer touches the band's tensors."""
+    started = time.perf_counter()
+    try:
+        return _exchange(sock, address, prefix, tensors, deadline, target)
+    finally:
+        wire_s[0] = time.perf_counter() - started
+        finished.set()
 
+
+def _exchange(
+    sock: socket.socket, address: wire.Address, prefix: bytes,
+    tensors: Sequence[BandTensor], deadline: float, target: str,
+) -> wire.Ack:  # fmt: skip
     def left() -> float:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -295,19 +324,23 @@ def _send_band(
             if isinstance(error, TimeoutError):
                 raise
             raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
-        # The prefix and every tensor's buffers go out in as few sendmsg calls as the
-        # iovec limit allows, blocking, no timeout: this thread wakes (and takes the GIL)
-        # once per call, not every socket buffer's worth. The timeout and a cancel still
-        # end it: the event loop shuts the socket.
-        views = [memoryview(prefix)]
-        for tensor in tensors:
-            if tensor.buffers is not None:
-                views += tensor.buffers()
-            else:  # one flat run of bytes (an n-D memoryview would slice by rows)
-                views.append(tensor.read().reshape(-1).view(torch.uint8).numpy().data)
+        # Buffers go out in as few sendmsg calls as the iovec limit allows, blocking, no
+        # timeout: this thread wakes (and takes the GIL) once per call, not every socket
+        # buffer's worth. The timeout and a cancel still end it: the event loop shuts
+        # the socket.
         sock.settimeout(None)
         try:
+            views = [memoryview(prefix)]
+            for tensor in tensors:
+                if tensor.buffers is not None:  # the pool's own blocks: no copy
+                    views += tensor.buffers()
+                    continue
+                # a copy in host memory: out before the next tensor is read, so one
+                # tensor's bytes at a time (one flat run: an n-D view would slice by rows)
+                _sendmsg_all(sock, views)
+                views = [tensor.read().reshape(-1).view(torch.uint8).numpy().data]
             _sendmsg_all(sock, views)
+            del views
         except TimeoutError:
             raise
         except OSError as error:
@@ -326,14 +359,15 @@ def _send_band(
 
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     queue = [memoryview(v).cast("B") for v in views if v.nbytes]
-    while queue:
-        sent = sock.sendmsg(queue[:IOV_MAX])
-        while sent and queue:  # drop what went out; a partial buffer keeps its tail
-            if sent >= queue[0].nbytes:
-                sent -= queue[0].nbytes
-                queue.pop(0)
+    first = 0  # an index, not pops from the front: a 32K-token band has 16K buffers
+    while first < len(queue):
+        sent = sock.sendmsg(queue[first : first + IOV_MAX])
+        while sent:  # step over what went out; a partial buffer keeps its tail
+            if sent >= queue[first].nbytes:
+                sent -= queue[first].nbytes
+                first += 1
             else:
-                queue[0] = queue[0][sent:]
+                queue[first] = queue[first][sent:]
                 sent = 0
 
 

@@ -115,13 +115,15 @@ class Stage:
     def drop(self, rid: RequestId) -> None:
         """Cancel whatever the request holds here: lease, escrow, slots, live state, a
         band on its way."""
-        self.book.cache = self.policy.cancel(self.book.cache, rid)
         self.requests.pop(rid, None)
         self._arrivals.pop(rid, None)
         self.executor.cancel(rid)
         if rid in self.handing_off:
-            self.handing_off.discard(rid)
+            # its band may be on the wire: the blocks stay held until the sender has
+            # stopped reading them, then go as any band's do (_handed_off)
             self.handoffs.cancel(rid)
+        else:
+            self.book.cache = self.policy.cancel(self.book.cache, rid)
 
     def forget(self, evicted: Sequence) -> None:
         """Blocks a materialization or a round evicted: gone from the executor (and, with
@@ -161,17 +163,17 @@ class Stage:
         self.handing_off.add(rid)
         self.handoffs.submit(BandJob(
             request_id=rid, target=admitted.offer.handoff, num_tokens=work.num_tokens,
-            block_table=work.block_table, states=states,
+            # the table after publishing: a block another request had cached meanwhile
+            # is read from that request's slot, the wave's own having gone back to the pool
+            block_table=block_table(self.book.cache, rid), states=states,
             tokens=prompt,
             first_token=token, top_logit=logit,
         ))  # fmt: skip
 
     def _handed_off(self, rid: RequestId) -> None:
-        """Its band ended (acknowledged or not): release what it held, unless a cancel
-        already dropped it."""
-        if rid in self.handing_off:
-            self.handing_off.discard(rid)
-            self.book.cache = self.policy.release(self.book.cache, rid)
+        """Its band ended (acknowledged, failed or cancelled): release what it held."""
+        self.handing_off.discard(rid)
+        self.book.cache = self.policy.release(self.book.cache, rid)
 
     def take_handoff_outcomes(self) -> list[HandoffOutcome]:
         return self.handoffs.take_outcomes() if self.handoffs is not None else []

@@ -108,6 +108,8 @@ class HandoffOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ar
     num_bytes: Count  # tensor bytes sent
     seconds: Seconds  # from the request's last chunk here to the acknowledgement
     ended_at: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # wall clock of that last chunk
+    wire_s: Seconds = 0.0  # of ``seconds``, on the wire: connect to the ack received (the
+    #                        rest is queueing and setup: the budget, the band's layout)
 
 
 MAX_REPORT_HASHES = 1 << 20  # block hashes in one stage's CacheReport (8 MiB packed)

@@ -221,6 +221,6 @@ class Record:
             "error": f"stage {failed[0].stage}: {failed[0].detail}" if failed else None,
             "stages": [{"stage": o.stage, "ok": o.ok, "reason": o.reason or None,
                         "bytes": o.num_bytes, "seconds": round(o.seconds, 6),
-                        "ended_at": o.ended_at}
+                        "wire_s": round(o.wire_s, 6), "ended_at": o.ended_at}
                        for o in stages],
         }  # fmt: skip
