@@ -171,9 +171,10 @@ class Stage:
         ))  # fmt: skip
 
     def _handed_off(self, rid: RequestId) -> None:
-        """Its band ended (acknowledged, failed or cancelled): release what it held."""
-        self.handing_off.discard(rid)
-        self.book.cache = self.policy.release(self.book.cache, rid)
+        """Its band ended (acknowledged, failed or cancelled): release what it held, once."""
+        if rid in self.handing_off:
+            self.handing_off.discard(rid)
+            self.book.cache = self.policy.release(self.book.cache, rid)
 
     def take_handoff_outcomes(self) -> list[HandoffOutcome]:
         return self.handoffs.take_outcomes() if self.handoffs is not None else []
