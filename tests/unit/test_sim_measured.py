@@ -240,13 +240,15 @@ def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
     from wavepp.bench.validate import Spec, row, table
 
     def runs(*pairs):
-        return [{"throughput_tok_s": t, "completion_p50_s": p} for t, p in pairs]
+        return [{"throughput_tok_s": t, "completion_p50_s": p, "makespan_s": 2.0,
+                 "stage_utilization": [0.5, 0.25], "stage_waves": [4, 4]} for t, p in pairs]
 
     good = row(Spec("tiny-kimi", "cold", 2), runs((1000, 1.0), (1100, 1.2), (900, 0.8)),
                runs((1050, 1.05)))  # fmt: skip
     assert (good["measured_tok_s"], good["measured_p50_s"]) == (1000, 1.0)
     assert good["tok_s_error"] == pytest.approx(0.05) and good["within_goal"]
     assert good["note"] == ""
+    assert good["runs"]["torch"][0]["stage_busy_s"] == [1.0, 0.5]
     crowded = row(Spec("tiny-llama", "seeded", 4), runs((1000, 1.0)), runs((1500, 0.5)))
     assert not crowded["within_goal"] and "4 ranks on 2 cores" in crowded["note"]
     text = table([good, crowded])

@@ -8,7 +8,8 @@ runs it, the embedding and the head — is timed as ``--layers-per-stage auto`` 
 (``wavepp.exec.layer_costs.measure``: a stage of its own, the median of ``--repeats``
 waves after a warm-up) on a grid of waves (chunks x new tokens after a cached prefix),
 and fitted to ``wave_s + token_s·T + pair_s·Σ t·(p + t/2)`` by non-negative least
-squares (the head to its rows). The whole model as one stage is timed on the same waves:
+squares (the head to its rows; ``pair_s`` only for attention mixers, the parts whose
+work grows with the prefix). The whole model as one stage is timed on the same waves:
 the parts' summed times exceed it by the executor's per-wave cost once per part beyond
 the first, which gives that cost (``wave_overhead_s``, charged once per stage); the
 spread of its repeated waves is the profile's ``noise``. The link: activations of a few
@@ -67,9 +68,24 @@ def nnls(rows: list[list[float]], values: list[float]) -> list[float]:
         free.remove(int(np.argmin(coef)))
 
 
-def fit_part(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
-    """(wave_s, token_s, pair_s) of (tokens, pairs, seconds) points."""
+ATTENTION = ("gqa", "mla", "gattn", "mmattn")  # mixers whose work grows with the prefix
+
+
+def fit_part(points: list[tuple[float, float, float]],
+             prefix: bool = True) -> tuple[float, float, float]:  # fmt: skip
+    """(wave_s, token_s, pair_s) of (tokens, pairs, seconds) points; ``prefix`` False: a
+    part whose work does not grow with the cached prefix (pair_s 0, not fitted to noise)."""
+    if not prefix:
+        wave, token = nnls([[1.0, t] for t, _, _ in points], [s for _, _, s in points])
+        return wave, token, 0.0
     return tuple(nnls([[1.0, t, p] for t, p, _ in points], [s for _, _, s in points]))
+
+
+def grows_with_prefix(key: str) -> bool:
+    """Attention mixers read the prefix for every new token; MLPs, recurrent mixers, the
+    embedding and the head do not, nor the last layer, whose attention runs for the
+    logits' rows only."""
+    return key.startswith("mixer:") and key.split(":", 1)[1] in ATTENTION
 
 
 LINK_ROWS = (16, 256, 2048, 8192)  # activation rows per message of the link measurement
@@ -200,7 +216,7 @@ def calibrate(model: str, threads: int, dtype_name: str, block_size: int, repeat
         staged = key not in ("embed", "head")  # timed as a stage: its wave cost comes off
         pts = [(t, p, max(0.0, s - overhead) if staged else s) for t, p, s in pts]
         a, c = priors.get(key, (0.0, 0.0))
-        parts[key] = PartCost(*fit_part(pts), prior_a=a, prior_c=c)
+        parts[key] = PartCost(*fit_part(pts, grows_with_prefix(key)), prior_a=a, prior_c=c)
     link_fit = None
     if link:
         link_fit = measure_link(cfg.d_model * torch.empty((), dtype=dtype).element_size(),
@@ -244,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="torch threads, as each rank of the runs it predicts uses (0: the cores)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5, help="timed waves per point (median)")
+    p.add_argument("--repeats", type=int, default=7, help="timed waves per point (median)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--no-link", action="store_true",
                    help="skip the data plane's measurement (the sim then charges no transfer)")
