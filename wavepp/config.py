@@ -33,6 +33,15 @@ EXECUTOR_DEFAULTS = {
 }  # fmt: skip
 
 
+SIM_DEVICES = ("h100", "h200", "b200", "b300", "gb300")  # wavepp.sim.profiles.DEVICES
+# The sim's default wave-time spread (coefficient of variation), a documented figure, not
+# a measurement: between the 2% two runs of one plan differed by on the idle machine
+# (wavepp.bench.matrix, smoke) and the 5.1% spread of identical waves calibrate timed
+# (docs/results/calibration-tiny-llama.json). The validation's run-to-run spread, 15%,
+# was measured while other jobs loaded the 2 cores and is not a device's (docs/benchmarks.md).
+SIM_NOISE = 0.03
+
+
 @attrs.frozen
 class RunConfig:
     executor: str = "torch"
@@ -62,6 +71,7 @@ class RunConfig:
     sim_device: str = "h200"
     sim_tp: int = 1
     sim_link: str | None = None
+    sim_noise: float = SIM_NOISE
     weight_format: str | None = None
     device: str = "auto"
     dtype: str = "float32"
@@ -128,7 +138,11 @@ HELP: dict[str, str] = {
     "glm5-class or minimax-m2-class; torch: tiny-kimi (default: KDA + MLA + MoE), "
     "tiny-hybrid, tiny-llama, small-hybrid, small-llama, or a checkpoint directory "
     "(Hugging Face Llama, Kimi Linear, Qwen3-Next, MiniMax-M2; or WavePP's layout)",
-    "sim_device": "device profile of the sim executor: h100, h200, b200, b300 or gb300",
+    "sim_device": "device profile of the sim executor: h100, h200, b200, b300, gb300, or "
+    "measured:FILE (a profile python -m wavepp.bench.calibrate measured on a machine: the "
+    "sim then predicts that machine's torch executor for the model it was measured with)",
+    "sim_noise": "sim: spread of each wave's time about the cost model's (coefficient of "
+    "variation of a lognormal factor, seeded by --seed and the rank; 0: none)",
     "sim_tp": "sim: devices per stage, tensor parallel with experts spread over them (each "
     "does 1/T of every layer and holds 1/T of the weights and of the KV its heads split; "
     "two all-reduces per layer over the node's link); modelled, still one rank per stage",
@@ -196,7 +210,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "executor": ("sim", "torch"), "workload": (*WORKLOADS, "file"), "rung": RUNGS,
     "device": ("auto", "cpu", "cuda"), "rounds_plane": ("auto", "local", "gloo"),
     "data_plane": ("auto", "local", "gloo"),
-    "sim_device": ("h100", "h200", "b200", "b300", "gb300"),
     "sim_link": ("nvlink4", "nvlink5", "pcie5", "ib-ndr", "ib-xdr", "roce-400"),
     "weight_format": ("bf16", "fp8", "nvfp4"),
     "dtype": ("float32", "bfloat16", "float16"),
@@ -212,6 +225,9 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix_tokens": _AT_LEAST_1, "concurrency": _AT_LEAST_1, "block_size": _AT_LEAST_1,
     "snapshot_interval": _AT_LEAST_1, "snapshot_capacity": _AT_LEAST_1, "budget": _AT_LEAST_1,
     "min_budget": _AT_LEAST_1, "ring": _AT_LEAST_0, "max_batch": _AT_LEAST_1,
+    "sim_device": (lambda v: v in SIM_DEVICES or (v.startswith("measured:") and len(v) > 9),
+                   "one of " + ", ".join(SIM_DEVICES) + ", or measured:FILE"),
+    "sim_noise": (lambda v: 0 <= v <= 1, "between 0 and 1"),
     "threads": _AT_LEAST_0, "sim_tp": _AT_LEAST_1, "time_scale": _POSITIVE, "seed": _AT_LEAST_0,
     "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
     "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
@@ -380,6 +396,8 @@ def validate(c: RunConfig) -> None:
     need(not c.compile or c.executor == "torch", "--compile applies to --executor torch only")
     need((c.sim_tp == 1 and c.sim_link is None) or c.executor == "sim",
          "--sim-tp and --sim-link apply to --executor sim only")
+    need(not c.sim_device.startswith("measured:") or (c.sim_tp == 1 and c.sim_link is None),
+         "--sim-device measured:FILE models this machine's ranks: no --sim-tp or --sim-link")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
     need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),

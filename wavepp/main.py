@@ -22,6 +22,7 @@ from pathlib import Path
 
 import anyio
 import attrs
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,8 +45,9 @@ from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
-from wavepp.model.config import ModelConfig
+from wavepp.model.config import RECURRENT, ModelConfig
 from wavepp.plan import CostFit, CostModel, PlanContext
+from wavepp.plan.cost import PRIOR_WEIGHT
 from wavepp.plan.placement import (
     Placement,
     PlacementError,
@@ -68,7 +70,14 @@ from wavepp.runtime.handoff import HandoffTargets, fingerprint
 from wavepp.runtime.planning import WavePlanner
 from wavepp.sim.executor import SimExecutor, StageCostModel
 from wavepp.sim.links import SimulatedLink, Topology
-from wavepp.sim.profiles import DEVICES, MODELS, StagePool, stage_pool
+from wavepp.sim.measured import (
+    MeasuredProfile,
+    MeasuredStageCost,
+    ProfileError,
+    load_profile,
+    measured_path,
+)
+from wavepp.sim.profiles import DEVICES, KV_BYTES, MODELS, StagePool, stage_pool
 from wavepp.state import audit, block_hashes, num_blocks_for, usage
 from wavepp.timeline import chrome_trace, write_trace
 from wavepp.transport.base import PlaneError
@@ -100,7 +109,10 @@ def preflight(c: RunConfig, world: int) -> None:
     stages, the input files. Raises SystemExit with one line."""
     validate(c)
     num_layers = None
-    if c.executor == "sim":
+    measured = sim_measured(c)
+    if measured is not None:
+        num_layers = measured.num_layers
+    elif c.executor == "sim":
         if c.model not in MODELS:
             raise SystemExit(f"wavepp: sim model {c.model!r} unknown; one of {sorted(MODELS)}")
         num_layers = MODELS[c.model].num_layers
@@ -112,7 +124,7 @@ def preflight(c: RunConfig, world: int) -> None:
                          f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
     check_for_world(c, world, num_layers)
     counts = layer_counts(c.layers_per_stage)
-    if c.executor == "sim" and counts and any(n % 1 for n in counts):
+    if c.executor == "sim" and not measured and counts and any(n % 1 for n in counts):
         raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage}: the sim places "
                          "whole layers (its cost model prices a layer, not its halves)")
     for option, path in (("--requests-file", c.requests_file), ("--trace", c.trace)):
@@ -146,6 +158,22 @@ def build_workload(c: RunConfig, vocab: int) -> tuple[list, list[dict], list]:
     return specs, rejected, []
 
 
+def sim_measured(c: RunConfig) -> MeasuredProfile | None:
+    """The sim's measured profile (``--sim-device measured:FILE``), checked, for
+    ``--model``; None for a datasheet device or the torch executor."""
+    path = measured_path(c.sim_device) if c.executor == "sim" else None
+    if path is None:
+        return None
+    try:
+        profile = load_profile(path)
+    except ProfileError as error:
+        raise SystemExit(f"wavepp: --sim-device: {error}") from None
+    if profile.model != c.model:
+        raise SystemExit(f"wavepp: --sim-device {c.sim_device} was measured with "
+                         f"{profile.model!r}, not --model {c.model!r}")  # fmt: skip
+    return profile
+
+
 def sim_topology(c: RunConfig, world: int) -> Topology:
     """Where the sim's stages sit (``--sim-device``, ``--sim-tp``, ``--sim-link``)."""
     try:
@@ -172,6 +200,12 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
                    model: tuple[ModelConfig, dict] | None):  # fmt: skip
     """(executor, has recurrent layers) for this rank's stage."""
     units = placement.spans[rank]
+    rng = np.random.default_rng([c.seed, rank])  # the sim's noise: seeded, per rank
+    measured = sim_measured(c)
+    if measured is not None:
+        cost = MeasuredStageCost(measured, units, rank == 0, rank == world - 1)
+        recurrent = any(measured.mixers[u // 2] in RECURRENT for u in units if u % 2 == 0)
+        return SimExecutor(cost, c.time_scale, c.sim_noise, rng), recurrent
     if c.executor == "sim":
         profile = MODELS[c.model]
         layers = range(units.start // 2, units.stop // 2)
@@ -180,7 +214,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
                               c.weight_format, tp=c.sim_tp,
                               tp_link=topology.tp_link)  # fmt: skip
         recurrent = any(profile.kind(layer) == "L" for layer in layers)
-        return SimExecutor(cost, c.time_scale), recurrent
+        return SimExecutor(cost, c.time_scale, c.sim_noise, rng), recurrent
     cfg, weights = model
     modules = build_stage(cfg, range(0), rank == 0, rank == world - 1, weights,
                           pick_device(c.device), pick_dtype(c.dtype), units)  # fmt: skip
@@ -205,7 +239,9 @@ async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlan
     """Which units of the model each stage holds (``wavepp.plan.placement``): the even
     split or the given counts, or (auto) rank 0's balanced placement from the costs it
     measures on the run's typical wave, sent to every rank."""
-    num_layers = model[0].num_layers if model else MODELS[c.model].num_layers
+    measured = sim_measured(c)
+    num_layers = (model[0].num_layers if model else measured.num_layers if measured
+                  else MODELS[c.model].num_layers)  # fmt: skip
     if num_layers < world:  # a checkpoint's layer count is known only here, on every rank
         raise SystemExit(f"wavepp: the model has {num_layers} layers, fewer than the {world} "
                          "stages")  # fmt: skip
@@ -223,6 +259,7 @@ async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlan
         shape = typical_wave(c.budget, reusable_prefixes(specs, c.block_size), c.block_size,
                              c.prompt_tokens)  # fmt: skip
         placement = (_measured_placement(c, world, shape, model) if model
+                     else _calibrated_placement(measured, world, shape) if measured
                      else _sim_placement(c, world, shape))  # fmt: skip
         log(f"layers per stage {placement.describe()}, placed in "
             f"{time.perf_counter() - started:.2f} s")  # fmt: skip
@@ -237,6 +274,13 @@ def _measured_placement(c: RunConfig, world: int, shape: WaveShape,
                           c.block_size, c.full_last_layer)  # fmt: skip
     return balanced(costs.mixers, costs.mlps, costs.last_layer, costs.embed, costs.head, world,
                     shape=shape.describe())  # fmt: skip
+
+
+def _calibrated_placement(profile: MeasuredProfile, world: int, shape: WaveShape) -> Placement:
+    """The torch executor's balanced placement, from the costs the measured profile
+    predicts for the parts it would time on the same wave."""
+    costs = profile.unit_costs(shape)
+    return balanced(*costs, world, shape=shape.describe() + " (SIMULATED)")
 
 
 def _sim_placement(c: RunConfig, world: int, shape: WaveShape) -> Placement:
@@ -335,7 +379,7 @@ def device_pools(c: RunConfig, world: int, placement: Placement) -> list[StagePo
     weights (``wavepp.sim.profiles.stage_pool``), or None where the executor is not the
     sim or the weights leave no room (then the pools follow the workload). Every rank
     computes the same list."""
-    if c.executor != "sim" or c.model not in MODELS:
+    if c.executor != "sim" or measured_path(c.sim_device) or c.model not in MODELS:
         return None
     model, device = MODELS[c.model], DEVICES[c.sim_device]
     stages = [range(u.start // 2, u.stop // 2) for u in placement.spans]
@@ -431,13 +475,20 @@ async def open_planes(c: RunConfig, rank: int, world: int,
                                 on_wait=watchdog.set_status if watchdog is not None else None)
     if c.executor != "sim":
         return planes
+    measured = sim_measured(c)
+    if measured is not None:  # this machine's ranks: the activations' bytes, measured link
+        if planes.outbound is None or measured.link is None:
+            return planes
+        row_bytes = measured.d_model * measured.act_bytes
+        outbound = SimulatedLink(planes.outbound, measured.link, row_bytes, c.time_scale)
+        return attrs.evolve(planes, outbound=outbound)
     topology = sim_topology(c, world)
     if planes.outbound is None:
         if rank == 0:
             log(f"SIMULATED topology: {topology.describe()}")
         return planes
-    outbound = SimulatedLink(planes.outbound, topology.stage_link(rank), MODELS[c.model],
-                             c.time_scale)  # fmt: skip
+    outbound = SimulatedLink(planes.outbound, topology.stage_link(rank),
+                             MODELS[c.model].d_model * KV_BYTES, c.time_scale)  # fmt: skip
     if rank == 0:
         log(f"SIMULATED topology: {topology.describe()}; a {c.budget:,}-token wave's "
             f"activations reach stage 1 in {outbound.transfer_s(c.budget) * 1e3:.2f} ms")
@@ -463,7 +514,8 @@ async def agree_setup(c: RunConfig, rank: int, world: int, plane: RoundsPlane, o
     """The workload (rank 0, offline), the placement of layers and every stage's pool
     size; None when a requests file holds no runnable request (every rank then ends the
     run)."""
-    vocab = None if c.executor == "sim" else _vocab(c)
+    measured = sim_measured(c)  # the workload's ids drawn as the torch run draws them
+    vocab = measured.vocab if measured else None if c.executor == "sim" else _vocab(c)
     specs, rejected, cancels = [], [], []
     if rank == 0 and offline:
         specs, rejected, cancels = build_workload(c, vocab or VOCAB)
@@ -782,7 +834,7 @@ def _reason(error: BaseException) -> str:
 
 def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePlanner:
     ctx = PlanContext(c.budget, c.ring or 2 * world, c.min_budget, stages=world)
-    fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=4.0)
+    fit = CostFit(prior=CostModel(*executor.prior_cost()), weight=PRIOR_WEIGHT)
     return WavePlanner(policy.planner, ctx, fit)
 
 

@@ -14,6 +14,7 @@ from wavepp.sim.executor import StageCostModel
 from wavepp.sim.links import SimulatedLink, Topology
 from wavepp.sim.profiles import (
     DEVICES,
+    KV_BYTES,
     LINKS,
     MODELS,
     LinkProfile,
@@ -28,7 +29,7 @@ def test_a_transfer_grows_with_bytes_and_shrinks_with_bandwidth():
     assert link.transfer_s(2e9) > link.transfer_s(1e9) > link.transfer_s(0) == link.latency_s
     assert LINKS["nvlink5"].transfer_s(1e9) < link.transfer_s(1e9) < LINKS["ib-ndr"].transfer_s(1e9)
     # 8,192 rows of d_model 7,168 in bf16 over 450 GB/s, plus its latency
-    sim = SimulatedLink(_Recorder(), link, MODELS["kimi-k3-class"], 1.0)
+    sim = SimulatedLink(_Recorder(), link, MODELS["kimi-k3-class"].d_model * KV_BYTES, 1.0)
     assert sim.transfer_s(8192) == pytest.approx(5e-6 + 8192 * 7168 * 2 / 450e9)
     assert sim.transfer_s(16384) > sim.transfer_s(8192)
 
@@ -108,7 +109,7 @@ def test_a_stage_computes_its_next_wave_while_its_last_one_crosses_the_link():
     # the previous wave has arrived; the transfers queue on the link, one after another.
     slow = LinkProfile("slow", 1e12, 0.3)
     recorder = _Recorder()
-    outbound = SimulatedLink(recorder, slow, MODELS["llama3-70b"], 1.0)
+    outbound = SimulatedLink(recorder, slow, MODELS["llama3-70b"].d_model * KV_BYTES, 1.0)
     stage = _Stage(0.02)
 
     async def run() -> None:

@@ -77,6 +77,14 @@ def _time_stage(stage, shape: WaveShape, block_size: int, ending: bool, repeats:
                 full_last_layer: bool = False) -> float:  # fmt: skip
     """Median seconds of one wave of ``shape`` on ``stage`` over a pool of its own
     (``ending``: every chunk ends its prompt, as on the last stage)."""
+    return statistics.median(wave_times(stage, shape, block_size, ending, repeats,
+                                        full_last_layer))  # fmt: skip
+
+
+def wave_times(stage, shape: WaveShape, block_size: int, ending: bool, repeats: int,
+               full_last_layer: bool = False) -> list[float]:  # fmt: skip
+    """Seconds of each of ``repeats`` waves of ``shape`` on ``stage`` over a pool of its
+    own, after one warm-up wave (``ending``: every chunk ends its prompt)."""
     per = -(-(shape.prefix + shape.tokens) // block_size)
     executor = TorchExecutor(stage, shape.chunks * per, block_size, snapshot_capacity=1,
                              full_last_layer=full_last_layer)  # fmt: skip
@@ -95,15 +103,20 @@ def _time_stage(stage, shape: WaveShape, block_size: int, ending: bool, repeats:
             executor.cancel(c.request_id)
 
     try:
-        return _median(wave, repeats, executor.device)
+        return _timings(wave, repeats, executor.device)
     finally:
         executor.close()
 
 
-@torch.inference_mode()
 def _median(run: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median seconds of ``run`` after one warm-up call (first-call allocations, kernel
-    plans); on a GPU each call is timed to its kernels' end."""
+    """Median seconds of ``run`` after one warm-up call."""
+    return statistics.median(_timings(run, repeats, device))
+
+
+@torch.inference_mode()
+def _timings(run: Callable[[], object], repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``run`` after one warm-up call (first-call
+    allocations, kernel plans); on a GPU each call is timed to its kernels' end."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -117,4 +130,4 @@ def _median(run: Callable[[], object], repeats: int, device: torch.device) -> fl
         run()
         sync()
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return times

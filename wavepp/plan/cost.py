@@ -27,8 +27,16 @@ planned for its completion time instead (:func:`lone_chunk`): equal-time chunks,
 many as the per-wave cost against the drain says, so low load has no latency floor.
 
 The coefficients are fitted online from measured stage times (:func:`observe`), by
-ridge regression toward a prior taken from the executor's cost model; waves at the
-floor measure d alone.
+ridge regression toward the executor's prior (``prior_cost``: FLOPs at a nominal rate,
+never a simulator's own cost function); waves at the floor measure d alone.
+
+Tuning cells. The rules of :func:`choose_budget` that were chosen by measuring — counting
+waves in flight and waiting work, the waiting work only where the admitted work lasts
+until it comes — were chosen on the three cells of the ``smoke`` preset
+(``wavepp.bench.matrix``; Qwen3-Next-80B on H200, P = 4, SIMULATED): ``cold-8k``
+c = 16, ``seeded-8k`` c = 16, ``short-suffix-8k`` c = 32.
+Judge R5 elsewhere: the ``paper-cells`` preset and the conversation workload were not
+used to choose them (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ import numpy as np
 
 from wavepp.plan.planners import Pending, PlanContext, fill, mpu_budget
 from wavepp.plan.wave import Chunk, Wave
+
+PRIOR_WEIGHT = 4.0  # the prior's strength in the online fit, in observed waves
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ of a run with this executor says ``simulated``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import anyio
@@ -133,6 +134,17 @@ class StageCostModel:
             raise AssertionError(f"wave of {tokens} tokens predicted faster than peak")
         return WaveCost(seconds, flops, nbytes, peak, comm)
 
+    def generic_prior(self) -> tuple[float, float, float, float]:
+        """(a, c, d, floor) of ``d + max(floor, a·t + c·t·(p + t/2))`` as the torch
+        executor makes its prior: the stage's FLOPs per token and per attention pair at
+        one nominal rate (here the device's datasheet bf16 peak, shared over ``tp``), a
+        nominal 1 ms a wave, no floor — not this model's efficiencies, memory roofline or
+        overheads, which the planner must learn from the waves it observes."""
+        m, rate = self.model, self.device.peak_flops * self.tp
+        params = sum(m.mixer_params(i) + m.mlp_params(i)[0] for i in self.layers)
+        pair = sum(m.attention_pair_flops(i) for i in self.layers if m.kind(i) != "L")
+        return 2.0 * params / rate, pair / rate, 1e-3, 0.0
+
     def all_reduce_s(self, tokens: int) -> float:
         """One all-reduce of ``tokens`` bf16 activation rows over the stage's devices."""
         if self.tp == 1:
@@ -141,29 +153,41 @@ class StageCostModel:
 
 
 class SimExecutor:
-    """Sleeps the predicted time of each wave; passes a token-sized tensor along."""
+    """Sleeps the predicted time of each wave, times a seeded noise factor; passes a
+    token-sized tensor along.
+
+    ``noise`` is the coefficient of variation of a wave's time about the prediction (a
+    lognormal factor of mean 1), drawn from ``rng``: a real stage's identical waves are
+    not equally long, and a planner that learns from wave times must see that."""
 
     simulated = True
 
-    def __init__(self, cost_model: StageCostModel, time_scale: float = 1.0) -> None:
+    def __init__(self, cost_model: StageCostModel, time_scale: float = 1.0,
+                 noise: float = 0.0, rng: np.random.Generator | None = None) -> None:  # fmt: skip
         if time_scale <= 0:
             raise ValueError(f"time scale must be positive, got {time_scale}")
+        if noise < 0:
+            raise ValueError(f"noise must be ≥ 0, got {noise}")
         self.cost_model = cost_model
         self.time_scale = time_scale
+        self.sigma = math.sqrt(math.log1p(noise * noise))  # lognormal with CV = noise
+        self.rng = rng if rng is not None else np.random.default_rng(0)
 
     async def run(
         self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
     ) -> StageOutput:
         charged = [(c.start, c.end) for c in chunks if not c.free]
         finished = sum(1 for c in chunks if c.is_last and not c.free)
-        cost = self.cost_model.cost(charged, finished)
-        if cost.seconds:
-            await anyio.sleep(cost.seconds * self.time_scale)
+        seconds = self.cost_model.cost(charged, finished).seconds * self.time_scale
+        if seconds and self.sigma:
+            seconds *= float(self.rng.lognormal(-self.sigma**2 / 2, self.sigma))
+        if seconds:
+            await anyio.sleep(seconds)
         tokens = sum(c.end - c.start for c in chunks)
         # activations: [tokens] float16, a stand-in for the [tokens, d_model] hidden states
         out = None if self.cost_model.is_last else torch.zeros(tokens, dtype=torch.float16)
         results = {c.request_id: (-1, 0.0) for c in chunks if c.is_last}
-        return StageOutput(out, cost.seconds * self.time_scale, results)  # real seconds
+        return StageOutput(out, seconds, results)  # real seconds
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
         """Nothing is stored for a simulated block."""
@@ -175,18 +199,10 @@ class SimExecutor:
         return {"weights_bytes": 0, "kv_pool_bytes": 0}
 
     def prior_cost(self) -> tuple[float, float, float, float]:
-        """(a, c, d, floor) of ``d + max(floor, a·t + c·t·(p + t/2))`` read off the cost
-        model: d its per-wave overhead, floor a 256-token wave (every expert touched, little
-        compute), a and c a least-squares
-        fit of its compute-bound waves (real seconds, time scale applied)."""
-        d = self.cost_model.device.wave_overhead_s
-        floor = self.cost_model.cost([(0, 256)], 0).seconds - d
-        rows, times = [], []
-        for t in (4096, 8192, 16384, 32768):
-            for p in (0, 16_384, 131_072):
-                rows.append([t, t * (p + t / 2)])
-                times.append(self.cost_model.cost([(p, p + t)], 0).seconds - d)
-        (a, c), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
-        a, c = max(float(a), 1e-12), max(float(c), 0.0)
+        """The cost planner's prior, (a, c, d, floor) in real seconds: the cost model's
+        generic prior (FLOPs at a nominal rate, as the torch executor's), never its own
+        predictions — the planner learns this stage's times from the waves it observes,
+        as on real hardware."""
+        a, c, d, floor = self.cost_model.generic_prior()
         k = self.time_scale
         return a * k, c * k, d * k, floor * k

@@ -21,7 +21,7 @@ import anyio
 import attrs
 import torch
 
-from wavepp.sim.profiles import KV_BYTES, LINKS, DeviceProfile, LinkProfile, ModelProfile
+from wavepp.sim.profiles import LINKS, DeviceProfile, LinkProfile
 from wavepp.transport.base import Link
 from wavepp.transport.frames import DataLimits
 
@@ -69,15 +69,16 @@ class Topology:
 
 class SimulatedLink:
     """A data-plane link whose activation messages first take the time their bytes need
-    over ``profile``: ``tokens x d_model`` bf16 rows, for the ``[tokens]`` stand-in the
-    simulated executor sends. The wait sits in ``send``, which only the stage's sender
-    task calls, so it overlaps the stage's next wave as a real transfer does."""
+    over ``profile``: ``tokens`` rows of ``row_bytes`` (d_model activations), for the
+    ``[tokens]`` stand-in the simulated executor sends. The wait sits in ``send``, which
+    only the stage's sender task calls, so it overlaps the stage's next wave as a real
+    transfer does."""
 
-    def __init__(self, inner: Link, profile: LinkProfile, model: ModelProfile,
+    def __init__(self, inner: Link, profile: LinkProfile, row_bytes: int,
                  time_scale: float) -> None:  # fmt: skip
         self.inner = inner
         self.profile = profile
-        self.row_bytes = model.d_model * KV_BYTES
+        self.row_bytes = row_bytes
         self.time_scale = time_scale
         self.kind = inner.kind
         self.src = inner.src

@@ -1,0 +1,256 @@
+"""The measured device profile (wavepp.sim.measured), its fit (wavepp.bench.calibrate),
+the sim's seeded noise and the planner's generic prior."""
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import anyio
+import numpy as np
+import pytest
+
+from wavepp.bench.calibrate import fit_part, nnls
+from wavepp.config import RunConfig
+from wavepp.exec.base import ChunkWork
+from wavepp.main import sim_measured
+from wavepp.plan.placement import WaveShape
+from wavepp.sim.executor import SimExecutor, StageCostModel, attention_pairs
+from wavepp.sim.measured import (
+    MAX_FILE_BYTES,
+    MeasuredProfile,
+    MeasuredStageCost,
+    PartCost,
+    ProfileError,
+    load_profile,
+    parse_profile,
+)
+from wavepp.sim.profiles import DEVICES, MODELS, split_layers
+
+
+def profile(scale: float = 1.0, overhead: float = 1e-4) -> MeasuredProfile:
+    parts = {
+        "mixer:kda": PartCost(1e-4 * scale, 2e-6 * scale, 0.0, 1e-7, 0.0),
+        "mixer:mla": PartCost(1e-4 * scale, 1e-6 * scale, 3e-9 * scale, 1e-7, 2e-9),
+        "mlp:dense": PartCost(5e-5 * scale, 1e-6 * scale, 0.0, 2e-7, 0.0),
+        "mlp:moe": PartCost(2e-4 * scale, 3e-6 * scale, 0.0, 1e-7, 0.0),
+        "last_layer": PartCost(3e-4 * scale, 2e-6 * scale, 3e-9 * scale, 3e-7, 2e-9),
+        "embed": PartCost(1e-5, 1e-8, 0.0),
+        "head": PartCost(2e-5, 1e-6, 0.0),
+    }
+    return MeasuredProfile(
+        "tiny-kimi", 128, 512, ("kda", "kda", "kda", "mla") * 2, ("dense",) + ("moe",) * 7, 4,
+        parts, overhead, 0.02, {"cpu": "test"},
+    )  # fmt: skip
+
+
+def test_a_profile_round_trips_through_its_json(tmp_path):
+    p = profile()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(p.to_json([{"chunks": 1}])))
+    back = load_profile(str(path))
+    assert attrs_equal(back, p)
+    assert json.loads(path.read_text())["schema"] == "wavepp.sim.measured/1"
+
+
+def attrs_equal(a: MeasuredProfile, b: MeasuredProfile) -> bool:
+    fields = ("model", "d_model", "vocab", "mixers", "mlps", "act_bytes", "parts",
+              "wave_overhead_s", "noise", "machine", "link")  # fmt: skip
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def _broken(change) -> dict:
+    data = profile().to_json()
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (lambda d: d.update(schema="wavepp.sim.measured/0"), "schema"),
+        (lambda d: d["parts"].pop("mlp:moe"), "no fit for ['mlp:moe']"),
+        (lambda d: d["parts"]["head"].update(token_s=-1.0), "token_s must be ≥ 0"),
+        (lambda d: d["parts"]["head"].update(token_s=float("nan")), "finite number"),
+        (lambda d: d["parts"]["head"].update(wave_s=True), "finite number"),
+        (lambda d: d["parts"]["head"].update(extra=1.0), "must hold only"),
+        (lambda d: d.update(layers=[["conv", "dense"]]), "layers must be"),
+        (lambda d: d.update(d_model=0), "d_model must be a positive integer"),
+        (lambda d: d.update(link={"bytes_s": 0, "latency_s": 0}), "bytes_s must be positive"),
+        (lambda d: d.update(wave_overhead_s="1"), "wave_overhead_s must be a finite number"),
+        (lambda d: d.update(machine=[]), "machine must be an object"),
+    ],
+)
+def test_a_malformed_profile_is_refused_with_its_reason(change, says):
+    with pytest.raises(ProfileError, match=re_escape(says)):
+        parse_profile(_broken(change), "p.json")
+
+
+def re_escape(text: str) -> str:
+    return re.escape(text)
+
+
+def test_a_file_that_is_not_a_profile_is_refused_before_use(tmp_path):
+    for content, says in ((b"{not json", "not JSON"), (b"[1, 2]", "not a JSON object"),
+                          (b" " * (MAX_FILE_BYTES + 1), "more than a profile's")):  # fmt: skip
+        path = tmp_path / f"bad{len(content)}.json"
+        path.write_bytes(content)
+        with pytest.raises(ProfileError, match=re_escape(says)):
+            load_profile(str(path))
+    with pytest.raises(ProfileError, match="cannot read it"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+def test_the_run_loads_measured_file_and_refuses_another_model(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile().to_json()))
+    c = RunConfig(executor="sim", model="tiny-kimi", sim_device=f"measured:{path}")
+    assert sim_measured(c).d_model == 128
+    assert sim_measured(RunConfig(executor="sim", model="qwen3-next-80b")) is None
+    with pytest.raises(SystemExit, match="measured with 'tiny-kimi', not --model 'tiny-llama'"):
+        sim_measured(RunConfig(executor="sim", model="tiny-llama",
+                               sim_device=f"measured:{path}"))  # fmt: skip
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match=r"--sim-device: .*schema"):
+        sim_measured(RunConfig(executor="sim", model="tiny-kimi", sim_device=f"measured:{bad}"))
+
+
+def test_a_measured_stage_prices_its_units_from_the_fits():
+    p = profile()
+    chunks = [(0, 512), (1024, 1280)]
+    tokens, pairs = 768, attention_pairs(0, 512) + attention_pairs(1024, 256)
+    first = MeasuredStageCost(p, range(0, 4), True, False).cost(chunks, 0).seconds
+    want = (p.wave_overhead_s + p.parts["embed"].seconds(tokens, 0)
+            + p.parts["mixer:kda"].seconds(tokens, pairs) * 2
+            + p.parts["mlp:dense"].seconds(tokens, pairs)
+            + p.parts["mlp:moe"].seconds(tokens, pairs))  # fmt: skip
+    assert first == pytest.approx(want)
+    # the last stage: layer 7 is one entry (the last layer), the head per finished row
+    last = MeasuredStageCost(p, range(13, 16), False, True)
+    want = (p.wave_overhead_s + p.parts["mlp:moe"].seconds(tokens, pairs)
+            + p.parts["last_layer"].seconds(tokens, pairs) + p.parts["head"].seconds(2, 0))
+    assert last.cost(chunks, 2).seconds == pytest.approx(want)
+    # a slower machine's profile predicts slower waves; an empty wave costs nothing
+    slow = MeasuredStageCost(profile(scale=2.0), range(0, 4), True, False)
+    assert slow.cost(chunks, 0).seconds > first
+    assert slow.cost([], 0).seconds == 0.0
+
+
+def test_unit_costs_feed_the_torch_placement_with_each_part_as_a_stage():
+    p = profile()
+    mixers, mlps, last, embed, head = p.unit_costs(WaveShape(2, 256, 512))
+    assert len(mixers) == len(mlps) == 7
+    pairs = 2 * attention_pairs(512, 256)
+    assert mixers[3] == pytest.approx(p.parts["mixer:mla"].seconds(512, pairs) + 1e-4)
+    assert head == pytest.approx(p.parts["head"].seconds(2, 0) + 1e-4)
+    assert last > mlps[0] and embed > 0
+
+
+def test_the_fit_recovers_synthetic_coefficients():
+    rng = np.random.default_rng(0)
+    truth = (2e-4, 3e-6, 5e-10)
+    points = []
+    for t, prefix in ((128, 0), (512, 0), (2048, 0), (256, 1792), (1024, 1024), (64, 4000)):
+        pairs = attention_pairs(prefix, t)
+        seconds = (truth[0] + truth[1] * t + truth[2] * pairs) * (1 + 0.001 * rng.standard_normal())
+        points.append((t, pairs, seconds))
+    fit = fit_part(points)
+    for got, want in zip(fit, truth, strict=True):
+        assert got == pytest.approx(want, rel=0.05)
+
+
+def test_the_fit_keeps_every_coefficient_non_negative():
+    # seconds falling with tokens: plain least squares would give a negative slope
+    coef = nnls([[1.0, 100.0], [1.0, 200.0], [1.0, 300.0]], [3.0, 2.9, 2.8])
+    assert min(coef) >= 0 and coef[1] == 0.0
+    assert coef[0] == pytest.approx(2.9)
+
+
+def _waves(executor: SimExecutor, n: int) -> list[float]:
+    chunk = ChunkWork("r", 0, 256, 257, (), (), False)
+
+    async def run() -> list[float]:
+        return [(await executor.run([chunk], None)).seconds for _ in range(n)]
+
+    return anyio.run(run)
+
+
+def test_sim_noise_is_seeded_and_has_the_asked_spread():
+    model = MODELS["llama3-70b"]
+    cost = StageCostModel(model, DEVICES["h200"], split_layers(model.num_layers, 2)[0], False)
+    exact = cost.cost([(0, 256)], 0).seconds
+    scale = 1e-4  # sleep little: the time slept is what the stage reports
+    quiet = _waves(SimExecutor(cost, scale), 3)
+    assert quiet == [pytest.approx(exact * scale)] * 3
+    one = _waves(SimExecutor(cost, scale, 0.05, np.random.default_rng([7, 0])), 400)
+    two = _waves(SimExecutor(cost, scale, 0.05, np.random.default_rng([7, 0])), 400)
+    other = _waves(SimExecutor(cost, scale, 0.05, np.random.default_rng([8, 0])), 400)
+    assert one == two and one != other
+    ratios = np.array(one) / (exact * scale)
+    assert ratios.mean() == pytest.approx(1.0, abs=0.015)
+    assert ratios.std() == pytest.approx(0.05, rel=0.2)
+
+
+def test_the_planners_prior_is_not_the_simulators_cost_function():
+    # MoE weights streamed every wave make this stage's waves cost far more than its
+    # FLOPs; the prior counts FLOPs at the datasheet peak, a nominal 1 ms and no floor,
+    # as the torch executor's prior does: the planner must learn the rest from waves.
+    model = MODELS["qwen3-next-80b"]
+    device = DEVICES["h200"]
+    cost = StageCostModel(model, device, split_layers(model.num_layers, 4)[0], False)
+    a, c, d, floor = SimExecutor(cost).prior_cost()
+    assert (d, floor) == (1e-3, 0.0)
+    layers = split_layers(model.num_layers, 4)[0]
+    active = sum(model.mixer_params(i) + model.mlp_params(i)[0] for i in layers)
+    assert a == pytest.approx(2 * active / device.peak_flops)
+    predicted = d + max(floor, a * 256)
+    assert cost.cost([(0, 256)], 0).seconds > 3 * predicted  # the floor it must learn
+    assert c > 0 and math.isfinite(c)
+
+
+def test_calibrate_then_simulate_end_to_end(tmp_path):
+    # a two-point calibration of tiny-llama, then a one-stage sim run from its profile
+    from wavepp.bench import calibrate
+
+    grid = ((1, 64, 0), (2, 128, 64), (4, 32, 0), (1, 256, 0))
+    record = calibrate.calibrate("tiny-llama", 1, "float32", 16, 2, 0, log=lambda _: None,
+                                 grid=grid)  # fmt: skip
+    path = tmp_path / "tiny-llama.json"
+    path.write_text(json.dumps(record))
+    measured = load_profile(str(path))
+    assert measured.model == "tiny-llama" and len(record["points"]) == len(grid)
+    assert measured.machine["threads"] == 1 and measured.machine["torch"]
+    assert measured.link is not None and measured.link.bytes_s > 0
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "wavepp.main", "--executor", "sim", "--model", "tiny-llama",
+           "--sim-device", f"measured:{path}", "--workload", "cold", "--requests", "4",
+           "--prompt-tokens", "256", "--concurrency", "2", "--budget", "512",
+           "--block-size", "16", "--no-progress", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = json.loads(out.read_text())
+    assert run["simulated"] is True and run["throughput_tok_s"] > 0
+    assert run["config"]["sim_device"] == f"measured:{path}"
+    assert run["config"]["sim_noise"] > 0
+
+
+def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
+    from wavepp.bench.validate import Spec, row, table
+
+    def runs(*pairs):
+        return [{"throughput_tok_s": t, "completion_p50_s": p, "makespan_s": 2.0,
+                 "stage_utilization": [0.5, 0.25], "stage_waves": [4, 4]} for t, p in pairs]
+
+    good = row(Spec("tiny-kimi", "cold", 2), runs((1000, 1.0), (1100, 1.2), (900, 0.8)),
+               runs((1050, 1.05)))  # fmt: skip
+    assert (good["measured_tok_s"], good["measured_p50_s"]) == (1000, 1.0)
+    assert good["tok_s_error"] == pytest.approx(0.05) and good["within_goal"]
+    assert good["note"] == ""
+    assert good["runs"]["torch"][0]["stage_busy_s"] == [1.0, 0.5]
+    crowded = row(Spec("tiny-llama", "seeded", 4), runs((1000, 1.0)), runs((1500, 0.5)))
+    assert not crowded["within_goal"] and "4 ranks on 2 cores" in crowded["note"]
+    text = table([good, crowded])
+    assert "tiny-kimi/cold/P2" in text and "1 of 2 cells within the goal" in text
+    assert "SIMULATED" in text

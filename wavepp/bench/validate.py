@@ -1,0 +1,205 @@
+"""The simulator against real runs: the same workloads on the torch executor and on the
+sim with this machine's measured profile, predicted against measured side by side.
+
+    python -m wavepp.bench.validate --quick --json validation.json
+
+Each cell (model x workload x P) runs as ``python -m wavepp.bench`` runs a cell (torchrun,
+``--json``), once with ``--executor torch`` and once with ``--executor sim --sim-device
+measured:FILE``, every other option the same, ``--repeat`` times each (medians).
+Profiles come from ``--profile FILE`` (one per model), else ``python -m
+wavepp.bench.calibrate`` measures them first. Every rank runs one torch thread (the
+profiles are measured so): on this 2-core machine, P = 4 runs four ranks on two cores,
+which the simulator does not model (its stages never compete for a core), so those cells
+say so where they miss. Goal: throughput within ±10% and p50 completion within ±15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+from wavepp.bench.matrix import Cell, run_cell
+
+TOK_S_GOAL = 0.10
+P50_GOAL = 0.15
+MODELS = ("tiny-kimi", "tiny-llama")
+WORKLOADS = ("cold", "seeded", "short-suffix", "conversation")
+STAGES = (1, 2, 4)
+QUICK = (("tiny-kimi", "cold", 2), ("tiny-kimi", "seeded", 2), ("tiny-kimi", "short-suffix", 1),
+         ("tiny-kimi", "conversation", 2), ("tiny-llama", "seeded", 1),
+         ("tiny-llama", "short-suffix", 4))  # fmt: skip
+CORES = 2  # this machine's: P ranks of one thread each oversubscribe it beyond this
+
+
+@attrs.frozen
+class Spec:
+    model: str
+    workload: str
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.workload}/P{self.stages}"
+
+    def args(self, a: argparse.Namespace) -> tuple[str, ...]:
+        return ("--model", self.model, "--workload", self.workload, "--requests",
+                str(a.requests), "--prompt-tokens", str(a.prompt_tokens), "--suffix-tokens",
+                str(a.suffix_tokens), "--budget", str(a.budget), "--min-budget", "64",
+                "--block-size", "16", "--threads", "1", "--seed", str(a.seed))  # fmt: skip
+
+
+def error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return predicted / measured - 1
+
+
+def slowest_wave_s(runs: list[dict]) -> float | None:
+    """Median over runs of the slowest stage's busy seconds per wave."""
+    waves = [max(b / max(w, 1) for b, w in zip(r["stage_busy_s"], r["stage_waves"],
+                                                strict=True)) for r in runs]  # fmt: skip
+    return statistics.median(waves) if waves else None
+
+
+def why(spec: Spec, tok_err: float | None, p50_err: float | None,
+        wave_ratio: float | None = None) -> str:  # fmt: skip
+    """The reason a cell misses, where the runs show one: ``wave_ratio`` is the real
+    slowest stage's seconds per wave over the simulated one's."""
+    if tok_err is None or p50_err is None:
+        return "no figure"
+    if abs(tok_err) <= TOK_S_GOAL and abs(p50_err) <= P50_GOAL:
+        return ""
+    reasons = []
+    if spec.stages > CORES:
+        reasons.append(f"{spec.stages} ranks on {CORES} cores: the real stages share cores, "
+                       "the simulated ones never do (oversubscription is not modelled)")
+    if wave_ratio is not None and abs(wave_ratio - 1) > TOK_S_GOAL:
+        reasons.append(f"a real wave took {wave_ratio:.2f}x the predicted one (the parts "
+                       "timed alone by calibrate, summed)")
+    return "; ".join(reasons) or "miss: cause not identified"
+
+
+KEPT = ("throughput_tok_s", "completion_p50_s", "makespan_s", "stage_utilization",
+        "stage_waves", "reused_share", "input_tokens", "placement")
+
+
+def compact(record: dict) -> dict:
+    """What a row keeps of a run: its figures, each stage's busy seconds and waves."""
+    out = {k: record.get(k) for k in KEPT}
+    out["stage_busy_s"] = [u * record["makespan_s"] for u in record["stage_utilization"]]
+    return out
+
+
+def row(spec: Spec, torch_runs: list[dict], sim_runs: list[dict]) -> dict:
+    def med(runs: list[dict], key: str) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    out = {"cell": spec.name, "model": spec.model, "workload": spec.workload,
+           "stages": spec.stages, "repeats": len(torch_runs),
+           "predicted_tok_s": med(sim_runs, "throughput_tok_s"),
+           "measured_tok_s": med(torch_runs, "throughput_tok_s"),
+           "predicted_p50_s": med(sim_runs, "completion_p50_s"),
+           "measured_p50_s": med(torch_runs, "completion_p50_s"),
+           "runs": {"torch": [compact(r) for r in torch_runs],
+                    "sim": [compact(r) for r in sim_runs]}}  # fmt: skip
+    out["tok_s_error"] = error(out["predicted_tok_s"], out["measured_tok_s"])
+    out["p50_error"] = error(out["predicted_p50_s"], out["measured_p50_s"])
+    out["within_goal"] = (out["tok_s_error"] is not None and out["p50_error"] is not None
+                          and abs(out["tok_s_error"]) <= TOK_S_GOAL
+                          and abs(out["p50_error"]) <= P50_GOAL)  # fmt: skip
+    real, simulated = slowest_wave_s(out["runs"]["torch"]), slowest_wave_s(out["runs"]["sim"])
+    out["wave_ratio"] = real / simulated if real and simulated else None
+    out["note"] = why(spec, out["tok_s_error"], out["p50_error"], out["wave_ratio"])
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    def pct(v: float | None) -> str:
+        return "    —  " if v is None else f"{v:+7.1%}"
+
+    lines = [f"predicted (sim, measured profile — SIMULATED) against measured (torch); goal "
+             f"±{TOK_S_GOAL:.0%} tok/s, ±{P50_GOAL:.0%} p50",
+             f"{'cell':34s} {'pred tok/s':>11s} {'meas tok/s':>11s} {'err':>7s} "
+             f"{'pred p50':>9s} {'meas p50':>9s} {'err':>7s}  note"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"{r['cell']:34s} {r['predicted_tok_s'] or 0:11,.0f} {r['measured_tok_s'] or 0:11,.0f}"
+            f" {pct(r['tok_s_error'])} {r['predicted_p50_s'] or 0:9.3f} "
+            f"{r['measured_p50_s'] or 0:9.3f} {pct(r['p50_error'])}  "
+            + (r["note"] or "ok"))  # fmt: skip
+    met = sum(1 for r in rows if r["within_goal"])
+    lines.append(f"{met} of {len(rows)} cells within the goal")
+    return "\n".join(lines)
+
+
+def ensure_profile(model: str, given: dict[str, str], workdir: Path) -> str:
+    """The profile of ``model``: given, or measured now by wavepp.bench.calibrate."""
+    if model in given:
+        return given[model]
+    out = workdir / f"calibration-{model}.json"
+    print(f"calibrating {model} -> {out}", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "wavepp.bench.calibrate", "--model", model,
+                    "--threads", "1", "--out", str(out)], check=True)  # fmt: skip
+    return str(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m wavepp.bench.validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"{len(QUICK)} cells, one run each (a few minutes here)")
+    p.add_argument("--profile", action="append", default=[], metavar="FILE",
+                   help="a calibrate profile (repeat for each model; the rest are measured)")
+    p.add_argument("--json", default=None, metavar="FILE", help="one row per cell")
+    p.add_argument("--repeat", type=int, default=None, help="runs per cell [quick 1, else 3]")
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--suffix-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=".", help="where measured profiles are written")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    a = p.parse_args(argv)
+    repeat = a.repeat or (1 if a.quick else 3)
+    specs = ([Spec(*s) for s in QUICK] if a.quick else
+             [Spec(m, w, s) for m in MODELS for w in WORKLOADS for s in STAGES])  # fmt: skip
+    given = {}
+    for path in a.profile:
+        given[json.loads(Path(path).read_text())["model"]] = path
+    workdir = Path(a.workdir)
+    profiles = {m: ensure_profile(m, given, workdir) for m in sorted({s.model for s in specs})}
+    rows, started = [], time.perf_counter()
+    for n, spec in enumerate(specs, 1):
+        runs: dict[str, list[dict]] = {"torch": [], "sim": []}
+        for _ in range(repeat):  # alternate, so a slow spell of the machine hits both
+            for executor in ("torch", "sim"):
+                device = f"measured:{profiles[spec.model]}"
+                extra = ("--sim-device", device) if executor == "sim" else ()
+                cell = Cell(spec.workload, a.concurrency, "R4",
+                            ("--executor", executor, *spec.args(a), *extra), ranks=spec.stages)
+                runs[executor].append(run_cell(cell, spec.stages, a.timeout))
+        rows.append(row(spec, runs["torch"], runs["sim"]))
+        r = rows[-1]
+        print(f"[{n}/{len(specs)} {time.perf_counter() - started:.0f} s] {spec.name}: "
+              f"tok/s {r['predicted_tok_s']:,.0f} predicted, {r['measured_tok_s']:,.0f} "
+              f"measured; p50 {r['predicted_p50_s']:.3f} / {r['measured_p50_s']:.3f} s",
+              file=sys.stderr)  # fmt: skip
+    print(table(rows))
+    if a.json:
+        record = {"command": "python -m wavepp.bench.validate " + " ".join(argv or sys.argv[1:]),
+                  "profiles": profiles, "repeat": repeat, "rows": rows}  # fmt: skip
+        Path(a.json).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {a.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
