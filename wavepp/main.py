@@ -165,13 +165,19 @@ def sim_measured(c: RunConfig) -> MeasuredProfile | None:
     if path is None:
         return None
     try:
-        profile = load_profile(path)
+        profile = _measured_profile(path)
     except ProfileError as error:
         raise SystemExit(f"wavepp: --sim-device: {error}") from None
     if profile.model != c.model:
         raise SystemExit(f"wavepp: --sim-device {c.sim_device} was measured with "
                          f"{profile.model!r}, not --model {c.model!r}")  # fmt: skip
     return profile
+
+
+@functools.cache
+def _measured_profile(path: str) -> MeasuredProfile:
+    """Read once per rank: setup asks for the profile at every step that uses it."""
+    return load_profile(path)
 
 
 def sim_topology(c: RunConfig, world: int) -> Topology:
