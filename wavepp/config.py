@@ -74,6 +74,7 @@ class RunConfig:
     sim_noise: float = SIM_NOISE
     weight_format: str | None = None
     device: str = "auto"
+    tp: int = 1
     dtype: str = "float32"
     threads: int = 0
     compile: bool = False
@@ -153,6 +154,10 @@ HELP: dict[str, str] = {
     "matrix rate); default: the model profile's (nvfp4 for the paper's models)",
     "device": "torch executor: 'cuda' (this rank's GPU by LOCAL_RANK), 'cpu', or 'auto' "
     "(cuda when present)",
+    "tp": "torch executor: ranks per stage, tensor parallel (attention and linear-attention "
+    "heads, MLP widths and the pools split over them, MoE experts spread; MLA's latent cache "
+    "whole on each); the world is stages x tp ranks, a stage's ranks adjacent "
+    "(docs/design.md §6)",
     "dtype": "torch executor: dtype of weights, checkpoint loading, activations and the KV "
              "pool (recurrent states and their snapshots stay float32)",
     "threads": "CPU threads per rank (0: the cores divided by the ranks on this node)",
@@ -228,7 +233,8 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "sim_device": (lambda v: v in SIM_DEVICES or (v.startswith("measured:") and len(v) > 9),
                    "one of " + ", ".join(SIM_DEVICES) + ", or measured:FILE"),
     "sim_noise": (lambda v: 0 <= v <= 1, "between 0 and 1"),
-    "threads": _AT_LEAST_0, "sim_tp": _AT_LEAST_1, "time_scale": _POSITIVE, "seed": _AT_LEAST_0,
+    "threads": _AT_LEAST_0, "sim_tp": _AT_LEAST_1, "tp": _AT_LEAST_1, "time_scale": _POSITIVE,
+    "seed": _AT_LEAST_0,
     "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
     "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
     "handoff_budget_mib": _AT_LEAST_1,
@@ -398,6 +404,11 @@ def validate(c: RunConfig) -> None:
          "--sim-tp and --sim-link apply to --executor sim only")
     need(not c.sim_device.startswith("measured:") or (c.sim_tp == 1 and c.sim_link is None),
          "--sim-device measured:FILE models this machine's ranks: no --sim-tp or --sim-link")
+    need(c.tp == 1 or c.executor == "torch",
+         "--tp applies to --executor torch (the sim models tensor parallelism with --sim-tp)")
+    need(c.tp == 1 or not (c.handoff_to or c.handoff_dir or c.handoff_all),
+         "--tp > 1 cannot hand caches off yet (each rank of a stage holds a part of its heads); "
+         "run the handoff with --tp 1")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
     need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),
@@ -454,7 +465,7 @@ def check_for_world(c: RunConfig, world: int, num_layers: int | None = None) -> 
         raise SystemExit(f"wavepp: {error}") from None
     if counts is not None and len(counts) != world:
         raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage} gives {len(counts)} "
-                         f"stages for {world} ranks; give one count per rank")  # fmt: skip
+                         f"counts for {world} stages (ranks / --tp); give one per stage")
     if counts is not None and num_layers is not None:
         try:
             given(counts, num_layers)

@@ -7,6 +7,7 @@ the report and writes the JSON record.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import functools
 import json
@@ -41,6 +42,16 @@ from wavepp.exec.handoff_send import HandoffSettings
 from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.exec.tp import (
+    StageGroups,
+    StagePlan,
+    TPLayout,
+    TPLeader,
+    follow_leader,
+    make_groups,
+    receive_plan,
+    send_plan,
+)
 from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights
@@ -106,8 +117,13 @@ def log(message: str) -> None:
 def preflight(c: RunConfig, world: int) -> None:
     """Every check that does not need the ranks, run before any process group: each option
     (whatever its source), the model's name, the split of layers and pools over ``world``
-    stages, the input files. Raises SystemExit with one line."""
+    stages (``world`` ranks, ``--tp`` of them a stage), the input files. Raises SystemExit
+    with one line."""
     validate(c)
+    if world % c.tp:
+        raise SystemExit(f"wavepp: --tp {c.tp} does not divide the {world} ranks; the ranks "
+                         "are stages x tp (torchrun --nproc-per-node P x T)")  # fmt: skip
+    world //= c.tp
     num_layers = None
     measured = sim_measured(c)
     if measured is not None:
@@ -203,8 +219,10 @@ def load_model(c: RunConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]] | No
 
 def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
                    snapshot_capacity: int | None, placement: Placement,
-                   model: tuple[ModelConfig, dict] | None):  # fmt: skip
-    """(executor, has recurrent layers) for this rank's stage."""
+                   model: tuple[ModelConfig, dict] | None,
+                   groups: StageGroups | None = None):  # fmt: skip
+    """(executor, has recurrent layers) for stage ``rank``; with ``groups`` (``--tp``) the
+    leader's shard, posting every wave to the stage's other ranks."""
     units = placement.spans[rank]
     rng = np.random.default_rng([c.seed, rank])  # the sim's noise: seeded, per rank
     measured = sim_measured(c)
@@ -222,22 +240,33 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
         recurrent = any(profile.kind(layer) == "L" for layer in layers)
         return SimExecutor(cost, c.time_scale, c.sim_noise, rng), recurrent
     cfg, weights = model
-    modules = build_stage(cfg, range(0), rank == 0, rank == world - 1, weights,
-                          pick_device(c.device), pick_dtype(c.dtype), units)  # fmt: skip
     if c.compile:
         log(f"compiling stage {rank}'s layers (--compile)")
-    executor = TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
-                             c.full_last_layer)  # fmt: skip
+    executor = stage_executor(c, cfg, weights, units, rank == 0, rank == world - 1, capacity,
+                              snapshot_capacity, groups)  # fmt: skip
     recurrent = any(cfg.kind(layer) == "L" for layer in executor.mixer_ids)
     log(f"stage {rank}: attention by {executor.attention_kernel}" if executor.attention_kernel
         else f"stage {rank}: no softmax-attention layers, so no attention kernel")  # fmt: skip
     if c.compile:
-        held = len(modules.layer_ids)
+        held = len(executor.m.layer_ids)
         eager = held - len(executor.fused)
         log(f"stage {rank}: {len(executor.fused)} of {held} layers compiled"
             + (f"; {eager} not Llama-shaped or split with a neighbour, run eagerly"
                if eager else ""))  # fmt: skip
-    return executor, recurrent
+    if groups is None:
+        return executor, recurrent
+    return TPLeader(executor, groups, c.tp), recurrent
+
+
+def stage_executor(c: RunConfig, cfg: ModelConfig, weights: dict, units: range, first: bool,
+                   last: bool, capacity: int, snapshot_capacity: int | None,
+                   groups: StageGroups | None) -> TorchExecutor:  # fmt: skip
+    """This rank's torch executor: its stage's layers (with ``--tp``, its shard of them,
+    reducing over the stage's group) over pools of ``capacity`` blocks."""
+    modules = build_stage(cfg, range(0), first, last, weights, pick_device(c.device),
+                          pick_dtype(c.dtype), units)  # fmt: skip
+    return TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
+                         c.full_last_layer)  # fmt: skip
 
 
 async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlane, specs: list,
@@ -339,7 +368,7 @@ def reusable_prefixes(specs: list, block_size: int) -> list[tuple[int, int]]:
 def data_limits(c: RunConfig, executor) -> DataLimits:
     """What the data plane accepts: waves of at most --budget tokens, [tokens, d_model]
     in the model's dtype (the sim sends [tokens] float16 stand-ins)."""
-    if isinstance(executor, TorchExecutor):
+    if isinstance(executor, TorchExecutor | TPLeader):
         return DataLimits.for_run(c.budget, executor.cfg.d_model, executor.dtype,
                                   MAX_MESSAGE_BYTES)  # fmt: skip
     return DataLimits.for_run(c.budget, None, torch.float16, MAX_MESSAGE_BYTES)
@@ -471,14 +500,15 @@ def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool)
     return publisher, announcer
 
 
-async def open_planes(c: RunConfig, rank: int, world: int,
-                      watchdog: Watchdog | None) -> Planes:  # fmt: skip
+async def open_planes(c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
+                      groups: StageGroups | None = None) -> Planes:  # fmt: skip
     """The rounds plane and this rank's data-plane links, as configured; with the sim,
     the link to the next stage takes the time its activations need over the link the
     topology gives it (``wavepp.sim.links``)."""
     device = pick_device(c.device) if c.executor == "torch" else None
     planes = await build_planes(c.timeout_s, c.rounds_plane, c.data_plane, log, device,
-                                on_wait=watchdog.set_status if watchdog is not None else None)
+                                on_wait=watchdog.set_status if watchdog is not None else None,
+                                leaders=groups.leaders if groups is not None else None)
     if c.executor != "sim":
         return planes
     measured = sim_measured(c)
@@ -585,18 +615,22 @@ class StageParts:
 
 
 def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup, planes: Planes,
-                      model: tuple[ModelConfig, dict] | None) -> StageParts:  # fmt: skip
+                      model: tuple[ModelConfig, dict] | None,
+                      groups: StageGroups | None = None) -> StageParts:  # fmt: skip
     """The policy, the executor, the stage's cache book and its handoff settings."""
     policy = pick_policy(c, RUNGS[c.rung])
     mode = RoundMode(block_size=c.block_size, eager=RUNGS[c.rung].eager, policy=policy)
     snapshot_capacity = c.snapshot_capacity or setup.capacity
     executor, recurrent = build_executor(c, rank, world, setup.capacity, snapshot_capacity,
-                                         setup.placement, model)  # fmt: skip
+                                         setup.placement, model, groups)  # fmt: skip
     planes.set_limits(data_limits(c, executor))
+    if isinstance(executor, TPLeader):
+        executor.set_limits(data_limits(c, executor))
+        dist.barrier(group=groups.compute)  # every rank of the stage has built its shard
     book = StageBook(policy.empty_cache(setup.capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
     handoff = handoff_targets = None
-    if c.executor == "torch":  # every stage can hand its band of a request's cache on
+    if c.executor == "torch" and c.tp == 1:  # every stage can hand its band of its cache on
         handoff = HandoffSettings(rank, world, fingerprint(c.model, executor.cfg, c.dtype),
                                   c.handoff_timeout_s, c.handoff_budget_mib << 20,
                                   c.handoff_block_size)  # fmt: skip
@@ -664,6 +698,11 @@ def stage_report(rank: int, parts: StageParts, interrupted: bool) -> StageReport
         audit(book.cache)
     except Exception as failure:  # reported, and fails the run
         error = str(failure)
+    if isinstance(parts.executor, TPLeader) and not interrupted:
+        disagreement = parts.executor.finish()  # the stage's other ranks stop here
+        if disagreement:
+            error = error or f"stage {rank}: {disagreement}"
+            log(error)
     use = usage(book.cache)
     memory = parts.executor.memory_report()
     if not use.balanced and not error and not interrupted:
@@ -726,13 +765,17 @@ def run_record(c: RunConfig, world: int, zero: RankZero, reports: list[StageRepo
 async def rank_main(
     c: RunConfig, rank: int, world: int, watchdog: Watchdog | None,
     client: Callable[[Engine], Awaitable[None]] | None = None, sigterm_drains: bool = False,
+    groups: StageGroups | None = None,
 ) -> tuple[dict | None, int]:  # fmt: skip
-    planes = await open_planes(c, rank, world, watchdog)
+    """Stage ``rank`` of ``world`` (with ``--tp``, on its leader: ``groups``)."""
+    planes = await open_planes(c, rank, world, watchdog, groups)
     model = load_model(c)
     setup = await agree_setup(c, rank, world, planes.rounds, client is None, model)
+    if groups is not None:  # the stage's other ranks build what this one builds
+        send_plan(groups, None if setup is None else stage_plan(c, rank, world, setup))
     if setup is None:
         return None, 2
-    parts = build_stage_parts(c, rank, world, setup, planes, model)
+    parts = build_stage_parts(c, rank, world, setup, planes, model, groups)
     del model  # the stage holds its own layers' weights
     stage = parts.stage
     # Every stage is ready (pools zeroed, layers compiled) before rank 0 admits anything:
@@ -791,6 +834,29 @@ async def rank_main(
     record = run_record(c, world, zero, reports, setup, planes, parts,
                         interrupted[0] if interrupted else None)  # fmt: skip
     return record, status
+
+
+def stage_plan(c: RunConfig, rank: int, world: int, setup: Setup) -> StagePlan:
+    units = setup.placement.spans[rank]
+    return StagePlan([units.start, units.stop], rank == 0, rank == world - 1, setup.capacity,
+                     c.snapshot_capacity or setup.capacity)  # fmt: skip
+
+
+def follow_stage(c: RunConfig, layout: TPLayout, groups: StageGroups) -> int:
+    """A rank of a stage other than its leader (``--tp``): build its shard of what the
+    leader agreed with the other stages, then run the leader's posts until it stops.
+    Returns the exit status (2: the run had nothing to run)."""
+    cfg, weights = load_model(c)
+    plan = receive_plan(groups, cfg.num_layers)
+    if plan is None:
+        return 2
+    executor = stage_executor(c, cfg, weights, range(*plan.units), plan.first, plan.last,
+                              plan.capacity, plan.snapshot_capacity, groups)  # fmt: skip
+    del weights  # the shard holds its own
+    groups.posts[0].set_limits(data_limits(c, executor))
+    dist.barrier(group=groups.compute)  # every rank of the stage has built its shard
+    follow_leader(executor, groups, c.tp, plan.first)
+    return 0
 
 
 RETAIN_ENDED = 10_000  # a server: ended requests whose ids stay taken (wavepp.ids.ID_RULE)
@@ -895,10 +961,18 @@ def run_ranks(
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
+    layout = TPLayout(world, config.tp, rank)
     watchdog = None
     if world > 1:
         watchdog = Watchdog(rank, world, log, dead_after_s=config.dead_after_s,
-                            fault_grace_s=FAULT_GRACE_S if client else 0.0).start()
+                            fault_grace_s=FAULT_GRACE_S if client and not layout.tp_rank
+                            else 0.0, tp=config.tp).start()  # fmt: skip
+    groups = None
+    if config.tp > 1:
+        try:
+            groups = make_groups(layout, config.timeout_s, pick_device(config.device))
+        except BaseException as error:
+            fail_fast(error, watchdog)
 
     def outside_the_run(signum, frame) -> None:
         # While the run goes, rank_main watches the signals itself. Before it, or while a
@@ -909,11 +983,19 @@ def run_ranks(
             fail_fast(RuntimeError(f"stopped by {signal.Signals(signum).name} while {status}"),
                       watchdog)  # fmt: skip
 
+    if layout.tp_rank:  # a TP follower: no record, no event loop
+        status = _follow(config, layout, groups, watchdog, sigterm_drains)
+        if watchdog is not None:
+            watchdog.finish()
+        if status:
+            os._exit(status)
+        dist.destroy_process_group()
+        return 0
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, outside_the_run)
     try:
-        record, status = anyio.run(rank_main, config, rank, world, watchdog, client,
-                                   sigterm_drains)  # fmt: skip
+        record, status = anyio.run(rank_main, config, layout.stage, layout.stages, watchdog,
+                                   client, sigterm_drains, groups)  # fmt: skip
     except BaseException as error:  # a failed rank exits now, naming what it waited for
         fail_fast(error, watchdog)
     if watchdog is not None:
@@ -931,6 +1013,46 @@ def run_ranks(
         os._exit(status)  # planes may hold abandoned transfers: do not wait on them
     dist.destroy_process_group()
     return status
+
+
+INTERRUPT_GRACE_S = 10.0  # a follower interrupted waits this long for its leader to end
+
+
+def _follow(c: RunConfig, layout: TPLayout, groups: StageGroups, watchdog: Watchdog | None,
+            sigterm_drains: bool) -> int:  # fmt: skip
+    """A TP follower's whole run; its exit status.
+
+    The posts are followed on a thread of their own, so that this (main) thread takes
+    signals while they wait inside a blocking Gloo call. SIGINT or SIGTERM (the user's,
+    or the launcher's) does not end this rank at once: its leader takes the same signal
+    and ends the stage (a server drains on SIGTERM, and its stop ends this rank); what
+    fails here after the signal — the leader gone — ends it quietly, as an interrupted
+    rank, and so does a leader that has not ended within INTERRUPT_GRACE_S."""
+    interrupted: list[tuple[int, float]] = []  # (signal, when)
+
+    def on_signal(signum, frame) -> None:
+        if not (sigterm_drains and signum == signal.SIGTERM):
+            interrupted.append((signum, time.monotonic()))
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    # not shut down on the way out: an interrupted rank exits with the thread still waiting
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wavepp-follow")
+    future = pool.submit(follow_stage, c, layout, groups)
+    while True:
+        try:
+            return future.result(timeout=0.5)
+        except concurrent.futures.TimeoutError:
+            if interrupted and time.monotonic() - interrupted[0][1] > INTERRUPT_GRACE_S:
+                break
+        except BaseException as error:
+            if not interrupted:
+                fail_fast(error, watchdog)
+            break
+    signum = interrupted[0][0]
+    log(f"interrupted by {signal.Signals(signum).name}")
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 def _refuse_once(error: SystemExit) -> None:

@@ -139,7 +139,8 @@ def table(record: dict) -> str:
         f"SIMULATED — sim executor, {cfg['model']} on {cfg.get('sim_device', cfg.get('device'))}"
         + (f" (TP {cfg['sim_tp']} per stage)" if cfg.get("sim_tp", 1) > 1 else "")
         if record["simulated"]
-        else f"real model (torch executor, {cfg['model']})"
+        else f"real model (torch executor, {cfg['model']}"
+        + (f", TP {cfg['tp']} ranks per stage)" if cfg.get("tp", 1) > 1 else ")")
     )
 
     def fmt(value, unit="", scale=1.0, digits=2):

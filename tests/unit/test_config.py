@@ -78,7 +78,7 @@ def test_command_line_and_python_api_get_the_same_checks():
 def test_checks_that_need_only_the_world_size():
     from wavepp.config import check_for_world
 
-    with pytest.raises(SystemExit, match="gives 2 stages for 4 ranks"):
+    with pytest.raises(SystemExit, match="gives 2 counts for 4 stages"):
         check_for_world(load(["--layers-per-stage", "1,1"]), 4)
     with pytest.raises(SystemExit, match="sums to 3 layers; the model has 4"):
         check_for_world(load(["--layers-per-stage", "1,2"]), 2, num_layers=4)

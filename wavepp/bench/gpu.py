@@ -13,6 +13,10 @@
 (c) **A 2-rank pipeline**: ``torchrun --nproc-per-node 2`` on the GPU(s) — NCCL between
     two GPUs, or Gloo over CUDA tensors when only one exists — checked against the same
     run on CPU (first tokens equal).
+(d) **Tensor parallelism inside a stage** (``--tp 2``), where the machine has two GPUs or
+    more: TP2 x PP1 on two GPUs (TP2 x PP2 on four or more), the layers' all-reduces over
+    NCCL, checked against the same run on CPU (first tokens equal); skipped, and said so,
+    on one GPU.
 
 Without CUDA it exits at once (status 2) and runs nothing.
 """
@@ -188,27 +192,41 @@ def throughput(tokens_n: int, chunk: int, repeats: int, seed: int) -> list[dict]
     return rows
 
 
+def _run(tmp: Path, device: str, ranks: int, *options: str) -> dict:
+    out = tmp / f"run-{device}-{ranks}-{len(list(tmp.iterdir()))}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "-m", "wavepp.main", "--model", "tiny-hybrid",
+           "--workload", "seeded", "--requests", "8", "--prompt-tokens", "1024",
+           "--device", device, "--no-progress", "--json", str(out), *options]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode:
+        raise RuntimeError(f"{ranks}-rank run {' '.join(options)} on {device} failed: "
+                           f"{proc.stderr[-3000:]}")  # fmt: skip
+    return json.loads(out.read_text())
+
+
 def pipeline(tmp: Path) -> dict:
     """Two ranks on the GPU(s) against the same run on CPU: the same first tokens."""
-
-    def run(device: str) -> dict:
-        out = tmp / f"pp-{device}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "-m", "wavepp.main", "--model", "tiny-hybrid",
-               "--workload", "seeded", "--requests", "8", "--prompt-tokens", "1024",
-               "--device", device, "--no-progress", "--json", str(out)]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        if proc.returncode:
-            raise RuntimeError(f"2-rank run on {device} failed: {proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
-
-    gpu, cpu = run("cuda"), run("cpu")
+    gpu, cpu = _run(tmp, "cuda", 2), _run(tmp, "cpu", 2)
     firsts = {d: {r["id"]: r["first_token"] for r in rec["requests"]}
               for d, rec in (("cuda", gpu), ("cpu", cpu))}  # fmt: skip
     return {"gpus": torch.cuda.device_count(),
             "tensor_backend": "nccl" if torch.cuda.device_count() >= 2 else "gloo",
             "cuda_tok_s": gpu["throughput_tok_s"], "cpu_tok_s": cpu["throughput_tok_s"],
             "first_tokens_equal": firsts["cuda"] == firsts["cpu"]}  # fmt: skip
+
+
+def tensor_parallel(tmp: Path) -> dict:
+    """``--tp 2`` on two GPUs (four ranks, TP2 x PP2, on four or more) against the same
+    run on CPU: the same first tokens."""
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        return {"gpus": gpus, "skipped": "tensor parallelism needs two GPUs or more"}
+    ranks = 4 if gpus >= 4 else 2
+    gpu, cpu = _run(tmp, "cuda", ranks, "--tp", "2"), _run(tmp, "cpu", ranks, "--tp", "2")
+    firsts = [{r["id"]: r["first_token"] for r in rec["requests"]} for rec in (gpu, cpu)]
+    return {"gpus": gpus, "ranks": ranks, "tp": 2, "cuda_tok_s": gpu["throughput_tok_s"],
+            "cpu_tok_s": cpu["throughput_tok_s"], "first_tokens_equal": firsts[0] == firsts[1]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: parity,stage,pp")
+    p.add_argument("--skip", default="",
+                   help="comma-separated parts to skip: parity,stage,pp,tp")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     require_cuda()
@@ -242,9 +261,12 @@ def main(argv: list[str] | None = None) -> None:
             record["stage"] = throughput(args.tokens, args.chunk, args.repeats, args.seed)
         if "pp" not in skip:
             record["pipeline"] = pipeline(tmp)
+        if "tp" not in skip:
+            record["tensor_parallel"] = tensor_parallel(tmp)
     emit(record, args.json)
     failed = [r["family"] for r in record.get("parity", []) if not r["ok"]]
-    if failed or not record.get("pipeline", {}).get("first_tokens_equal", True):
+    runs = (record.get("pipeline", {}), record.get("tensor_parallel", {}))
+    if failed or not all(run.get("first_tokens_equal", True) for run in runs):
         sys.exit(1)
 
 

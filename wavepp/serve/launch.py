@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m wavepp.serve.launch",
         description="Run the WavePP server on one node; SIGTERM drains it and exits 0.",
     )
-    p.add_argument("--nproc-per-node", type=int, required=True, help="pipeline stages P")
+    p.add_argument("--nproc-per-node", type=int, required=True,
+                   help="ranks: pipeline stages P (x --tp T)")
     args, rest = p.parse_known_args(argv)
     if args.nproc_per_node < 1:
         raise SystemExit(f"--nproc-per-node must be ≥ 1, got {args.nproc_per_node}")

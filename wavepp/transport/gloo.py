@@ -254,13 +254,17 @@ def tensor_backend(device: torch.device) -> str:
 
 def gloo_links(
     rank: int, world: int, timeout_s: float, limits: DataLimits | None, device: torch.device,
+    ranks: Sequence[int] | None = None,
 ) -> tuple[GlooLink | None, GlooLink | None, GlooLink | None]:  # fmt: skip
     """Make every link's pair groups, the same calls in the same order on every rank;
     this rank's (inbound from s-1, outbound to s+1, completions between rank 0 and the
     last rank). Descriptors go over Gloo pair groups; activations over pair groups of
-    :func:`tensor_backend`."""
+    :func:`tensor_backend`. ``rank``: this rank's global rank; ``ranks``: the global rank
+    of each of the ``world`` stages (default: stage s is rank s; with ``--tp`` the
+    stages' leaders, and a follower, in no pair, gets no link)."""
     timeout = datetime.timedelta(seconds=timeout_s)  # new_group does not inherit it
     backend = tensor_backend(device)
+    ranks = list(range(world)) if ranks is None else list(ranks)
 
     def pair(a: int, b: int):
         meta = dist.new_group([a, b], backend="gloo", timeout=timeout)
@@ -269,15 +273,17 @@ def gloo_links(
 
     inbound = outbound = done = None
     for s in range(world - 1):
-        meta, tensors = pair(s, s + 1)
-        if rank in (s, s + 1):
-            link = GlooLink(meta, s, s + 1, limits, tensors, device)
-            if rank == s:
+        a, b = ranks[s], ranks[s + 1]
+        meta, tensors = pair(a, b)
+        if rank in (a, b):
+            link = GlooLink(meta, a, b, limits, tensors, device)
+            if rank == a:
                 outbound = link
             else:
                 inbound = link
     if world > 1:
-        meta, tensors = pair(0, world - 1)
-        if rank in (0, world - 1):
-            done = GlooLink(meta, world - 1, 0, limits, tensors, device)
+        first, last = ranks[0], ranks[-1]
+        meta, tensors = pair(first, last)
+        if rank in (first, last):
+            done = GlooLink(meta, last, first, limits, tensors, device)
     return inbound, outbound, done

@@ -30,6 +30,19 @@ Links = tuple[Link | None, Link | None, Link | None]  # (inbound, outbound, done
 
 
 @attrs.frozen
+class Leaders:
+    """With ``--tp``: the planes run between the stages' leaders (``wavepp.exec.tp``), over
+    ``group``, this one being stage ``stage`` of ``stages``; its Gloo data-plane links,
+    should the data plane be Gloo, were made beforehand on every rank of the world
+    (``dist.new_group`` is collective over the world)."""
+
+    group: dist.ProcessGroup
+    stage: int
+    stages: int
+    gloo_links: Links
+
+
+@attrs.frozen
 class Planes:
     """This rank's planes: the rounds plane, and its data-plane links — inbound (from
     s-1), outbound (to s+1) and, on rank 0 and the last rank, the completion link —
@@ -60,22 +73,29 @@ async def build_planes(
     device: torch.device | None = None,
     limits: DataLimits | None = None,
     on_wait: Callable[[str], None] | None = None,
+    leaders: Leaders | None = None,
 ) -> Planes:
     """This rank's planes, after ``init_process_group`` (the same calls in the same order
-    on every rank). ``on_wait`` hears what the rounds plane waits on (the watchdog's
-    status); ``limits`` bounds the links until :meth:`Planes.set_limits`."""
+    on every rank; with ``leaders``, on every stage's leader). ``on_wait`` hears what the
+    rounds plane waits on (the watchdog's status); ``limits`` bounds the links until
+    :meth:`Planes.set_limits`."""
     on_wait = on_wait or no_status
-    gloo = GlooRoundsPlane(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), on_wait)
+    if leaders is None:
+        gloo = GlooRoundsPlane(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), on_wait)
+    else:
+        gloo = GlooRoundsPlane(leaders.group, leaders.stage, leaders.stages, on_wait)
     rounds = await _rounds_plane(gloo, rounds_kind, timeout_s, log, on_wait)
     links, kind = await _data_plane(gloo, data_kind, timeout_s, log,
-                                    device or torch.device("cpu"), limits)  # fmt: skip
+                                    device or torch.device("cpu"), limits,
+                                    leaders.gloo_links if leaders else None)  # fmt: skip
     return Planes(rounds, *links, kind)
 
 
 def _one_host(world: int) -> bool:
-    """torchrun put every rank on this host, and Unix sockets work here."""
+    """torchrun put every rank of the world on this host, and Unix sockets work here."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "1" if world == 1 else "")
-    return local == str(world) and unix.available()
+    everyone = dist.get_world_size() if dist.is_initialized() else world
+    return local == str(everyone) and unix.available()
 
 
 async def _path_from_rank0(gloo: RoundsPlane, path: str, what: str, longest: int) -> str:
@@ -133,7 +153,7 @@ async def _rounds_plane(
 
 async def _data_plane(
     gloo: GlooRoundsPlane, kind: str, timeout_s: float, log: Callable[[str], None],
-    device: torch.device, limits: DataLimits | None,
+    device: torch.device, limits: DataLimits | None, premade: Links | None = None,
 ) -> tuple[Links, str]:  # fmt: skip
     """The data plane of the run (``--data-plane``), the same choice on every rank:
     ``(inbound, outbound, done)`` and its kind (``local``, ``gloo``; ``none`` for one rank).
@@ -143,7 +163,8 @@ async def _data_plane(
     makes a directory only this user may enter and sends its path over ``gloo``; each
     rank listens there for its one inbound link (rank 0: the completions from the last
     rank) and connects to the next rank's. The directory is removed once all are in.
-    ``gloo`` makes the links' pair groups (:func:`~wavepp.transport.gloo.gloo_links`)."""
+    ``gloo`` makes the links' pair groups (:func:`~wavepp.transport.gloo.gloo_links`), or
+    takes ``premade`` ones (``--tp``: made on every rank beforehand)."""
     world, rank = gloo.world_size, gloo.rank
     if world == 1:
         return (None, None, None), "none"
@@ -155,7 +176,7 @@ async def _data_plane(
                          "LOCAL_WORLD_SIZE equal to its WORLD_SIZE) and activations off "
                          "NCCL; use gloo or auto")  # fmt: skip
     if not want:
-        return gloo_links(rank, world, timeout_s, limits, device), "gloo"
+        return _gloo(rank, world, timeout_s, limits, device, premade), "gloo"
     directory = ""
     if rank == 0:
         try:
@@ -175,7 +196,7 @@ async def _data_plane(
         if not listening:
             if kind == "local":
                 raise PlaneError("--data-plane local: a rank could not listen on a Unix socket")
-            return gloo_links(rank, world, timeout_s, limits, device), "gloo"
+            return _gloo(rank, world, timeout_s, limits, device, premade), "gloo"
         out, into = await anyio.to_thread.run_sync(
             unix.connect_ring, directory, rank, world, listener, timeout_s
         )
@@ -194,3 +215,13 @@ async def _data_plane(
     if rank == world - 1:
         return (from_previous, None, to_next), "local"
     return (from_previous, to_next, None), "local"
+
+
+def _gloo(rank: int, world: int, timeout_s: float, limits: DataLimits | None,
+          device: torch.device, premade: Links | None) -> Links:  # fmt: skip
+    if premade is None:
+        return gloo_links(rank, world, timeout_s, limits, device)
+    for link in premade:
+        if link is not None and limits is not None:
+            link.set_limits(limits)
+    return premade

@@ -29,10 +29,13 @@ class Watchdog:
     def __init__(
         self, rank: int, world: int, log: Callable[[str], None],
         interval_s: float = 1.0, dead_after_s: float = 10.0, fault_grace_s: float = 0.0,
+        tp: int = 1,
     ) -> None:  # fmt: skip
         """``fault_grace_s``: once a peer is found dead or hung, how long this rank lives on
-        (its :attr:`fatal` set) so that a server can answer its callers before it exits."""
-        self.rank, self.world, self.log = rank, world, log
+        (its :attr:`fatal` set) so that a server can answer its callers before it exits.
+        ``tp``: ranks per stage (``--tp``; stage s is ranks s*tp ..), to name a rank's
+        stage and to key the stages' figures by stage."""
+        self.rank, self.world, self.log, self.tp = rank, world, log, tp
         self.interval_s, self.dead_after_s = interval_s, dead_after_s
         self.fault_grace_s = fault_grace_s
         self._answered = threading.Event()  # the server answered its callers: no more grace
@@ -101,19 +104,19 @@ class Watchdog:
             value = self._read(rank)
             if value is None:
                 if now - started > self.dead_after_s:
-                    return f"rank {rank} never sent a heartbeat in {now - started:.1f} s"
+                    return f"{self.name(rank)} never sent a heartbeat in {now - started:.1f} s"
                 continue
             counter, _, status = value.partition("|")
             if counter in ("done", "failed"):
                 if counter == "failed":
-                    return f"rank {rank} failed: {status}"
+                    return f"{self.name(rank)} failed: {status}"
                 continue
             last = self._seen.get(rank)
             if last is None or last[0] != counter:
                 self._seen[rank] = (counter, now)
             elif now - last[1] > self.dead_after_s:
                 return (
-                    f"rank {rank} sent no heartbeat for {now - last[1]:.1f} s "
+                    f"{self.name(rank)} sent no heartbeat for {now - last[1]:.1f} s "
                     f"(dead or hung; it was {status})"
                 )
         return None
@@ -139,8 +142,14 @@ class Watchdog:
         if self.fatal is not None:
             callback(self.fatal)
 
+    def name(self, rank: int) -> str:
+        if self.tp == 1:
+            return f"rank {rank}"
+        return f"rank {rank} (stage {rank // self.tp}, TP rank {rank % self.tp})"
+
     def peer_stats(self) -> dict[int, dict[str, float]]:
-        """The other ranks' latest published figures (untrusted: numbers only, bounded)."""
+        """The other stages' latest published figures, by stage (each stage's first rank
+        publishes them; untrusted: numbers only, bounded)."""
         out: dict[int, dict[str, float]] = {}
         for rank in range(self.world):
             if rank == self.rank:
@@ -155,7 +164,7 @@ class Watchdog:
             except Exception:  # a gone store or junk: no figures from that rank
                 continue
             if isinstance(data, dict):
-                out[rank] = {str(k)[:64]: float(v) for k, v in list(data.items())[:32]
+                out[rank // self.tp] = {str(k)[:64]: float(v) for k, v in list(data.items())[:32]
                              if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
         return out
 
@@ -176,10 +185,10 @@ class Watchdog:
                 return self.fatal or ""
             counter, _, status = value.partition("|")
             if counter == "failed":
-                failed.append(f"rank {rank} failed: {status}")
+                failed.append(f"{self.name(rank)} failed: {status}")
             elif rank in self._seen and now - self._seen[rank][1] > 2 * self.interval_s:
                 quiet = now - self._seen[rank][1]
-                silent.append((quiet, f"rank {rank} stopped beating {quiet:.1f} s ago "
+                silent.append((quiet, f"{self.name(rank)} stopped beating {quiet:.1f} s ago "
                                       f"(it was {status})"))  # fmt: skip
         silent.sort(key=lambda item: -item[0])
         first = [self.fatal] if self.fatal else []

@@ -1,0 +1,122 @@
+"""Tensor parallelism inside a stage (``--tp 2``), run by ``torchrun -m wavepp.main``:
+checkpoints of Llama and the three families saved by transformers, prompts that reuse a
+cached prefix (for the hybrids, resuming from a request-end snapshot). First tokens equal
+transformers' argmax at TP2 x PP2 (four ranks) and TP2 x PP1; on Llama also the same run at
+TP1, logit for logit. A TP rank killed mid-run is named and every rank exits."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.integration.conftest import ROOT, TORCHRUN
+from tests.integration.test_faults import alive, rank_pids
+from tests.parity.families import hf_last_logits, make_checkpoint, redraw
+
+pytestmark = pytest.mark.slow
+
+
+def llama_checkpoint(path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    redraw(model, 0)
+    model.save_pretrained(path)
+    return model, path
+
+
+def checkpoint(family, path):
+    return llama_checkpoint(path) if family == "llama" else make_checkpoint(family, path)
+
+
+def write_prompts(tmp_path):
+    rng = np.random.default_rng(4)
+    doc = rng.integers(0, 300, 200).tolist()
+    prompts = {"doc": doc, "turn": doc + rng.integers(0, 300, 60).tolist(),
+               "solo": rng.integers(0, 300, 90).tolist()}  # fmt: skip
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"id": k, "tokens": v}) + "\n"
+                                for k, v in prompts.items()))  # fmt: skip
+    return prompts, requests
+
+
+# Concurrency 1: "turn" runs after "doc" and reuses its cached blocks.
+OPTIONS = ("--concurrency", "1", "--block-size", "16", "--budget", "64",
+           "--snapshot-interval", "4")  # fmt: skip
+
+
+@pytest.mark.parametrize("family,ranks", [("llama", 4), ("kimi_linear", 4), ("qwen3_next", 4),
+                                          ("minimax_m2", 4), ("qwen3_next", 2)])  # fmt: skip
+def test_tp2_first_tokens_equal_transformers(run_wavepp, tmp_path, family, ranks):
+    model, path = checkpoint(family, tmp_path / family)
+    prompts, requests = write_prompts(tmp_path)
+    record, _ = run_wavepp(ranks, "--tp", "2", "--model", str(path), "--requests-file",
+                           str(requests), *OPTIONS)  # fmt: skip
+    assert record["config"]["tp"] == 2 and record["config"]["stages"] == ranks // 2
+    results = {r["id"]: r for r in record["requests"]}
+    for rid, tokens in prompts.items():
+        expected = hf_last_logits(model, np.asarray(tokens))
+        assert results[rid]["first_token"] == int(expected.argmax()), rid
+        assert abs(results[rid]["top_logit"] - float(expected.max())) <= 1e-4, rid
+    assert results["turn"]["cached_tokens"] == 192  # 12 full blocks of "doc"
+    assert all(leak["balanced"] for leak in record["leak_check"])
+
+
+def test_tp2_equals_tp1_on_llama(run_wavepp, tmp_path):
+    _, path = checkpoint("llama", tmp_path / "llama")
+    _, requests = write_prompts(tmp_path)
+    common = ("--model", str(path), "--requests-file", str(requests), *OPTIONS)
+    tp2, _ = run_wavepp(2, "--tp", "2", *common)
+    tp1, _ = run_wavepp(1, *common)
+    one = {r["id"]: r for r in tp1["requests"]}
+    for r in tp2["requests"]:
+        assert r["first_token"] == one[r["id"]]["first_token"]
+        assert abs(r["top_logit"] - one[r["id"]]["top_logit"]) <= 1e-4
+        assert r["cached_tokens"] == one[r["id"]]["cached_tokens"]
+
+
+def test_a_killed_tp_rank_is_named_and_every_rank_exits(tmp_path):
+    """SIGKILL the follower of stage 0 mid-run (TP2 x PP2): every other rank exits, the
+    run fails, and a rank names the dead one by its stage and TP rank."""
+    tag = uuid.uuid4().hex
+    log = tmp_path / "run.log"
+    cmd = [*TORCHRUN, "--nproc-per-node=4", "-m", "wavepp.main", "--tp", "2", "--model",
+           "tiny-llama", "--requests", "400", "--prompt-tokens", "512", "--no-progress",
+           "--dead-after-s", "5"]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "WAVEPP_TEST_TAG": tag})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "warm-up:" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "warm-up:" in log.read_text(), log.read_text()[-3000:]
+        pids = rank_pids(tag)
+        assert len(pids) == 4, log.read_text()[-3000:]
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        others = [pid for rank, pid in pids.items() if rank != 1]
+        while any(alive(p) for p in others) and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in others), log.read_text()[-3000:]
+        assert proc.wait(timeout=60) != 0
+        text = log.read_text()
+        assert "rank 1 (stage 0, TP rank 1)" in text, text[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in rank_pids(tag).values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
