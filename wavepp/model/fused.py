@@ -13,12 +13,12 @@ tensors, shared by every layer of the same shapes:
 Attention stays in :mod:`wavepp.model.attention` (compiled code never sees a block
 table), so the cache effects are exactly the uncompiled ones. Only Llama-shaped layers
 are fused (:func:`fusable`: GQA without q/k norms or output gate and with RoPE on every
-head dim, a dense SwiGLU MLP, plain RMSNorms, on a stage of one rank: a
-tensor-parallel stage reduces the attention's output between the two functions, so it
-runs eagerly); every other kind runs eagerly. Waves of
-one token run the same functions uncompiled (a size-1 dimension would be compiled
-again as a special case). Compiling needs a C++ compiler on CPU (Triton on CUDA); it
-happens when the executor is built, and Inductor caches the result across runs.
+head dim, a dense SwiGLU MLP, plain RMSNorms); every other kind runs eagerly, and so
+does every layer of a stage split over tensor-parallel ranks, whose attention output
+is all-reduced between the two functions. Waves of one token run the same functions
+uncompiled (a size-1 dimension would be compiled again as a special case). Compiling
+needs a C++ compiler on CPU (Triton on CUDA); it happens when the executor is built,
+and Inductor caches the result across runs.
 """
 
 from __future__ import annotations
