@@ -124,10 +124,10 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path):
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
     deadline = time.monotonic() + 600  # a hang guard; the run takes seconds
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
+        while True:
+            codes = [p.poll() for p in procs]
+            if None not in codes or any(codes) or time.monotonic() > deadline:
+                break  # all done, one failed (the other may wait on it forever), or hung
             time.sleep(0.1)
     finally:
         for p in procs:
