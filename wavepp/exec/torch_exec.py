@@ -27,6 +27,11 @@ model's last layer writes its cache for every token and computes its outputs onl
 the last token of each prompt the wave ends, the rows the logits read
 (``full_last_layer``: for every token). Every wave runs on one thread of the executor's
 own, so the event loop keeps admitting while it computes.
+
+A stage split over tensor-parallel ranks (``build_stage(..., tp=group)``) runs the same
+waves on each of its ranks: each rank's mixers and MLPs give partial sums over its
+heads, widths and experts, completed by one all-reduce over ``modules.tp`` per mixer and
+one per MLP; pools and snapshots hold the rank's heads (``wavepp.model.tp``).
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class TorchExecutor:
         the last token of each prompt that ends in the wave, the only rows the logits
         read."""
         self.m = modules
+        self.tp = modules.tp  # the stage's tensor-parallel ranks: sums partial outputs
         # layers whose mixer (and cache) this stage holds: all of its layers, but the
         # last when a stage boundary falls between that layer's mixer and its MLP
         self.mixer_ids = [i for i in modules.layer_ids if modules.layer(i).has_mixer]
@@ -198,10 +204,10 @@ class TorchExecutor:
         params = sum(p.numel() for p in self.m.model.layers.parameters())
         for m in self.m.model.layers.modules():  # a token only runs top_k of the experts
             if hasattr(m, "experts") and hasattr(m, "top_k"):
-                inactive = 1.0 - m.top_k / len(m.experts)
+                inactive = 1.0 - m.top_k / m.num_experts
                 params -= int(inactive * sum(p.numel() for p in m.experts.parameters()))
         cfg = self.cfg
-        width = cfg.num_heads * max(cfg.head_dim, cfg.kv_lora_rank, 1)
+        width = cfg.num_heads // self.tp.size * max(cfg.head_dim, cfg.kv_lora_rank, 1)
         rate = 10e9
         return 2 * params / rate, 4 * width * len(self.pools) / rate, 1e-3, 0.0
 
@@ -316,7 +322,7 @@ class TorchExecutor:
             if layer.has_mixer:
                 x = self._mix(i, layer, x, chunks, batch, queries)
             if layer.has_ffn and x.shape[0]:
-                x = x + layer.ffn(layer.post_attention_layernorm(x))
+                x = x + self.tp.all_reduce(layer.ffn(layer.post_attention_layernorm(x)))
         for c in chunks:
             if c.is_last:
                 states = self.live.pop(c.request_id, None)
@@ -350,7 +356,7 @@ class TorchExecutor:
                                for c, (a, b) in zip(chunks, batch.spans, strict=True)])  # fmt: skip
             _, mixed = to_queries(batch, queries, mixed)
         _, x = to_queries(batch, queries, x)
-        return x + mixed
+        return x + self.tp.all_reduce(mixed)
 
     def _resume(self, i: int, c: ChunkWork) -> State | None:
         """The state before token c.start: live, from a snapshot slot, or None (zeros)."""

@@ -14,7 +14,10 @@ MiniMax-M2 — from built-in configs with seeded weights or from checkpoints.
   MLA), ``linear`` (gated linear attention, KDA, Gated DeltaNet) over ``delta`` (the
   chunked delta rule), ``moe``; ``fused`` (``--compile``'s Llama-shaped layers);
 - ``attention`` and ``cpu_kernel``: attention straight from the paged pool;
-  ``checkpoint``: weights on disk.
+  ``checkpoint``: weights on disk;
+- ``tp``: tensor parallelism inside a stage — the TP group a stage's layers reduce over
+  (``TPGroup``, ``NoTP``, ``DistTPGroup``), ``check_tp``, ``shard_weights`` (what each
+  rank holds); ``build_stage(..., tp=group)`` builds a rank's share.
 
 The layer-kind seam the executor (``wavepp.exec.torch_exec``) relies on, every mixer:
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from wavepp.model.attention import to_queries, write_paged
 from wavepp.model.common import RMSNorm, apply_rope, rope_tables
+from wavepp.model.tp import NO_TP, TPGroup
 
 
 def masked_attention(q, k, v, q_positions: torch.Tensor, scale: float) -> torch.Tensor:
@@ -45,7 +46,12 @@ class GQAttention(nn.Module):
     """Grouped-query attention with rotary embedding on the leading ``rotary_dim`` head
     dims. ``qk_norm``: None (Llama), "head" (per-head, 1+w: Qwen3-Next) or "full" (over
     all heads: MiniMax-M2); ``gated``: q_proj also yields a sigmoid output gate
-    (Qwen3-Next)."""
+    (Qwen3-Next).
+
+    ``tp``: the stage's tensor-parallel ranks (``wavepp.model.tp``). Head counts are the
+    model's; this rank holds ``num_heads / tp.size`` heads and ``num_kv_heads / tp.size``
+    KV heads, and ``o_proj`` returns its partial sum (the executor reduces it). The
+    "full" norms span every rank's heads: their sums of squares are all-reduced."""
 
     paged = True
 
@@ -60,8 +66,11 @@ class GQAttention(nn.Module):
         eps: float,
         qk_norm: str | None = None,
         gated: bool = False,
+        tp: TPGroup = NO_TP,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        num_heads, num_kv_heads = num_heads // tp.size, num_kv_heads // tp.size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rotary_dim, self.rope_theta, self.gated = rotary_dim, rope_theta, gated
         self.qk_norm = qk_norm
@@ -107,13 +116,28 @@ class GQAttention(nn.Module):
             q = self.q_norm(q.reshape(n, self.num_heads, hd))
             k = self.k_norm(k.view(n, self.num_kv_heads, hd))
         elif self.qk_norm == "full":
-            q = self.q_norm(q).view(n, self.num_heads, hd)
-            k = self.k_norm(k).view(n, self.num_kv_heads, hd)
+            q, k = self.full_norms(q, k)
+            q, k = q.view(n, self.num_heads, hd), k.view(n, self.num_kv_heads, hd)
         else:
             q = q.view(n, self.num_heads, hd)
             k = k.view(n, self.num_kv_heads, hd)
         v = self.v_proj(h).view(n, self.num_kv_heads, hd)
         return apply_rope(q, tables), gate, apply_rope(k, tables), v
+
+    def full_norms(self, q: torch.Tensor, k: torch.Tensor):
+        """MiniMax-M2's q and k norms over all heads. q: [n, H*hd], k: [n, KV*hd], this
+        rank's heads; over several ranks, one all-reduce sums both sums of squares."""
+        if self.tp.size == 1:
+            return self.q_norm(q), self.k_norm(k)
+        q32, k32 = q.float(), k.float()
+        squares = torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1)  # [n, 2]
+        squares = self.tp.all_reduce(squares)
+        normed = []
+        for x, x32, norm, sq in ((q, q32, self.q_norm, squares[:, :1]),
+                                 (k, k32, self.k_norm, squares[:, 1:])):  # fmt: skip
+            mean = sq / (x.shape[-1] * self.tp.size)
+            normed.append(norm.weight * (x32 * torch.rsqrt(mean + norm.eps)).to(x.dtype))
+        return normed[0], normed[1]
 
     def project(self, h: torch.Tensor, positions: torch.Tensor):
         # h: [n, d_model] -> (q: [n, H, hd], gate: [n, H*hd] | None), entries: [n, 2, KV, hd]
@@ -158,7 +182,11 @@ class GQAttention(nn.Module):
 class LatentAttention(nn.Module):
     """MLA as in Kimi Linear (no positional encoding): the pool keeps the normalized
     latent and the shared key part, ``[kv_lora_rank + qk_rope_head_dim]`` per token;
-    ``kv_b_proj`` expands them to per-head keys and values when attending."""
+    ``kv_b_proj`` expands them to per-head keys and values when attending.
+
+    ``tp``: this rank holds ``num_heads / tp.size`` heads (their q and ``kv_b_proj``
+    rows, their ``o_proj`` columns: a partial sum, reduced by the executor) and the whole
+    latent path, so the whole latent pool: every head reads all of it."""
 
     paged = True
 
@@ -172,8 +200,10 @@ class LatentAttention(nn.Module):
         rope_dim: int,
         v_dim: int,
         eps: float,
+        tp: TPGroup = NO_TP,
     ) -> None:
         super().__init__()
+        num_heads //= tp.size
         self.num_heads, self.rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = nope_dim, rope_dim, v_dim
         qk = nope_dim + rope_dim

@@ -13,10 +13,12 @@ tensors, shared by every layer of the same shapes:
 Attention stays in :mod:`wavepp.model.attention` (compiled code never sees a block
 table), so the cache effects are exactly the uncompiled ones. Only Llama-shaped layers
 are fused (:func:`fusable`: GQA without q/k norms or output gate and with RoPE on every
-head dim, a dense SwiGLU MLP, plain RMSNorms); every other kind runs eagerly. Waves of
-one token run the same functions uncompiled (a size-1 dimension would be compiled
-again as a special case). Compiling needs a C++ compiler on CPU (Triton on CUDA); it
-happens when the executor is built, and Inductor caches the result across runs.
+head dim, a dense SwiGLU MLP, plain RMSNorms); every other kind runs eagerly, and so
+does every layer of a stage split over tensor-parallel ranks, whose attention output
+is all-reduced between the two functions. Waves of one token run the same functions
+uncompiled (a size-1 dimension would be compiled again as a special case). Compiling
+needs a C++ compiler on CPU (Triton on CUDA); it happens when the executor is built,
+and Inductor caches the result across runs.
 """
 
 from __future__ import annotations
@@ -58,8 +60,12 @@ def _compiled(name: str):
 
 
 def fusable(layer: nn.Module) -> bool:
-    """A Llama-shaped layer: Llama's attention, a dense SwiGLU MLP, plain RMSNorms."""
+    """A Llama-shaped layer: Llama's attention, a dense SwiGLU MLP, plain RMSNorms; not
+    split over tensor-parallel ranks (whose partial sums are reduced between the fused
+    functions)."""
     if not (layer.has_mixer and layer.has_ffn):  # half a layer (a stage boundary inside it)
+        return False
+    if layer.tp.size > 1:
         return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     return (

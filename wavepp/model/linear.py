@@ -8,6 +8,10 @@ gated linear attention one state ``[heads, d, d]``. Their parameters carry the n
 prefill path (chunk-parallel); ``full`` is the token-by-token reference. States are
 float32 on the weights' device whatever the weights' dtype: the sums over the whole
 prompt accumulate in them.
+
+Each takes the stage's tensor-parallel ranks (``tp``, ``wavepp.model.tp``) and holds
+``1 / tp.size`` of the model's heads, with their states: its output projection returns
+a partial sum, which the executor reduces.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from wavepp.model.common import GatedRMSNorm, l2norm, short_conv
 from wavepp.model.delta import chunk_delta, recurrent_delta
+from wavepp.model.tp import NO_TP, TPGroup
 
 State = dict[str, torch.Tensor]  # {"delta": [H, dk, dv], "conv": [K-1, channels]}
 
@@ -94,8 +99,9 @@ class GatedLinearAttention(nn.Module):
 
     paged = False
 
-    def __init__(self, d_model: int, num_heads: int, head_dim: int) -> None:
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, tp: TPGroup = NO_TP) -> None:
         super().__init__()
+        num_heads //= tp.size
         self.num_heads, self.head_dim = num_heads, head_dim
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(d_model, inner, bias=False)
@@ -170,10 +176,10 @@ class GatedLinearAttention(nn.Module):
 class KimiDeltaAttention(_Recurrent):
     """KDA: per-channel forget gate, sigmoid-gated output norm (Kimi Linear ``self_attn``)."""
 
-    def __init__(
-        self, d_model: int, num_heads: int, head_dim: int, conv_kernel: int, eps: float
-    ) -> None:
+    def __init__(self, d_model: int, num_heads: int, head_dim: int, conv_kernel: int,
+                 eps: float, tp: TPGroup = NO_TP) -> None:  # fmt: skip
         super().__init__()
+        num_heads //= tp.size
         self.num_heads, self.dk, self.dv = num_heads, head_dim, head_dim
         inner = num_heads * head_dim
         self.conv_kernel, self.conv_channels = conv_kernel, 3 * inner
@@ -242,10 +248,13 @@ class GatedDeltaNet(_Recurrent):
         head_v_dim: int,
         conv_kernel: int,
         eps: float,
+        tp: TPGroup = NO_TP,
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"{num_v_heads} value heads do not group over {num_k_heads} key heads")
+        # a rank holds whole key heads with their value heads (the checkpoint groups them)
+        num_k_heads, num_v_heads = num_k_heads // tp.size, num_v_heads // tp.size
         self.num_k_heads, self.num_heads = num_k_heads, num_v_heads
         self.dk, self.dv = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim

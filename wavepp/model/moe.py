@@ -5,6 +5,12 @@ Routing:
   groups, weights renormalized and scaled by ``routed_scaling_factor``; shared experts.
 - ``qwen``: softmax, top-k, optionally renormalized; a shared expert behind a sigmoid gate.
 - ``minimax``: sigmoid scores, top-k over scores + correction bias, renormalized.
+
+Over a stage's tensor-parallel ranks (``tp``, ``wavepp.model.tp``) the experts are
+spread (rank r holds experts ``[r E / T, (r + 1) E / T)``, under their global numbers):
+every rank routes every token over all experts, runs the copies routed to its own, adds
+its slice of the shared expert(s) and returns that partial sum; the executor reduces it
+once.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wavepp.model.common import SwiGLU
+from wavepp.model.tp import NO_TP, TPGroup
 
 _EXPERT_NAMES = {
     "kimi": ("w1", "w3", "w2"),
@@ -43,6 +50,7 @@ class SparseMoE(nn.Module):
         scaling: float = 1.0,
         num_groups: int = 1,
         topk_groups: int = 1,
+        tp: TPGroup = NO_TP,
     ) -> None:
         super().__init__()
         if routing not in _EXPERT_NAMES:
@@ -56,7 +64,13 @@ class SparseMoE(nn.Module):
         if routing == "minimax":
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
         names = _EXPERT_NAMES[routing]
-        self.experts = nn.ModuleList(SwiGLU(d_model, d_expert, names) for _ in range(num_experts))
+        local = num_experts // tp.size
+        self.first_expert, self.num_local_experts = tp.rank * local, local
+        self.experts = nn.ModuleDict({
+            str(e): SwiGLU(d_model, d_expert, names)
+            for e in range(self.first_expert, self.first_expert + local)
+        })  # fmt: skip
+        shared_ff //= tp.size
         if routing == "kimi" and shared_ff:
             self.shared_experts = SwiGLU(d_model, shared_ff)
         if routing == "qwen" and shared_ff:
@@ -68,11 +82,12 @@ class SparseMoE(nn.Module):
     def prepare(self) -> None:
         """Stack the experts' weights once the checkpoint is loaded."""
         gate, up, down = _EXPERT_NAMES[self.routing]
+        experts = list(self.experts.values())  # this rank's, in order
         self._stacked = (
             torch.stack(
-                [torch.cat([getattr(e, gate).weight, getattr(e, up).weight]) for e in self.experts]
+                [torch.cat([getattr(e, gate).weight, getattr(e, up).weight]) for e in experts]
             ),  # [E, 2 I, D]
-            torch.stack([getattr(e, down).weight for e in self.experts]),  # [E, D, I]
+            torch.stack([getattr(e, down).weight for e in experts]),  # [E, D, I]
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,18 +125,27 @@ class SparseMoE(nn.Module):
             self.prepare()
         gate_up, down = self._stacked
         weights, ids = self.route(x)
-        flat = ids.reshape(-1)  # [n k]
-        order = flat.argsort(stable=True)
-        token = order // self.top_k  # token of each routed copy, grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        flat = ids.reshape(-1)  # [n k]: the expert of each routed copy
+        experts = self.num_local_experts
+        if experts == self.num_experts:
+            order = flat.argsort(stable=True)
+            copies = order  # the routed copies, grouped by expert
+        else:  # the copies routed to this rank's experts, numbered from 0 here
+            mine = torch.nonzero((flat >= self.first_expert)
+                                 & (flat < self.first_expert + experts)).squeeze(1)  # fmt: skip
+            flat = flat[mine] - self.first_expert
+            order = flat.argsort(stable=True)
+            copies = mine[order]
+        token = copies // self.top_k  # token of each routed copy, grouped by expert
+        counts = torch.bincount(flat, minlength=experts)
         out = torch.zeros_like(x)
-        scale = weights.reshape(-1)[order, None].to(x.dtype)  # [n k, 1]
+        scale = weights.reshape(-1)[copies, None].to(x.dtype)  # [copies, 1]
         widest = int(counts.max())
-        if widest * self.num_experts <= 2 * flat.numel():
+        if widest * experts <= 2 * flat.numel():
             # Balanced enough: all experts in one batched matmul over padded groups.
             starts = torch.cumsum(counts, 0) - counts
             rank = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
-            padded = x.new_zeros(self.num_experts, widest, x.shape[1])  # [E, widest, D]
+            padded = x.new_zeros(experts, widest, x.shape[1])  # [E, widest, D]
             padded[flat[order], rank] = x[token]
             g, u = torch.bmm(padded, gate_up.transpose(1, 2)).chunk(2, dim=-1)
             y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))[flat[order], rank]

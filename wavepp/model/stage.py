@@ -5,6 +5,10 @@ weights of a whole model; its plain reference forward.
 Names follow what ``save_pretrained`` writes: ``model.layers.{i}.self_attn`` for
 attention, MLA and KDA, ``linear_attn`` for Gated DeltaNet and gated linear attention;
 ``mlp`` (Llama, Qwen3-Next) or ``block_sparse_moe`` (Kimi Linear, MiniMax-M2) for the MLP.
+
+A stage may be split over tensor-parallel ranks (``build_stage(..., tp=group)``): its
+layers hold the rank's heads, widths and experts (``wavepp.model.tp``) and the
+executor sums their partial outputs over the group.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from wavepp.model.common import RMSNorm, SwiGLU
 from wavepp.model.config import ModelConfig
 from wavepp.model.linear import GatedDeltaNet, GatedLinearAttention, KimiDeltaAttention
 from wavepp.model.moe import SparseMoE
+from wavepp.model.tp import NO_TP, TPGroup, check_tp, shard_weights
 
 
 @attrs.frozen
@@ -39,44 +44,47 @@ LAYOUTS = {
 }
 
 
-def _gqa(cfg: ModelConfig, qk_norm: str | None = None, gated: bool = False) -> GQAttention:
+def _gqa(cfg: ModelConfig, tp: TPGroup, qk_norm: str | None = None,
+         gated: bool = False) -> GQAttention:  # fmt: skip
     return GQAttention(cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                       cfg.rotary_dim, cfg.rope_theta, cfg.norm_eps, qk_norm, gated)  # fmt: skip
+                       cfg.rotary_dim, cfg.rope_theta, cfg.norm_eps, qk_norm, gated,
+                       tp)  # fmt: skip
 
 
-MIXERS = {  # mixer kind -> (checkpoint name, the layer)
+MIXERS = {  # mixer kind -> (checkpoint name, the layer from the config and the TP group)
     "gqa": ("self_attn", _gqa),
-    "gattn": ("self_attn", lambda cfg: _gqa(cfg, qk_norm="head", gated=True)),
-    "mmattn": ("self_attn", lambda cfg: _gqa(cfg, qk_norm="full")),
-    "mla": ("self_attn", lambda cfg: LatentAttention(
+    "gattn": ("self_attn", lambda cfg, tp: _gqa(cfg, tp, qk_norm="head", gated=True)),
+    "mmattn": ("self_attn", lambda cfg, tp: _gqa(cfg, tp, qk_norm="full")),
+    "mla": ("self_attn", lambda cfg, tp: LatentAttention(
         cfg.d_model, cfg.num_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.nope_dim,
-        cfg.rope_dim, cfg.v_dim, cfg.norm_eps)),
-    "gla": ("linear_attn", lambda cfg: GatedLinearAttention(
-        cfg.d_model, cfg.linear_heads, cfg.linear_k_dim)),
-    "kda": ("self_attn", lambda cfg: KimiDeltaAttention(
-        cfg.d_model, cfg.linear_heads, cfg.linear_k_dim, cfg.conv_kernel, cfg.norm_eps)),
-    "gdn": ("linear_attn", lambda cfg: GatedDeltaNet(
+        cfg.rope_dim, cfg.v_dim, cfg.norm_eps, tp)),
+    "gla": ("linear_attn", lambda cfg, tp: GatedLinearAttention(
+        cfg.d_model, cfg.linear_heads, cfg.linear_k_dim, tp)),
+    "kda": ("self_attn", lambda cfg, tp: KimiDeltaAttention(
+        cfg.d_model, cfg.linear_heads, cfg.linear_k_dim, cfg.conv_kernel, cfg.norm_eps, tp)),
+    "gdn": ("linear_attn", lambda cfg, tp: GatedDeltaNet(
         cfg.d_model, cfg.linear_k_heads, cfg.linear_heads, cfg.linear_k_dim,
-        cfg.linear_v_dim, cfg.conv_kernel, cfg.norm_eps)),
+        cfg.linear_v_dim, cfg.conv_kernel, cfg.norm_eps, tp)),
 }  # fmt: skip
 
 
-def _mlp(cfg: ModelConfig, kind: str) -> nn.Module:
-    if kind == "dense":
-        return SwiGLU(cfg.d_model, cfg.d_ff)
+def _mlp(cfg: ModelConfig, kind: str, tp: TPGroup) -> nn.Module:
+    if kind == "dense":  # column- then row-parallel: this rank's d_ff / T of the width
+        return SwiGLU(cfg.d_model, cfg.d_ff // tp.size)
     return SparseMoE(LAYOUTS[cfg.family].routing, cfg.d_model, cfg.d_expert, cfg.num_experts,
                      cfg.top_k, cfg.shared_ff, cfg.norm_topk, cfg.routed_scaling,
-                     cfg.num_groups, cfg.topk_groups)  # fmt: skip
+                     cfg.num_groups, cfg.topk_groups, tp)  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
     """``x + mixer(norm(x))``, then ``x + ffn(norm(x))``; or one of the two halves, where
     a stage boundary falls inside the layer (``wavepp.plan.placement``)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, mixer: bool = True,
-                 mlp: bool = True) -> None:  # fmt: skip
+    def __init__(self, cfg: ModelConfig, layer: int, mixer: bool = True, mlp: bool = True,
+                 tp: TPGroup = NO_TP) -> None:  # fmt: skip
         super().__init__()
         layout = LAYOUTS[cfg.family]
+        self.tp = tp
         self.has_mixer, self.has_ffn = mixer, mlp
         self.mixer_name, make = MIXERS[cfg.mixers[layer]]
         self.mlp_name = layout.mlp_name
@@ -88,9 +96,9 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps,
                                                     layout.norm_offset)  # fmt: skip
         if mixer:
-            setattr(self, self.mixer_name, make(cfg))
+            setattr(self, self.mixer_name, make(cfg, tp))
         if mlp:
-            setattr(self, self.mlp_name, _mlp(cfg, cfg.mlps[layer]))
+            setattr(self, self.mlp_name, _mlp(cfg, cfg.mlps[layer], tp))
 
     @property
     def mixer(self) -> nn.Module:
@@ -109,18 +117,23 @@ class StageModules(nn.Module):
     load by name on every stage. ``layers``: whole layers, or a stage's units
     (``wavepp.plan.placement``: unit 2i is layer i's mixer, 2i + 1 its MLP) when a stage
     boundary falls inside a layer.
+
+    ``tp``: the stage's tensor-parallel ranks; the layers hold this rank's share
+    (``wavepp.model.tp``), their mixers and MLPs return partial sums to be reduced over
+    ``tp``. Embeddings, the final norm and the head are whole on every rank.
     """
 
     def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool,
-                 units: range | None = None) -> None:  # fmt: skip
+                 units: range | None = None, tp: TPGroup = NO_TP) -> None:  # fmt: skip
         super().__init__()
         cfg.validate()
-        self.cfg = cfg
+        check_tp(cfg, tp.size)
+        self.cfg, self.tp = cfg, tp
         units = units if units is not None else range(2 * layers.start, 2 * layers.stop)
         self.layer_ids = list(range(units.start // 2, (units.stop + 1) // 2))
         self.model = nn.Module()
         self.model.layers = nn.ModuleDict({
-            str(i): DecoderLayer(cfg, i, mixer=2 * i in units, mlp=2 * i + 1 in units)
+            str(i): DecoderLayer(cfg, i, mixer=2 * i in units, mlp=2 * i + 1 in units, tp=tp)
             for i in self.layer_ids
         })  # fmt: skip
         if first or (last and cfg.tie_embeddings):
@@ -145,16 +158,20 @@ class StageModules(nn.Module):
 def build_stage(cfg: ModelConfig, layers: range, first: bool, last: bool,
                 weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
                 dtype: torch.dtype = torch.float32, units: range | None = None,
-                ) -> StageModules:  # fmt: skip
+                tp: TPGroup = NO_TP) -> StageModules:  # fmt: skip
     """The stage's modules with their weights, on ``device`` in ``dtype``; ``units``: the
     stage's half-layer units, where a boundary falls inside a layer (``layers`` is then
-    ignored)."""
-    modules = StageModules(cfg, layers, first, last, units)
-    wanted = modules.state_dict().keys()
+    ignored). ``weights``: the full checkpoint's (or this stage's) tensors; with ``tp``
+    over several ranks, this rank loads its shard of them (:func:`shard_weights`)."""
+    modules = StageModules(cfg, layers, first, last, units, tp)
+    wanted = modules.state_dict().keys()  # under TP: only this rank's experts
     missing = [k for k in wanted if k not in weights]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    modules.load_state_dict({k: weights[k] for k in wanted})
+    state = {k: weights[k] for k in wanted}
+    if tp.size > 1:
+        state = shard_weights(cfg, state, tp.rank, tp.size)
+    modules.load_state_dict(state)
     modules.to(device=device, dtype=dtype)
     for m in modules.modules():
         if hasattr(m, "prepare"):
