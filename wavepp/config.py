@@ -406,9 +406,6 @@ def validate(c: RunConfig) -> None:
          "--sim-device measured:FILE models this machine's ranks: no --sim-tp or --sim-link")
     need(c.tp == 1 or c.executor == "torch",
          "--tp applies to --executor torch (the sim models tensor parallelism with --sim-tp)")
-    need(c.tp == 1 or not (c.handoff_to or c.handoff_dir or c.handoff_all),
-         "--tp > 1 cannot hand caches off yet (each rank of a stage holds a part of its heads); "
-         "run the handoff with --tp 1")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
     need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),

@@ -57,6 +57,7 @@ from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
 from wavepp.model.config import RECURRENT, ModelConfig
+from wavepp.model.tp import NO_TP, DistTPGroup, check_tp
 from wavepp.plan import CostFit, CostModel, PlanContext
 from wavepp.plan.cost import PRIOR_WEIGHT
 from wavepp.plan.placement import (
@@ -135,6 +136,10 @@ def preflight(c: RunConfig, world: int) -> None:
         sim_topology(c, world)
     elif c.model in BUILTIN:
         num_layers = BUILTIN[c.model].num_layers
+        try:
+            check_tp(BUILTIN[c.model], c.tp)
+        except ValueError as error:
+            raise SystemExit(f"wavepp: {error}") from None
     elif not Path(c.model).is_dir():
         raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
                          f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
@@ -210,11 +215,17 @@ def load_model(c: RunConfig) -> tuple[ModelConfig, dict[str, torch.Tensor]] | No
         return None
     if c.model in BUILTIN:
         cfg = BUILTIN[c.model]
-        return cfg, random_weights(cfg, c.seed)
-    if Path(c.model).is_dir():
-        return load_checkpoint(c.model, pick_dtype(c.dtype))
-    raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
-                     f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
+        model = cfg, random_weights(cfg, c.seed)
+    elif Path(c.model).is_dir():
+        model = load_checkpoint(c.model, pick_dtype(c.dtype))
+    else:
+        raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
+                         f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
+    try:
+        check_tp(model[0], c.tp)
+    except ValueError as error:
+        raise SystemExit(f"wavepp: {error}") from None
+    return model
 
 
 def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
@@ -255,7 +266,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
                if eager else ""))  # fmt: skip
     if groups is None:
         return executor, recurrent
-    return TPLeader(executor, groups, c.tp), recurrent
+    return TPLeader(executor, groups, c.tp, c.handoff_timeout_s), recurrent
 
 
 def stage_executor(c: RunConfig, cfg: ModelConfig, weights: dict, units: range, first: bool,
@@ -263,8 +274,9 @@ def stage_executor(c: RunConfig, cfg: ModelConfig, weights: dict, units: range, 
                    groups: StageGroups | None) -> TorchExecutor:  # fmt: skip
     """This rank's torch executor: its stage's layers (with ``--tp``, its shard of them,
     reducing over the stage's group) over pools of ``capacity`` blocks."""
+    tp = NO_TP if groups is None else DistTPGroup(groups.compute)
     modules = build_stage(cfg, range(0), first, last, weights, pick_device(c.device),
-                          pick_dtype(c.dtype), units)  # fmt: skip
+                          pick_dtype(c.dtype), units, tp=tp)  # fmt: skip
     return TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
                          c.full_last_layer)  # fmt: skip
 
@@ -630,7 +642,7 @@ def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup, planes:
     book = StageBook(policy.empty_cache(setup.capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
     handoff = handoff_targets = None
-    if c.executor == "torch" and c.tp == 1:  # every stage can hand its band of its cache on
+    if c.executor == "torch":  # every stage can hand its band of a request's cache on
         handoff = HandoffSettings(rank, world, fingerprint(c.model, executor.cfg, c.dtype),
                                   c.handoff_timeout_s, c.handoff_budget_mib << 20,
                                   c.handoff_block_size)  # fmt: skip

@@ -42,17 +42,22 @@ def checkpoint(family, path):
 
 
 def write_prompts(tmp_path):
+    """Three prompts, and a long one cancelled while it runs (its waves, its cancel and
+    what it leaves in the pools reach every TP rank)."""
     rng = np.random.default_rng(4)
     doc = rng.integers(0, 300, 200).tolist()
     prompts = {"doc": doc, "turn": doc + rng.integers(0, 300, 60).tolist(),
                "solo": rng.integers(0, 300, 90).tolist()}  # fmt: skip
+    rows = [{"id": "long", "tokens": rng.integers(0, 300, 4000).tolist()}]
+    rows += [{"id": k, "tokens": v} for k, v in prompts.items()]
+    rows += [{"cancel": "long", "after_s": 0.1}]
     requests = tmp_path / "requests.jsonl"
-    requests.write_text("".join(json.dumps({"id": k, "tokens": v}) + "\n"
-                                for k, v in prompts.items()))  # fmt: skip
+    requests.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return prompts, requests
 
 
-# Concurrency 1: "turn" runs after "doc" and reuses its cached blocks.
+# Concurrency 1: "long" runs first (63 waves of 64 tokens; cancelled well before its
+# end), then "turn" after "doc", reusing its cached blocks.
 OPTIONS = ("--concurrency", "1", "--block-size", "16", "--budget", "64",
            "--snapshot-interval", "4")  # fmt: skip
 
@@ -71,6 +76,8 @@ def test_tp2_first_tokens_equal_transformers(run_wavepp, tmp_path, family, ranks
         assert results[rid]["first_token"] == int(expected.argmax()), rid
         assert abs(results[rid]["top_logit"] - float(expected.max())) <= 1e-4, rid
     assert results["turn"]["cached_tokens"] == 192  # 12 full blocks of "doc"
+    assert results["long"]["error"] == "cancelled"
+    # balanced: no claim left, and every TP rank ran what its leader ran (the digests)
     assert all(leak["balanced"] for leak in record["leak_check"])
 
 
@@ -82,6 +89,8 @@ def test_tp2_equals_tp1_on_llama(run_wavepp, tmp_path):
     tp1, _ = run_wavepp(1, *common)
     one = {r["id"]: r for r in tp1["requests"]}
     for r in tp2["requests"]:
+        if r["id"] == "long":
+            continue  # cancelled
         assert r["first_token"] == one[r["id"]]["first_token"]
         assert abs(r["top_logit"] - one[r["id"]]["top_logit"]) <= 1e-4
         assert r["cached_tokens"] == one[r["id"]]["cached_tokens"]

@@ -1,8 +1,9 @@
 """The pipeline hands each prompt's cache on, and transformers continues from it.
 
 For each family's tiny checkpoint (made here by ``transformers``), a run under torchrun
-at P = 1, 2 or 3 stages with uneven layers (some stage boundaries between a layer's
-mixer and its MLP) prefills prompts that reuse cached prefixes
+at P = 1, 2 or 3 stages (some of two tensor-parallel ranks, whose leader puts the heads
+together) with uneven layers (some stage boundaries between a layer's mixer and its MLP)
+prefills prompts that reuse cached prefixes
 (so handed-off blocks were computed by earlier requests), ending on and off block
 boundaries; every stage sends its band to a real receiver on a Unix socket. Then, per
 prompt: the received tensors equal transformers' own cache for the prompt (fp32
@@ -39,20 +40,24 @@ def prompts(seed: int) -> dict[str, list[int]]:
     return {"doc": doc, "turn": turn, "aligned": doc + draw(32), "deeper": turn + draw(30)}
 
 
-CASES = [  # (family, stages, layers per stage; a half: a boundary inside a layer)
-    ("llama", 3, "1.5,1.5,1"),
-    ("kimi_linear", 1, None),
-    ("kimi_linear", 2, "3,2"),
-    ("kimi_linear", 3, "1.5,1.5,2"),
-    ("qwen3_next", 3, "2,2,1"),
-    ("minimax_m2", 2, "1,3"),
+CASES = [  # (family, stages, layers per stage (a half: a boundary inside a layer), TP)
+    ("llama", 3, "1.5,1.5,1", 1),
+    ("kimi_linear", 1, None, 1),
+    ("kimi_linear", 2, "3,2", 1),
+    ("kimi_linear", 3, "1.5,1.5,2", 1),
+    ("qwen3_next", 3, "2,2,1", 1),
+    ("minimax_m2", 2, "1,3", 1),
+    # a stage over two ranks: its leader puts the followers' heads together
+    ("kimi_linear", 2, "3,2", 2),
+    ("qwen3_next", 1, None, 2),
 ]
 
 
-@pytest.mark.parametrize(("family", "stages", "split"), CASES,
-                         ids=[f"{f}-P{p}" for f, p, _ in CASES])  # fmt: skip
+@pytest.mark.parametrize(("family", "stages", "split", "tp"), CASES,
+                         ids=[f"{f}-P{p}" + (f"-TP{t}" if t > 1 else "")
+                              for f, p, _, t in CASES])  # fmt: skip
 def test_a_handed_off_cache_is_transformers_own_and_decodes_the_same(
-    tmp_path, family, stages, split
+    tmp_path, family, stages, split, tp
 ):
     model, path = make_model(family, tmp_path / "ckpt")
     config = model.config.to_dict()
@@ -62,7 +67,8 @@ def test_a_handed_off_cache_is_transformers_own_and_decodes_the_same(
         options = ["--concurrency", "1", "--handoff-to", rx.address]
         if split:
             options += ["--layers-per-stage", split]
-        record = run_pipeline(stages, str(path), requests, tmp_path / "out.json", *options)
+        record = run_pipeline(stages * tp, str(path), requests, tmp_path / "out.json",
+                              "--tp", str(tp), *options)  # fmt: skip
     by_id = {r["id"]: r for r in record["requests"]}
     assert record["handoff"] == {"done": len(asked)}
     assert by_id["deeper"]["cached_tokens"] >= 80  # reused blocks were handed off too

@@ -102,11 +102,32 @@ def test_options_refuse_what_tp_does_not_do():
         preflight(load(["--tp", "3"]), 4)
     with pytest.raises(SystemExit, match="the sim models tensor parallelism with --sim-tp"):
         load(["--tp", "2", "--executor", "sim"])
-    with pytest.raises(SystemExit, match="--tp > 1 cannot hand caches off yet"):
-        load(["--tp", "2", "--handoff-to", "unix:/tmp/x.sock"])
     with pytest.raises(SystemExit, match="--tp must be ≥ 1"):
         load(["--tp", "0"])
     # four ranks as two stages of two: the split of layers is over the stages
     with pytest.raises(SystemExit, match="gives 3 counts for 2 stages"):
         preflight(load(["--tp", "2", "--layers-per-stage", "3,3,2"]), 4)
     preflight(load(["--tp", "2", "--layers-per-stage", "4,4"]), 4)
+
+
+def test_a_stages_cache_is_put_back_together_from_its_ranks_shards():
+    import torch
+
+    from wavepp.model.tp import _slice, cache_rule, gather_shards, replicated, whole_shape
+
+    cfg = BUILTIN["tiny-kimi"]  # KDA (conv channels q | k | v) and MLA (latent)
+    kda, mla = cfg.mixers.index("kda"), cfg.mixers.index("mla")
+    inner = cfg.linear_heads * cfg.linear_k_dim
+    cases = {("conv", kda): torch.randn(3, 3 * inner), ("delta", kda): torch.randn(4, 8, 8),
+             ("k", mla): torch.randn(5, 4, 8)}  # fmt: skip
+    for (name, layer), whole in cases.items():
+        rule = cache_rule(cfg, layer, name)
+        shards = [_slice(whole, rule, rank, 2) for rank in range(2)]
+        assert whole_shape(rule, tuple(shards[0].shape), 2) == tuple(whole.shape)
+        assert torch.equal(gather_shards(rule, shards), whole), name
+    # the conv state's channels are q | k | v, each split by head: ranks' shards side by
+    # side are not the whole state
+    conv = cases[("conv", kda)]
+    rule = cache_rule(cfg, kda, "conv")
+    assert not torch.equal(torch.cat([_slice(conv, rule, r, 2) for r in range(2)], dim=1), conv)
+    assert replicated(cache_rule(cfg, mla, "latent"))

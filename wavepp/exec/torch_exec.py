@@ -326,8 +326,8 @@ class TorchExecutor:
         for c in chunks:
             if c.is_last:
                 states = self.live.pop(c.request_id, None)
-                if c.handoff:
-                    self.finals[c.request_id] = states or {}
+                if c.handoff and states:  # a stage without recurrent layers keeps none
+                    self.finals[c.request_id] = states
         if not self.m.last:
             return x, {}
         results = {}

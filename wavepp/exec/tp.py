@@ -37,7 +37,9 @@ import datetime
 import hashlib
 import queue
 import threading
+import time
 from collections.abc import Sequence
+from functools import partial
 
 import attrs
 import msgspec
@@ -46,10 +48,12 @@ import torch
 import torch.distributed as dist
 
 from wavepp.exec.base import ChunkWork, StageOutput
+from wavepp.exec.handoff_send import BandJob, BandTensor
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.model.tp import cache_rule, gather_shards, replicated, whole_shape
 from wavepp.rounds.messages import decode_untrusted
 from wavepp.state import BlockHash, RequestId
-from wavepp.transport.frames import DataLimits
+from wavepp.transport.frames import MAX_TENSOR_BYTES, DataLimits
 from wavepp.transport.gloo import GlooLink, gloo_links
 from wavepp.transport.planes import Leaders
 
@@ -94,6 +98,7 @@ class StageGroups:
     leaders: Leaders  # the stages' leaders, between whom the rounds and data planes run
     compute: dist.ProcessGroup  # this stage's ranks: the layers' all-reduces
     posts: list[GlooLink]  # leader: one per follower; a follower: the one from its leader
+    shards: list[GlooLink]  # the other way: a follower's shards of a band, to its leader
 
 
 def make_groups(layout: TPLayout, timeout_s: float, device: torch.device) -> StageGroups:
@@ -104,7 +109,7 @@ def make_groups(layout: TPLayout, timeout_s: float, device: torch.device) -> Sta
     group = dist.new_group(layout.leaders, backend="gloo", timeout=timeout)
     links = gloo_links(layout.rank, layout.stages, timeout_s, None, device, layout.leaders)
     leaders = Leaders(group, layout.stage, layout.stages, links)
-    compute, posts = None, []
+    compute, posts, shards = None, [], []
     for s in range(layout.stages):
         members = layout.members(s)
         reduce = dist.new_group(members, backend=backend, timeout=timeout)
@@ -114,10 +119,12 @@ def make_groups(layout: TPLayout, timeout_s: float, device: torch.device) -> Sta
             # descriptors and activations both over Gloo: a follower's activations come
             # through host memory (the leader's are already there on CPU)
             pair = dist.new_group([members[0], follower], backend="gloo", timeout=timeout)
+            back = dist.new_group([members[0], follower], backend="gloo", timeout=timeout)
             if layout.rank in (members[0], follower):
                 posts.append(GlooLink(pair, members[0], follower, device=device))
+                shards.append(GlooLink(back, follower, members[0], _SHARD_LIMITS))
     assert compute is not None
-    return StageGroups(leaders, compute, posts)
+    return StageGroups(leaders, compute, posts, shards)
 
 
 # -- the posts: what a leader's executor is asked, in the order it is asked --------------
@@ -151,11 +158,32 @@ class CancelPost(msgspec.Struct, tag="cancel", array_like=True, forbid_unknown_f
     request_id: str
 
 
+class BandPost(msgspec.Struct, tag="band", array_like=True, forbid_unknown_fields=True):
+    """Send the leader your shards of this request's band (it hands its cache off)."""
+
+    request_id: str
+    block_table: list[int]
+    num_tokens: int
+
+
 class StopPost(msgspec.Struct, tag="stop", array_like=True, forbid_unknown_fields=True):
     pass
 
 
-Post = RunPost | ForgetPost | CancelPost | StopPost
+Post = RunPost | ForgetPost | CancelPost | BandPost | StopPost
+
+
+class Shard(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A follower's shard of tensor ``index`` of a request's band (its bytes follow);
+    ``index`` -1: the follower has stopped."""
+
+    request_id: str
+    index: int
+
+
+# A shard is one layer's keys, values or state for this rank's heads: bytes as uint8.
+_SHARD_LIMITS = DataLimits(max_descriptor_bytes=4096, max_tokens=MAX_TENSOR_BYTES,
+                           dtypes=frozenset({torch.uint8}))  # fmt: skip
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -213,6 +241,101 @@ def check_chunks(chunks: Sequence[PostedChunk], executor: TorchExecutor,
         raise PostError(f"a wave of {total} tokens came with activations for {rows}")
 
 
+def check_band(post: BandPost, executor: TorchExecutor) -> None:
+    """A band a follower is asked for: its block table holds the prompt, inside the pool."""
+    blocks = next((len(p) for pools in executor.pools.values() for p in pools.values()), 0)
+    capacity = blocks // executor.block_size
+    where = f"band of {post.request_id[:80]!r}"
+    if not 1 <= post.num_tokens <= len(post.block_table) * executor.block_size:
+        raise PostError(f"{where}: {len(post.block_table)} blocks for {post.num_tokens} tokens")
+    if blocks and any(not 0 <= s < capacity for s in post.block_table):
+        raise PostError(f"{where}: a block-table slot outside the pool of {capacity}")
+
+
+def send_shards(post: BandPost, executor: TorchExecutor, link: GlooLink) -> None:
+    """A follower: its shard of every split tensor of the request's band, in the band's
+    order, to its leader (MLA's latent, whole on every rank, the leader sends itself)."""
+    rid = RequestId(post.request_id)
+    job = BandJob(rid, "", post.num_tokens, tuple(post.block_table), executor.take_final(rid),
+                  None)  # fmt: skip
+    index = 0
+    for tensor in executor.band(job):
+        if replicated(cache_rule(executor.cfg, tensor.layer, tensor.name)):
+            continue
+        data = tensor.read()
+        link.send_blocking(_ENCODER.encode(Shard(rid, index)), data.view(torch.uint8).reshape(-1))
+        index += 1
+
+
+class ShardInbox:
+    """The leader's side of a TP stage's handoff: its followers' shards of the bands it
+    asked for, kept until its sender reads them or for ``keep_s`` (a band that failed or
+    was cancelled leaves its shards behind; they go then). One reader thread per follower."""
+
+    def __init__(self, links: Sequence[GlooLink], keep_s: float) -> None:
+        self._links = list(links)
+        self.keep_s = keep_s
+        self._ready = threading.Condition()
+        # (request, index) -> {follower: shard bytes}, and when the first came
+        self._shards: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self._since: dict[tuple[str, int], float] = {}
+        self._failure: str | None = None
+        self._readers = [threading.Thread(target=self._read, args=(f, link), daemon=True,
+                                          name=f"wavepp-tp-shards-{f}")
+                         for f, link in enumerate(self._links)]  # fmt: skip
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, follower: int, link: GlooLink) -> None:
+        try:
+            while True:
+                descriptor, data = link.recv_blocking(4096)
+                shard = decode_untrusted(descriptor, Shard)
+                if shard.index < 0:
+                    return
+                if data is None:
+                    raise PostError(f"a shard of {shard.request_id[:80]!r} without its bytes")
+                key = (shard.request_id, shard.index)
+                with self._ready:
+                    self._expire()
+                    self._since.setdefault(key, time.monotonic())
+                    self._shards.setdefault(key, {})[follower] = data
+                    self._ready.notify_all()
+        except Exception as error:  # the run fails on its own (the watchdog names why)
+            with self._ready:
+                self._failure = f"{type(error).__name__}: {error}"
+                self._ready.notify_all()
+
+    def _expire(self) -> None:
+        old = time.monotonic() - self.keep_s
+        for key in [k for k, since in self._since.items() if since < old]:
+            del self._since[key], self._shards[key]
+
+    def take(self, rid: str, index: int, timeout_s: float) -> list[torch.Tensor]:
+        """Every follower's shard of tensor ``index`` of ``rid``'s band, in rank order."""
+        key = (rid, index)
+        with self._ready:
+            got = self._ready.wait_for(
+                lambda: self._failure or len(self._shards.get(key, ())) == len(self._links),
+                timeout_s)  # fmt: skip
+            if self._failure:
+                raise RuntimeError(f"the stage's TP ranks stopped sending shards: {self._failure}")
+            if not got:
+                raise TimeoutError(f"the stage's TP ranks sent no shards of {rid!r} within "
+                                   f"{timeout_s:g} s")  # fmt: skip
+            self._since.pop(key)
+            shards = self._shards.pop(key)
+        return [shards[f] for f in range(len(self._links))]
+
+    def held(self) -> int:
+        with self._ready:
+            return len(self._shards)
+
+    def join(self) -> None:
+        for reader in self._readers:
+            reader.join()
+
+
 class _Digest:
     """What a rank of a stage ran, and its executor's per-request state at the end."""
 
@@ -243,7 +366,10 @@ class TPLeader:
 
     simulated = False
 
-    def __init__(self, local: TorchExecutor, groups: StageGroups, tp: int) -> None:
+    def __init__(self, local: TorchExecutor, groups: StageGroups, tp: int,
+                 handoff_timeout_s: float) -> None:  # fmt: skip
+        """``handoff_timeout_s``: how long a band may wait for its followers' shards (a
+        band not acknowledged within it fails anyway)."""
         self.local = local
         self.cfg, self.dtype = local.cfg, local.dtype
         self.attention_kernel, self.fused = local.attention_kernel, local.fused
@@ -255,6 +381,8 @@ class TPLeader:
         self._poster = threading.Thread(target=self._post_all, name="wavepp-tp-posts",
                                         daemon=True)  # fmt: skip
         self._poster.start()
+        self.handoff_timeout_s = handoff_timeout_s
+        self._inbox = ShardInbox(groups.shards, keep_s=handoff_timeout_s + 10.0)
 
     def _post(self, post: Post, tensor: torch.Tensor | None = None) -> None:
         if self._failure is not None:
@@ -288,6 +416,35 @@ class TPLeader:
         self._post(CancelPost(rid))
         self.local.cancel(rid)
 
+    def take_final(self, rid: RequestId) -> dict:
+        return self.local.take_final(rid)
+
+    def band(self, job: BandJob) -> list[BandTensor]:
+        """The stage's whole band: this rank's tensors, each split one put together with
+        the followers' shards (asked for now, sent at once, read as the sender reads)."""
+        self._post(BandPost(job.request_id, list(job.block_table), job.num_tokens))
+        out, index = [], 0
+        for tensor in self.local.band(job):
+            rule = None if tensor.layer < 0 else cache_rule(self.cfg, tensor.layer, tensor.name)
+            if rule is None or replicated(rule):  # token ids, MLA's latent: whole here
+                out.append(tensor)
+                continue
+            out.append(BandTensor(tensor.layer, tensor.name, tensor.dtype,
+                                  whole_shape(rule, tensor.shape, self._tp),
+                                  partial(self._whole, job.request_id, index, tensor, rule)))
+            index += 1
+        return out
+
+    def _whole(self, rid: RequestId, index: int, own: BandTensor, rule) -> torch.Tensor:
+        mine = own.read()
+        shards, size = [mine], mine.numel() * mine.element_size()
+        for data in self._inbox.take(rid, index, self.handoff_timeout_s):
+            if data.numel() != size:
+                raise PostError(f"a TP rank's shard of {rid!r} tensor {index} has "
+                                f"{data.numel()} bytes, this rank's {size}")  # fmt: skip
+            shards.append(data.view(mine.dtype).reshape(mine.shape))
+        return gather_shards(rule, shards).contiguous()
+
     def memory_report(self) -> dict[str, int]:
         return self.local.memory_report()  # this rank's shards
 
@@ -305,6 +462,7 @@ class TPLeader:
         self._poster.join()
         if self._failure is not None:
             return f"posting to this stage's TP ranks failed: {self._failure}"
+        self._inbox.join()  # every follower said it stopped
         digests = _agree(self._groups.compute, self._digest.final(self.local), self._tp)
         odd = [t for t, d in enumerate(digests) if d != digests[0]]
         return (f"TP ranks {odd} of this stage ran other waves or hold other request state "
@@ -317,7 +475,7 @@ _STOP = _ENCODER.encode(StopPost())
 def follow_leader(executor: TorchExecutor, groups: StageGroups, tp: int,
                   first: bool) -> None:  # fmt: skip
     """A follower: run the leader's posts until it stops, then report the digest."""
-    (link,) = groups.posts
+    (link,), (back,) = groups.posts, groups.shards
     digest = _Digest()
     while True:
         descriptor, tensor = link.recv_blocking()
@@ -332,8 +490,12 @@ def follow_leader(executor: TorchExecutor, groups: StageGroups, tp: int,
             executor.forget([BlockHash(b) for b in post.blocks])
         elif isinstance(post, CancelPost):
             executor.cancel(RequestId(post.request_id))
+        elif isinstance(post, BandPost):
+            check_band(post, executor)
+            send_shards(post, executor, back)
         else:
             break
+    back.send_blocking(_ENCODER.encode(Shard("", -1)), None)
     _agree(groups.compute, digest.final(executor), tp)
 
 

@@ -200,3 +200,52 @@ def _slice(tensor: torch.Tensor, rule: tuple[int, tuple[int, ...] | None], rank:
     pieces = tensor.split(list(segments), dim=dim) if segments else (tensor,)
     mine = [p.chunk(size, dim=dim)[rank] for p in pieces]
     return mine[0] if len(mine) == 1 else torch.cat(mine, dim=dim)
+
+
+# -- a stage's cache, put back together (the handoff of a TP stage) ----------------------
+
+
+def cache_rule(cfg: ModelConfig, layer: int, name: str):
+    """How a cache tensor of ``layer`` is split over a stage's ranks, as :func:`_slice`
+    splits weights: ``"replicated"`` (MLA's latent, whole on every rank) or (dim, segment
+    sizes of the whole tensor). ``name``: a paged entry (``k``, ``v``, ``latent``) as
+    ``[tokens, heads, dim]``, or a recurrent state part (``delta`` / ``state``
+    ``[heads, dk, dv]``, ``conv`` ``[K - 1, channels]``)."""
+    kind = cfg.mixers[layer]
+    if name == "latent":
+        return _REPLICATED
+    if name in ("k", "v"):
+        return (1, None)
+    if name in ("delta", "state"):
+        return (0, None)
+    if name == "conv" and kind == "kda":
+        inner = cfg.linear_heads * cfg.linear_k_dim
+        return (1, (inner, inner, inner))
+    if name == "conv" and kind == "gdn":
+        key, value = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_heads * cfg.linear_v_dim
+        return (1, (key, key, value))
+    raise ValueError(f"layer {layer} ({kind}): no tensor-parallel split known for {name!r}")
+
+
+def whole_shape(rule, shard: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """The whole tensor's shape, from one rank's shard."""
+    if rule is _REPLICATED:
+        return shard
+    dim = rule[0]
+    return (*shard[:dim], shard[dim] * size, *shard[dim + 1 :])
+
+
+def gather_shards(rule, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The whole tensor from every rank's shard, in rank order (the inverse of the split)."""
+    if rule is _REPLICATED:
+        return shards[0]
+    dim, segments = rule
+    if not segments:
+        return torch.cat(shards, dim=dim)
+    size = len(shards)
+    pieces = [s.split([n // size for n in segments], dim=dim) for s in shards]
+    return torch.cat([p[i] for i in range(len(segments)) for p in pieces], dim=dim)
+
+
+def replicated(rule) -> bool:
+    return rule is _REPLICATED

@@ -104,7 +104,7 @@ class Intake:
         if spec.handoff not in (None, False, ""):
             if self.handoff_target is None:
                 raise RequestRejected("this run hands no cache on (handoff needs the torch "
-                                      "executor, with --tp 1)", "invalid")  # fmt: skip
+                                      "executor)", "invalid")  # fmt: skip
             target = self.handoff_target(spec)
         record = Record(spec, Offer(rid, spec.num_tokens, hashes, limit, target), priority, now)
         if problem is not None:

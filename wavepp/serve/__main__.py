@@ -138,9 +138,8 @@ def check(argv: list[str] | None, world: int | None = None):
         decode=check_decode_option(args.decode),
         simulated=config.executor == "sim",
     )
-    if options.decode is not None and (config.executor != "torch" or config.tp > 1):
-        raise SystemExit("wavepp serve: --decode needs the torch executor with --tp 1 (the "
-                         "handoff does not yet gather a stage's TP shards)")
+    if options.decode is not None and config.executor != "torch":
+        raise SystemExit("wavepp serve: --decode needs the torch executor")
     return options, config, args
 
 
