@@ -2,16 +2,20 @@
 checkpoints of Llama and the three families saved by transformers, prompts that reuse a
 cached prefix (for the hybrids, resuming from a request-end snapshot). First tokens equal
 transformers' argmax at TP2 x PP2 (four ranks) and TP2 x PP1; on Llama also the same run at
-TP1, logit for logit. A TP rank killed mid-run is named and every rank exits."""
+TP1, logit for logit. A TP rank killed mid-run is named and every rank exits. The server
+at TP2 x PP2 answers with the reference's first tokens and drains on SIGTERM."""
 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 import uuid
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -20,6 +24,7 @@ import transformers
 from tests.integration.conftest import ROOT, TORCHRUN
 from tests.integration.test_faults import alive, rank_pids
 from tests.parity.families import hf_last_logits, make_checkpoint, redraw
+from wavepp.model import BUILTIN, random_weights, reference_logits
 
 pytestmark = pytest.mark.slow
 
@@ -129,3 +134,43 @@ def test_a_killed_tp_rank_is_named_and_every_rank_exits(tmp_path):
         for pid in rank_pids(tag).values():
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_server_at_tp2_pp2_answers_and_drains(tmp_path):
+    cfg = BUILTIN["tiny-hybrid"]
+    weights = random_weights(cfg, 0)
+    err = open(tmp_path / "server.err", "w")  # noqa: SIM115 (the child holds it)
+    cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node", "4", "--tp", "2",
+           "--host", "127.0.0.1", "--port", "0", "--model", "tiny-hybrid", "--block-size",
+           "16", "--no-progress", "--json", str(tmp_path / "server.json")]  # fmt: skip
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline, match = time.monotonic() + 180, None
+        while not match and time.monotonic() < deadline and server.poll() is None:
+            time.sleep(0.5)
+            match = re.search(r"listening on (http://\S+)", (tmp_path / "server.err").read_text())
+        assert match, (tmp_path / "server.err").read_text()[-3000:]
+        url = match.group(1)
+        rng = np.random.default_rng(7)
+        doc = rng.integers(0, cfg.vocab_size, 96).tolist()
+        prompts = [doc, doc + rng.integers(0, cfg.vocab_size, 40).tolist(),
+                   rng.integers(0, cfg.vocab_size, 50).tolist()]  # fmt: skip
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for tokens in prompts:
+                reply = client.post("/v1/completions", json={"prompt": tokens, "max_tokens": 1})
+                assert reply.status_code == 200, reply.text
+                expected = reference_logits(cfg, weights, np.asarray(tokens))
+                assert reply.json()["wavepp"]["first_token"] == int(expected.argmax())
+            assert client.get("/health").json()["status"] == "ok"
+            assert 'stage="1"' in client.get("/metrics").text
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            code = server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            raise
+    assert code == 0, (tmp_path / "server.err").read_text()[-3000:]
+    final = json.loads((tmp_path / "server.json").read_text())
+    assert final["config"]["tp"] == 2
+    assert [leak["balanced"] for leak in final["leak_check"]] == [True, True]
