@@ -27,8 +27,14 @@ stage's followers: every rank of a stage holds the whole activations after the
 all-reduce, so rank ``t`` of stage ``s`` could send to rank ``t`` of stage ``s + 1``
 directly; but the leader must send them to its followers with the wave's chunks anyway
 (only the leader knows the cache decisions), and one path keeps a wave's descriptor and
-its tensor in one message. On one host this copy is a Unix-socket-speed memcpy of
-``tokens x d_model`` values per wave (``docs/design.md`` §6).
+its tensor in one message. The cost is one more copy of ``tokens x d_model`` values per
+wave and follower, over Gloo (``docs/design.md`` §6b).
+
+A request that hands its cache off leaves its leader whole: when the leader's sender
+takes the band, the leader posts the request's block table, each follower sends its
+shard of every split tensor back over a pair group of its own (:func:`send_shards`), and
+the leader puts each tensor together as its sender reaches it (:class:`ShardInbox`,
+``wavepp.model.tp.gather_shards``).
 """
 
 from __future__ import annotations
@@ -326,10 +332,6 @@ class ShardInbox:
             self._since.pop(key)
             shards = self._shards.pop(key)
         return [shards[f] for f in range(len(self._links))]
-
-    def held(self) -> int:
-        with self._ready:
-            return len(self._shards)
 
     def join(self) -> None:
         for reader in self._readers:
