@@ -57,6 +57,7 @@ TORCH_DTYPES = {
     "float16": torch.float16,
     "int32": torch.int32,
 }
+ALIGN = 64  # bytes: where each tensor of a band starts in its buffer
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
@@ -137,6 +138,7 @@ class Receiver:
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> "" (taken) or why it failed
         self._events: dict[str, anyio.Event] = {}
         self._slots = anyio.Semaphore(max_connections)
+        self._readers = anyio.CapacityLimiter(max_connections)  # payload-reading threads
 
     # -- serving -----------------------------------------------------------------
 
@@ -317,12 +319,21 @@ class Receiver:
             del self._pending[header.request_id]
 
     async def _read_payload(self, conn: _io.Connection, header: BandHeader):
-        tensors: dict[tuple[int, str], torch.Tensor] = {}
+        """The band's tensors: views into one buffer (each at a multiple of ``ALIGN``
+        bytes), filled straight from the socket in one worker-thread call."""
+        offsets, size = [], 0
         for spec in header.tensors:
-            raw = torch.empty(spec.nbytes, dtype=torch.uint8)  # checked: within the budget
+            offsets.append(size)
+            size += -(-spec.nbytes // ALIGN) * ALIGN
+        buffer = torch.empty(size, dtype=torch.uint8)  # checked: within the budget
+        tensors: dict[tuple[int, str], torch.Tensor] = {}
+        views = []
+        for spec, at in zip(header.tensors, offsets, strict=True):
+            raw = buffer[at : at + spec.nbytes]
             if spec.nbytes:
-                await conn.read_into(memoryview(raw.numpy()))
+                views.append(memoryview(raw.numpy()))
             tensors[(spec.layer, spec.name)] = raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+        await conn.fill(views, self._readers)
         tokens = tensors.get((-1, "tokens"))
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
