@@ -1,12 +1,9 @@
 """One connection's bytes: exact reads straight into caller memory, each wait bounded.
 
-Reads and writes go to the raw socket (no intermediate buffer), so a band's payload
-lands directly in the tensors allocated for it. Small reads and writes run on the event
-loop (non-blocking); a payload is read by :meth:`Connection.fill` in a worker thread with
-blocking ``MSG_WAITALL`` reads, the kernel waking that thread rather than the event loop
-once per socket buffer. Every wait for the peer is bounded by ``timeout_s``: a peer
-that stops sending half way costs that timeout, no more. Errors: ``TimeoutError`` (no
-progress in time), ``ConnectionError`` (closed early).
+Reads and writes go to the raw non-blocking socket (no intermediate buffer), so a
+band's payload lands directly in the tensors allocated for it. Every wait for the peer
+is bounded by ``timeout_s``: a peer that stops sending half way costs that timeout, no
+more. Errors: ``TimeoutError`` (no progress in time), ``ConnectionError`` (closed early).
 """
 
 from __future__ import annotations
@@ -16,17 +13,12 @@ import errno
 import os
 import socket
 import stat
-import struct
-import time
 
 import anyio
-import anyio.from_thread
-import anyio.to_thread
 
 from wavepp.handoff.wire import Address
 
 DRAIN_CHUNK = 1 << 20
-POLL_S = 0.1  # longest blocking read in fill(): how soon it sees a cancellation
 
 
 class Connection:
@@ -52,40 +44,6 @@ class Connection:
             if n == 0:
                 raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
             got += n
-
-    async def fill(self, views: list[memoryview], limiter: anyio.CapacityLimiter) -> None:
-        """Fill each view in turn, in one worker thread of ``limiter``: blocking
-        ``MSG_WAITALL`` reads straight into them, one call per view where the peer keeps
-        up. ``TimeoutError`` after ``timeout_s`` without a byte; a cancellation is seen
-        within ``POLL_S``."""
-        self.sock.setblocking(True)
-        poll = min(POLL_S, self.timeout_s)
-        seconds = int(poll)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                             struct.pack("ll", seconds, int((poll - seconds) * 1e6)))  # fmt: skip
-        try:
-            await anyio.to_thread.run_sync(self._fill, views, limiter=limiter)
-        finally:
-            self.sock.setblocking(False)
-
-    def _fill(self, views: list[memoryview]) -> None:
-        heard = time.monotonic()
-        for view in views:
-            got = 0
-            while got < len(view):
-                try:
-                    n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
-                except BlockingIOError:  # SO_RCVTIMEO passed without a byte
-                    n = -1
-                if n == 0:
-                    raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
-                if n > 0:
-                    got += n
-                    heard = time.monotonic()
-                if got < len(view):  # the read timed out: a pause to look around
-                    anyio.from_thread.check_cancelled()
-                    if time.monotonic() - heard > self.timeout_s:
-                        raise TimeoutError(f"no byte in {self.timeout_s:g} s")
 
     async def read_exactly(self, n: int) -> bytes:
         """The next ``n`` bytes (the caller bounds ``n`` before asking)."""

@@ -4,13 +4,15 @@ model it decodes with, and assembles them into a :class:`Handoff`.
 One connection carries one band (``wavepp.handoff.wire``). For each, in order: the
 prefix and the header are read and checked (bounds, internal consistency, the model's
 fingerprint field by field, each layer's tensors by name, dtype and shape, the byte
-budget, duplicates); only then are the band's tensors allocated and the payload read
-straight into them. The receiver answers every band with one ack — ok, or the reason —
-and closes. A refused band's payload is drained (up to ``max_band_bytes``) so the sender
-reads its ack instead of a reset. A peer that stops half way or sends garbage costs that
-band only: each read waits at most ``read_timeout_s``. Memory is bounded: bytes held
-(incomplete and uncollected requests) stay under ``max_held_bytes``, and a request not
-complete — or not taken — within ``request_timeout_s`` is dropped.
+budget, duplicates); only then is the band's buffer allocated — one per band, its
+tensors views into it, memory of released bands reused (``BandBuffers``) — and the
+payload read straight into it. The receiver answers every band with one ack — ok, or
+the reason — and closes. A refused band's payload is drained (up to ``max_band_bytes``)
+so the sender reads its ack instead of a reset. A peer that stops half way or sends
+garbage costs that band only: each read waits at most ``read_timeout_s``. Memory is
+bounded: bytes held (incomplete and uncollected requests) stay under
+``max_held_bytes``, and a request not complete — or not taken — within
+``request_timeout_s`` is dropped.
 
 A complete request goes to ``on_complete`` when one is given, else it waits for
 ``await receiver.wait(request_id, timeout_s)``.
@@ -24,11 +26,13 @@ import logging
 import os
 import sys
 import time
-from collections import Counter, OrderedDict
+import weakref
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 import attrs
+import numpy as np
 import torch
 
 from wavepp.handoff import _io
@@ -87,6 +91,44 @@ Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
 
 
+class BandBuffers:
+    """Memory for bands, recycled. Fresh memory costs a page fault per 4 KiB on its
+    first write, which can take as long as the socket copy itself, so a buffer whose
+    tensors are all gone (its ``Handoff`` dropped, every tensor of it freed) is kept,
+    and the next band of up to its size and at least half of it takes it. Kept: at most
+    ``keep_bytes``, the oldest let go first, counted at each ``take`` and ``tidy``.
+    Not thread-safe but for the return of a buffer, which may happen on any thread."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._free_bytes = 0
+        self._returned: deque[np.ndarray] = deque()  # appended by finalizers, any thread
+
+    def take(self, size: int) -> torch.Tensor:
+        """``size`` bytes (uint8, contents undefined), back here once unreferenced."""
+        self.tidy()
+        fits = [b for b in self._free if size <= b.nbytes <= 2 * size]
+        if fits:
+            buffer = min(fits, key=len)
+            self._free.remove(buffer)
+            self._free_bytes -= buffer.nbytes
+        else:
+            buffer = np.empty(size, dtype=np.uint8)
+        view = buffer[:size]  # the tensors' owner: collected when the last goes
+        weakref.finalize(view, self._returned.append, buffer).atexit = False
+        return torch.from_numpy(view)
+
+    def tidy(self) -> None:
+        """Keep the buffers returned since, within ``keep_bytes``."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            self._free.append(buffer)
+            self._free_bytes += buffer.nbytes
+        while self._free_bytes > self.keep_bytes:
+            self._free_bytes -= self._free.pop(0).nbytes
+
+
 @attrs.define
 class _Pending:
     """A request with some bands in: what they claim and what has arrived."""
@@ -105,7 +147,8 @@ class _Pending:
 class Receiver:
     """Receives bands for one model (its Hugging Face ``config.json`` dict and the
     attention tensors' ``dtype``). ``handlers`` maps other 4-byte magics to coroutines
-    that serve such connections on the same address (the decode worker's requests)."""
+    that serve such connections on the same address (the decode worker's requests).
+    Up to ``keep_free_bytes`` of released band buffers are kept for reuse."""
 
     def __init__(
         self,
@@ -118,6 +161,7 @@ class Receiver:
         request_timeout_s: float = 300.0,
         max_requests: int = 4096,
         max_connections: int = 256,
+        keep_free_bytes: int = 256 << 20,
         on_complete: OnComplete | None = None,
         handlers: Mapping[bytes, Handler] | None = None,
     ) -> None:
@@ -138,7 +182,7 @@ class Receiver:
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> "" (taken) or why it failed
         self._events: dict[str, anyio.Event] = {}
         self._slots = anyio.Semaphore(max_connections)
-        self._readers = anyio.CapacityLimiter(max_connections)  # payload-reading threads
+        self._buffers = BandBuffers(keep_free_bytes)
 
     # -- serving -----------------------------------------------------------------
 
@@ -320,12 +364,12 @@ class Receiver:
 
     async def _read_payload(self, conn: _io.Connection, header: BandHeader):
         """The band's tensors: views into one buffer (each at a multiple of ``ALIGN``
-        bytes), filled straight from the socket in one worker-thread call."""
+        bytes), filled straight from the socket."""
         offsets, size = [], 0
         for spec in header.tensors:
             offsets.append(size)
             size += -(-spec.nbytes // ALIGN) * ALIGN
-        buffer = torch.empty(size, dtype=torch.uint8)  # checked: within the budget
+        buffer = self._buffers.take(size)  # checked: within the budget
         tensors: dict[tuple[int, str], torch.Tensor] = {}
         views = []
         for spec, at in zip(header.tensors, offsets, strict=True):
@@ -333,7 +377,8 @@ class Receiver:
             if spec.nbytes:
                 views.append(memoryview(raw.numpy()))
             tensors[(spec.layer, spec.name)] = raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
-        await conn.fill(views, self._readers)
+        for view in views:
+            await conn.read_into(view)
         tokens = tensors.get((-1, "tokens"))
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
@@ -455,6 +500,7 @@ class Receiver:
         while True:
             await anyio.sleep(min(1.0, self.request_timeout_s / 4))
             self.expire()
+            self._buffers.tidy()
 
 
 async def _linger(conn: _io.Connection, num_bytes: int) -> None:
