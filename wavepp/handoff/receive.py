@@ -95,8 +95,9 @@ class BandBuffers:
     """Memory for bands, recycled. Fresh memory costs a page fault per 4 KiB on its
     first write, which can take as long as the socket copy itself, so a buffer whose
     tensors are all gone (its ``Handoff`` dropped, every tensor of it freed) is kept,
-    and the next band of up to its size and at least half of it takes it. Kept: at most
-    ``keep_bytes``, the oldest let go first, counted at each ``take`` and ``tidy``.
+    and the next band of up to its size and at least half of it takes it, the latest
+    returned first (the likeliest still in cache). Kept: at most ``keep_bytes``, the
+    oldest let go first, counted at each ``take`` and ``tidy``.
     Not thread-safe but for the return of a buffer, which may happen on any thread."""
 
     def __init__(self, keep_bytes: int) -> None:
@@ -108,11 +109,11 @@ class BandBuffers:
     def take(self, size: int) -> torch.Tensor:
         """``size`` bytes (uint8, contents undefined), back here once unreferenced."""
         self.tidy()
-        fits = [b for b in self._free if size <= b.nbytes <= 2 * size]
-        if fits:
-            buffer = min(fits, key=len)
-            self._free.remove(buffer)
-            self._free_bytes -= buffer.nbytes
+        for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
+            if size <= self._free[i].nbytes <= 2 * size:
+                buffer = self._free.pop(i)
+                self._free_bytes -= buffer.nbytes
+                break
         else:
             buffer = np.empty(size, dtype=np.uint8)
         view = buffer[:size]  # the tensors' owner: collected when the last goes
