@@ -4,13 +4,15 @@ model it decodes with, and assembles them into a :class:`Handoff`.
 One connection carries one band (``wavepp.handoff.wire``). For each, in order: the
 prefix and the header are read and checked (bounds, internal consistency, the model's
 fingerprint field by field, each layer's tensors by name, dtype and shape, the byte
-budget, duplicates); only then are the band's tensors allocated and the payload read
-straight into them. The receiver answers every band with one ack — ok, or the reason —
-and closes. A refused band's payload is drained (up to ``max_band_bytes``) so the sender
-reads its ack instead of a reset. A peer that stops half way or sends garbage costs that
-band only: each read waits at most ``read_timeout_s``. Memory is bounded: bytes held
-(incomplete and uncollected requests) stay under ``max_held_bytes``, and a request not
-complete — or not taken — within ``request_timeout_s`` is dropped.
+budget, duplicates); only then is the band's buffer allocated — one per band, its
+tensors views into it, memory of released bands reused (``BandBuffers``) — and the
+payload read straight into it. The receiver answers every band with one ack — ok, or
+the reason — and closes. A refused band's payload is drained (up to ``max_band_bytes``)
+so the sender reads its ack instead of a reset. A peer that stops half way or sends
+garbage costs that band only: each read waits at most ``read_timeout_s``. Memory is
+bounded: bytes held (incomplete and uncollected requests) stay under
+``max_held_bytes``, and a request not complete — or not taken — within
+``request_timeout_s`` is dropped.
 
 A complete request goes to ``on_complete`` when one is given, else it waits for
 ``await receiver.wait(request_id, timeout_s)``.
@@ -24,11 +26,13 @@ import logging
 import os
 import sys
 import time
-from collections import Counter, OrderedDict
+import weakref
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
 import attrs
+import numpy as np
 import torch
 
 from wavepp.handoff import _io
@@ -57,6 +61,7 @@ TORCH_DTYPES = {
     "float16": torch.float16,
     "int32": torch.int32,
 }
+ALIGN = 64  # bytes: where each tensor of a band starts in its buffer
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
@@ -86,6 +91,45 @@ Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
 
 
+class BandBuffers:
+    """Memory for bands, recycled. Fresh memory costs a page fault per 4 KiB on its
+    first write, which can take as long as the socket copy itself, so a buffer whose
+    tensors are all gone (its ``Handoff`` dropped, every tensor of it freed) is kept,
+    and the next band of up to its size and at least half of it takes it, the latest
+    returned first (the likeliest still in cache). Kept: at most ``keep_bytes``, the
+    oldest let go first, counted at each ``take`` and ``tidy``.
+    Not thread-safe but for the return of a buffer, which may happen on any thread."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._free_bytes = 0
+        self._returned: deque[np.ndarray] = deque()  # appended by finalizers, any thread
+
+    def take(self, size: int) -> torch.Tensor:
+        """``size`` bytes (uint8, contents undefined), back here once unreferenced."""
+        self.tidy()
+        for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
+            if size <= self._free[i].nbytes <= 2 * size:
+                buffer = self._free.pop(i)
+                self._free_bytes -= buffer.nbytes
+                break
+        else:
+            buffer = np.empty(size, dtype=np.uint8)
+        view = buffer[:size]  # the tensors' owner: collected when the last goes
+        weakref.finalize(view, self._returned.append, buffer).atexit = False
+        return torch.from_numpy(view)
+
+    def tidy(self) -> None:
+        """Keep the buffers returned since, within ``keep_bytes``."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            self._free.append(buffer)
+            self._free_bytes += buffer.nbytes
+        while self._free_bytes > self.keep_bytes:
+            self._free_bytes -= self._free.pop(0).nbytes
+
+
 @attrs.define
 class _Pending:
     """A request with some bands in: what they claim and what has arrived."""
@@ -104,7 +148,8 @@ class _Pending:
 class Receiver:
     """Receives bands for one model (its Hugging Face ``config.json`` dict and the
     attention tensors' ``dtype``). ``handlers`` maps other 4-byte magics to coroutines
-    that serve such connections on the same address (the decode worker's requests)."""
+    that serve such connections on the same address (the decode worker's requests).
+    Up to ``keep_free_bytes`` of released band buffers are kept for reuse."""
 
     def __init__(
         self,
@@ -117,6 +162,7 @@ class Receiver:
         request_timeout_s: float = 300.0,
         max_requests: int = 4096,
         max_connections: int = 256,
+        keep_free_bytes: int = 256 << 20,
         on_complete: OnComplete | None = None,
         handlers: Mapping[bytes, Handler] | None = None,
     ) -> None:
@@ -137,6 +183,7 @@ class Receiver:
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> "" (taken) or why it failed
         self._events: dict[str, anyio.Event] = {}
         self._slots = anyio.Semaphore(max_connections)
+        self._buffers = BandBuffers(keep_free_bytes)
 
     # -- serving -----------------------------------------------------------------
 
@@ -317,12 +364,22 @@ class Receiver:
             del self._pending[header.request_id]
 
     async def _read_payload(self, conn: _io.Connection, header: BandHeader):
-        tensors: dict[tuple[int, str], torch.Tensor] = {}
+        """The band's tensors: views into one buffer (each at a multiple of ``ALIGN``
+        bytes), filled straight from the socket."""
+        offsets, size = [], 0
         for spec in header.tensors:
-            raw = torch.empty(spec.nbytes, dtype=torch.uint8)  # checked: within the budget
+            offsets.append(size)
+            size += -(-spec.nbytes // ALIGN) * ALIGN
+        buffer = self._buffers.take(size)  # checked: within the budget
+        tensors: dict[tuple[int, str], torch.Tensor] = {}
+        views = []
+        for spec, at in zip(header.tensors, offsets, strict=True):
+            raw = buffer[at : at + spec.nbytes]
             if spec.nbytes:
-                await conn.read_into(memoryview(raw.numpy()))
+                views.append(memoryview(raw.numpy()))
             tensors[(spec.layer, spec.name)] = raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+        for view in views:
+            await conn.read_into(view)
         tokens = tensors.get((-1, "tokens"))
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
@@ -444,6 +501,7 @@ class Receiver:
         while True:
             await anyio.sleep(min(1.0, self.request_timeout_s / 4))
             self.expire()
+            self._buffers.tidy()
 
 
 async def _linger(conn: _io.Connection, num_bytes: int) -> None:
