@@ -11,7 +11,10 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   the acknowledgement handled, adds the queueing and setup) — against a **plain copy**
   timed the same way: this process connects to a receiver process of its own, writes the
   same number of bytes from memory it holds (``sendall`` of one buffer) and stops the
-  clock at the receiver's 1-byte answer, sent once it holds every byte in fresh memory.
+  clock at the receiver's 1-byte answer, sent once it holds every byte in a buffer it
+  keeps from copy to copy (as the library's receiver recycles band buffers: neither
+  pays for fresh pages; a fresh ``bytearray`` per copy came from the heap at 8 MiB but
+  from new pages at 64 MiB, a baseline that changed with the size).
   A third row, **plain sender into the library receiver**, sends bands of the same
   layers from this process (blocking ``sendall`` per tensor) into the same ``Receiver``:
   its gap to the plain copy is the receiver's cost, its gap to the handoff the stage
@@ -66,20 +69,22 @@ listener = socket.socket(socket.AF_UNIX)
 listener.bind(sys.argv[1])
 listener.listen(8)
 print("ready", flush=True)
+buffer = bytearray()
 while True:
     conn, _ = listener.accept()
     with conn:
         head = conn.recv(8, socket.MSG_WAITALL)
         (size,) = struct.unpack("<Q", head)
-        buffer = bytearray(size)  # fresh memory, as a receiver allocating a cache
-        view, got = memoryview(buffer), 0
+        if len(buffer) < size:  # kept from copy to copy, as the library's band buffers
+            buffer = bytearray(size)
+        view, got = memoryview(buffer)[:size], 0
         while got < size:
             n = conn.recv_into(view[got:])
             if not n:
                 raise SystemExit("the sender hung up")
             got += n
         conn.sendall(b"k")
-        del view, buffer
+        del view
 """
 
 BLOCK = 16  # the server's block size (tokens)

@@ -32,18 +32,32 @@ class Connection:
         self.timeout_s = timeout_s
 
     async def read_into(self, view: memoryview) -> None:
-        """Fill ``view``; ``TimeoutError`` after ``timeout_s`` without a byte."""
-        got = 0
-        while got < len(view):
-            try:
-                n = self.sock.recv_into(view[got:])
-            except BlockingIOError:
-                with anyio.fail_after(self.timeout_s):
+        """Fill ``view``; ``TimeoutError`` once ``timeout_s`` (to 1.25 x ``timeout_s``)
+        passed without a byte.
+
+        One deadline for the whole read, pushed on when bytes came and a quarter of
+        ``timeout_s`` has passed since it was last pushed: a 64 MiB band waits for the
+        socket hundreds of times, and a timer per wait (``fail_after``) cost the event
+        loop more than the copy (a band read at 0.6 of a plain socket copy's speed)."""
+        got, slack = 0, self.timeout_s / 4
+        with anyio.CancelScope() as scope:
+            pushed = anyio.current_time()
+            scope.deadline = pushed + self.timeout_s + slack
+            while got < len(view):
+                try:
+                    n = self.sock.recv_into(view[got:])
+                except BlockingIOError:
                     await anyio.wait_readable(self.sock)
-                continue
-            if n == 0:
-                raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
-            got += n
+                    continue
+                if n == 0:
+                    raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+                got += n
+                now = anyio.current_time()
+                if now - pushed > slack:
+                    pushed = now
+                    scope.deadline = now + self.timeout_s + slack
+        if got < len(view):
+            raise TimeoutError(f"no byte for {self.timeout_s:g} s ({got} of {len(view)} read)")
 
     async def read_exactly(self, n: int) -> bytes:
         """The next ``n`` bytes (the caller bounds ``n`` before asking)."""

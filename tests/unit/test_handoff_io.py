@@ -1,0 +1,43 @@
+"""A connection's reads are bounded by the time without a byte, not by the read's length:
+a peer that trickles bytes slower than the read needs but faster than the timeout is
+waited for; one that stops is given up on no earlier than ``timeout_s``."""
+
+import socket
+import threading
+import time
+
+import anyio
+import pytest
+
+from wavepp.handoff._io import Connection
+
+
+def trickle(sock: socket.socket, count: int, every_s: float) -> threading.Thread:
+    def send() -> None:
+        for _ in range(count):
+            time.sleep(every_s)
+            sock.send(b"x")
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_read_waits_on_a_peer_that_keeps_sending():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        thread = trickle(theirs, 20, 0.1)  # 2 s in all, a byte every 0.1 s
+        view = memoryview(bytearray(20))
+        anyio.run(Connection(ours, timeout_s=1.0).read_into, view)
+        assert bytes(view) == b"x" * 20
+        thread.join()
+
+
+def test_a_read_gives_up_on_a_peer_that_stops():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        trickle(theirs, 3, 0.01).join()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="3 of 10 read"):
+            anyio.run(Connection(ours, timeout_s=0.3).read_into, memoryview(bytearray(10)))
+        assert time.monotonic() - started >= 0.3
