@@ -3,7 +3,8 @@
 
 The same workload on the same number of ranks, run as TP x PP (``--tp T``, stages =
 ranks / T) and as a plain pipeline of as many stages as ranks, interleaved ``--repeats``
-times; prints each run's throughput and the ratio of the medians, and checks that the
+times (options it does not know go to both runs: ``--device cuda``, ``--dtype``, ...);
+prints each run's throughput and the ratio of the medians, and checks that the
 first tokens are equal on every request. On a CPU the layers' all-reduces go over Gloo
 (through the kernel's loopback), and ranks share the cores: this measures the runtime's
 overhead of TP on this host, not what TP buys on GPUs (where a stage's band may not fit
@@ -42,11 +43,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--json", metavar="PATH")
-    args = p.parse_args(argv)
+    args, passed = p.parse_known_args(argv)  # the rest goes to wavepp.main (e.g. --device)
     if args.ranks % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide --ranks {args.ranks}")
     common = ["--model", args.model, "--requests", str(args.requests), "--prompt-tokens",
-              str(args.prompt_tokens)]  # fmt: skip
+              str(args.prompt_tokens), *passed]  # fmt: skip
     shapes = {"tp": ["--tp", str(args.tp)], "pp": []}
     runs: dict[str, list[float]] = {name: [] for name in shapes}
     firsts: dict[str, dict] = {}
@@ -63,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "tp", "ranks": args.ranks, "model": args.model,
         "workload": f"seeded, {args.requests} requests of {args.prompt_tokens} tokens",
-        "command": f"python -m wavepp.bench.tp --ranks {args.ranks} --tp {args.tp} "
-                   f"--repeats {args.repeats} --model {args.model}",
+        "command": " ".join(["python -m wavepp.bench.tp", "--ranks", str(args.ranks), "--tp",
+                             str(args.tp), "--repeats", str(args.repeats), "--model",
+                             args.model, *passed]),
         f"tp{args.tp}_pp{stages}_tok_s": runs["tp"], f"pp{args.ranks}_tok_s": runs["pp"],
         "ratio_tp_over_pp": median["tp"] / median["pp"],
         "first_tokens_equal": firsts["tp"] == firsts["pp"],

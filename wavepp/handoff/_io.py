@@ -3,7 +3,8 @@
 Reads and writes go to the raw non-blocking socket (no intermediate buffer), so a
 band's payload lands directly in the tensors allocated for it. Every wait for the peer
 is bounded by ``timeout_s`` without a byte (up to 1.25 x): a peer that stops sending half
-way costs that timeout, no more. Errors: ``TimeoutError`` (no progress in time), ``ConnectionError`` (closed early).
+way costs that timeout, no more. Errors: ``TimeoutError`` (no progress in time),
+``ConnectionError`` (closed early).
 """
 
 from __future__ import annotations
