@@ -1,9 +1,11 @@
 """Tensor parallelism inside a stage (``--tp 2``), run by ``torchrun -m wavepp.main``:
 checkpoints of Llama and the three families saved by transformers, prompts that reuse a
 cached prefix (for the hybrids, resuming from a request-end snapshot). First tokens equal
-transformers' argmax at TP2 x PP2 (four ranks) and TP2 x PP1; on Llama also the same run at
-TP1, logit for logit. A TP rank killed mid-run is named and every rank exits. The server
-at TP2 x PP2 answers with the reference's first tokens and drains on SIGTERM."""
+transformers' argmax at TP2 x PP2 (four ranks) and TP2 x PP1 (Llama's TP2 x PP1 is the
+run compared with the same run at TP1, logit for logit; for every family the executor's
+TP2 equals one rank's, wave by wave, in tests/parity/test_tp_shards.py). A TP rank
+killed mid-run is named and every rank exits. The server at TP2 x PP2 answers with the
+reference's first tokens and drains on SIGTERM."""
 
 import contextlib
 import json
@@ -68,7 +70,8 @@ OPTIONS = ("--concurrency", "1", "--block-size", "16", "--budget", "64",
 
 
 @pytest.mark.parametrize("family,ranks", [("llama", 4), ("kimi_linear", 4), ("qwen3_next", 4),
-                                          ("minimax_m2", 4), ("qwen3_next", 2)])  # fmt: skip
+                                          ("minimax_m2", 4), ("kimi_linear", 2),
+                                          ("qwen3_next", 2), ("minimax_m2", 2)])  # fmt: skip
 def test_tp2_first_tokens_equal_transformers(run_wavepp, tmp_path, family, ranks):
     model, path = checkpoint(family, tmp_path / family)
     prompts, requests = write_prompts(tmp_path)
