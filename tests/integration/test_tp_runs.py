@@ -20,32 +20,14 @@ import uuid
 import httpx
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from tests.integration.conftest import ROOT, TORCHRUN
 from tests.integration.test_faults import alive, rank_pids
-from tests.parity.families import hf_last_logits, make_checkpoint, redraw
+from tests.parity.families import hf_last_logits
+from tests.parity.handoff_bands import make_model
 from wavepp.model import BUILTIN, random_weights, reference_logits
 
 pytestmark = pytest.mark.slow
-
-
-def llama_checkpoint(path):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    redraw(model, 0)
-    model.save_pretrained(path)
-    return model, path
-
-
-def checkpoint(family, path):
-    return llama_checkpoint(path) if family == "llama" else make_checkpoint(family, path)
 
 
 def write_prompts(tmp_path):
@@ -73,7 +55,7 @@ OPTIONS = ("--concurrency", "1", "--block-size", "16", "--budget", "64",
                                           ("minimax_m2", 4), ("kimi_linear", 2),
                                           ("qwen3_next", 2), ("minimax_m2", 2)])  # fmt: skip
 def test_tp2_first_tokens_equal_transformers(run_wavepp, tmp_path, family, ranks):
-    model, path = checkpoint(family, tmp_path / family)
+    model, path = make_model(family, tmp_path / family)
     prompts, requests = write_prompts(tmp_path)
     record, _ = run_wavepp(ranks, "--tp", "2", "--model", str(path), "--requests-file",
                            str(requests), *OPTIONS)  # fmt: skip
@@ -90,7 +72,7 @@ def test_tp2_first_tokens_equal_transformers(run_wavepp, tmp_path, family, ranks
 
 
 def test_tp2_equals_tp1_on_llama(run_wavepp, tmp_path):
-    _, path = checkpoint("llama", tmp_path / "llama")
+    _, path = make_model("llama", tmp_path / "llama")
     _, requests = write_prompts(tmp_path)
     common = ("--model", str(path), "--requests-file", str(requests), *OPTIONS)
     tp2, _ = run_wavepp(2, "--tp", "2", *common)
