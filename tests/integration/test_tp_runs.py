@@ -147,7 +147,11 @@ def test_the_server_at_tp2_pp2_answers_and_drains(tmp_path):
                 expected = reference_logits(cfg, weights, np.asarray(tokens))
                 assert reply.json()["wavepp"]["first_token"] == int(expected.argmax())
             assert client.get("/health").json()["status"] == "ok"
-            assert 'stage="1"' in client.get("/metrics").text
+            # stage 1's figures ride on its leader's heartbeat (one a second)
+            deadline = time.monotonic() + 30
+            while 'stage="1"' not in client.get("/metrics").text:
+                assert time.monotonic() < deadline, "no figures of stage 1 on /metrics"
+                time.sleep(0.5)
     finally:
         server.send_signal(signal.SIGTERM)
         try:
