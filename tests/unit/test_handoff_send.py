@@ -241,19 +241,27 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pool_views_are_the_gathered_rows_without_a_copy(dtype):
-    from wavepp.exec.torch_exec import _gather, _pool_views, _row_runs
+def test_pool_pieces_are_the_gathered_rows(dtype, monkeypatch):
+    from wavepp.exec import torch_exec
+    from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
 
     pool = torch.randn(12 * 4, 2, 3).to(dtype)  # 12 blocks of 4 rows
     table, n = (5, 6, 2, 9, 10, 11), 22  # runs: blocks 5-6, 2, 9-11 (the last one partial)
     runs = _row_runs(table, 4, n)
     assert runs == [(20, 28), (8, 12), (36, 46)]
-    views = _pool_views(pool, runs)
-    joined = b"".join(bytes(v) for v in views)
-    gathered = _gather(pool, pool_rows(table, 4, n))
-    assert joined == gathered.reshape(-1).view(torch.uint8).numpy().tobytes()
-    pool[20, 0, 0] = 7.0  # a view of the pool itself, not a copy
-    assert torch.frombuffer(bytearray(bytes(views[0])), dtype=dtype)[0] == 7.0
+    row = 2 * 3 * pool.element_size()
+    expected = _gather(pool, pool_rows(table, 4, n)).reshape(-1).view(torch.uint8).numpy()
+    # runs of 10 rows and more go out as they are, shorter ones through the staging
+    # buffer (9 rows of it: a run of 8 and one of 4 do not fit together)
+    monkeypatch.setattr(torch_exec, "DIRECT_BYTES", 10 * row)
+    monkeypatch.setattr(torch_exec, "STAGING_BYTES", 9 * row)
+    monkeypatch.setattr(torch_exec, "_STAGING", threading.local())
+    pieces = [bytes(p) for p in _pool_pieces(pool, runs)]  # each taken before the next
+    assert [len(p) // row for p in pieces] == [8, 4, 10]
+    assert b"".join(pieces) == expected.tobytes()
+    direct = next(p for p in _pool_pieces(pool, runs) if len(p) == 10 * row)
+    pool[36, 0, 0] = 7.0  # the long run is a view of the pool itself, not a copy
+    assert torch.frombuffer(bytearray(bytes(direct)), dtype=dtype)[0] == 7.0
 
 
 def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged():

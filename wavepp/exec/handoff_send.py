@@ -32,7 +32,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -66,9 +66,10 @@ class BandTensor:
     dtype: str  # a wire dtype name
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]  # a contiguous CPU tensor; runs in a worker thread
-    # the same bytes as contiguous buffers in order, straight from where they live (the
-    # pool's blocks on a CPU stage): sent without a copy; None: send read()'s bytes
-    buffers: Callable[[], list[memoryview]] | None = None
+    # the same bytes as pieces in order, each to be sent before the next is asked for,
+    # from where they live (a CPU stage's pool: long runs as they are, short ones gathered
+    # into a reused buffer); None: send read()'s bytes
+    pieces: Callable[[], Iterator[memoryview]] | None = None
 
     @property
     def num_bytes(self) -> int:
@@ -332,8 +333,11 @@ def _exchange(
         try:
             views = [memoryview(prefix)]
             for tensor in tensors:
-                if tensor.buffers is not None:  # the pool's own blocks: no copy
-                    views += tensor.buffers()
+                if tensor.pieces is not None:  # the pool's blocks, short runs gathered
+                    _sendmsg_all(sock, views)
+                    views = []
+                    for piece in tensor.pieces():
+                        sock.sendall(piece)
                     continue
                 # a copy in host memory: out before the next tensor is read, so one
                 # tensor's bytes at a time (one flat run: an n-D view would slice by rows)
