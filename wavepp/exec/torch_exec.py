@@ -442,7 +442,7 @@ def _pool_pieces(pool: torch.Tensor, runs: list[tuple[int, int]]) -> Iterator[me
     (a request's blocks scattered over the pool) copied together into this thread's
     staging buffer, which the next piece reuses — send each before asking for the next.
     Sent as they were, one socket buffer per 4 KiB block, a 32K-token band of scattered
-    blocks took 1.8x as long as gathered first (``/tmp/s6/sendcmp.py``, Unix socket)."""
+    blocks took 1.8x as long as gathered first (over a Unix socket, on this machine)."""
     whole = pool.reshape(-1).view(torch.uint8).numpy().data
     row = whole.nbytes // pool.shape[0]
     staging = getattr(_STAGING, "buffer", None)
