@@ -208,8 +208,10 @@ def test_a_killed_replica_is_taken_out_and_every_request_completes_once(fleet):
     code = fleet.stop()
     assert code == 1  # r1's launcher exited non-zero, and the fleet says so ...
     err = fleet.err.read_text()
-    assert re.fullmatch(r"wavepp fleet: drained; not every child exited 0: replica r1 exit \d+",
-                        err.splitlines()[-1])  # ... naming r1 alone: SIGTERM drained the rest
+    # ... naming r1 alone: SIGTERM drained the rest. r1's launcher may still be ending
+    # (its interpreter shutting down, handlers gone) when the drain's SIGTERM comes: -15
+    assert re.fullmatch(r"wavepp fleet: drained; not every child exited 0: replica r1 exit -?\d+",
+                        err.splitlines()[-1])
     for child, name in (("router", "route"), ("replica r0", "serve")):
         assert f"[{child}] [wavepp {name}] draining: " in err, child
         assert f"[{child}] [wavepp {name}] stopped" in err, child
