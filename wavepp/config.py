@@ -330,7 +330,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node P -m wavepp.main",
         description="WavePP: pipeline-parallel prefill with asynchronous admission. One rank "
-        "per pipeline stage; rank 0 owns the requests and prints the report.",
+        "per pipeline stage (--tp T: T ranks a stage); rank 0 owns the requests and prints "
+        "the report.",
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", metavar="TOML", help="read options from a TOML file first")

@@ -1,4 +1,5 @@
-"""``torchrun --nproc-per-node P -m wavepp.main``: one pipeline stage per rank.
+"""``torchrun --nproc-per-node P -m wavepp.main``: one pipeline stage per rank (per
+``--tp`` ranks with tensor parallelism inside a stage, its first rank speaking for it).
 
 Sets up the process groups (rounds plane, data-plane links), the stage and its
 executor, runs the rank's tasks, checks every stage for leaks, and on rank 0 prints
