@@ -373,9 +373,7 @@ class TPLeader:
         """``handoff_timeout_s``: how long a band may wait for its followers' shards (a
         band not acknowledged within it fails anyway)."""
         self.local = local
-        self.cfg, self.dtype = local.cfg, local.dtype
-        self.attention_kernel, self.fused = local.attention_kernel, local.fused
-        self.mixer_ids = local.mixer_ids
+        self.cfg, self.dtype = local.cfg, local.dtype  # the data plane's limits read them
         self._groups, self._tp = groups, tp
         self._digest = _Digest()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
