@@ -38,6 +38,7 @@ from wavepp.config import (
     validate,
 )
 from wavepp.engine import Engine
+from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
 from wavepp.exec.handoff_send import HandoffSettings
 from wavepp.exec.layer_costs import measure as measure_costs
@@ -254,8 +255,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     cfg, weights = model
     if c.compile:
         log(f"compiling stage {rank}'s layers (--compile)")
-    executor = stage_executor(c, cfg, weights, units, rank == 0, rank == world - 1, capacity,
-                              snapshot_capacity, groups)  # fmt: skip
+    executor = compute.call(stage_executor, c, cfg, weights, units, rank == 0, rank == world - 1,
+                            capacity, snapshot_capacity, groups)  # fmt: skip
     recurrent = any(cfg.kind(layer) == "L" for layer in executor.mixer_ids)
     log(f"stage {rank}: attention by {executor.attention_kernel}" if executor.attention_kernel
         else f"stage {rank}: no softmax-attention layers, so no attention kernel")  # fmt: skip
@@ -318,8 +319,8 @@ async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlan
 def _measured_placement(c: RunConfig, world: int, shape: WaveShape,
                         model: tuple[ModelConfig, dict]) -> Placement:  # fmt: skip
     cfg, weights = model
-    costs = measure_costs(cfg, weights, shape, pick_device(c.device), pick_dtype(c.dtype),
-                          c.block_size, c.full_last_layer)  # fmt: skip
+    costs = compute.call(measure_costs, cfg, weights, shape, pick_device(c.device),
+                         pick_dtype(c.dtype), c.block_size, c.full_last_layer)  # fmt: skip
     return balanced(costs.mixers, costs.mlps, costs.last_layer, costs.embed, costs.head, world,
                     shape=shape.describe())  # fmt: skip
 
@@ -782,7 +783,7 @@ async def rank_main(
 ) -> tuple[dict | None, int]:  # fmt: skip
     """Stage ``rank`` of ``world`` (with ``--tp``, on its leader: ``groups``)."""
     planes = await open_planes(c, rank, world, watchdog, groups)
-    model = load_model(c)
+    model = compute.call(load_model, c)  # torch work on the compute thread alone
     setup = await agree_setup(c, rank, world, planes.rounds, client is None, model)
     if groups is not None:  # the stage's other ranks build what this one builds
         send_plan(groups, None if setup is None else stage_plan(c, rank, world, setup))
@@ -1049,9 +1050,9 @@ def _follow(c: RunConfig, layout: TPLayout, groups: StageGroups, watchdog: Watch
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    # not shut down on the way out: an interrupted rank exits with the thread still waiting
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wavepp-follow")
-    future = pool.submit(follow_stage, c, layout, groups)
+    # the compute thread builds the shard and runs the posts (an interrupted rank exits
+    # with it still waiting)
+    future = compute.submit(follow_stage, c, layout, groups)
     while True:
         try:
             return future.result(timeout=0.5)

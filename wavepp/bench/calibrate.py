@@ -151,11 +151,7 @@ def part_priors(cfg, weights, dtype, block_size: int) -> dict[str, tuple[float, 
     last = cfg.num_layers - 1
 
     def prior(modules) -> tuple[float, float]:
-        executor = TorchExecutor(modules, 4, block_size, snapshot_capacity=1)
-        try:
-            a, c, _, _ = executor.prior_cost()
-        finally:
-            executor.close()
+        a, c, _, _ = TorchExecutor(modules, 4, block_size, snapshot_capacity=1).prior_cost()
         return a, c
 
     for i in range(last):

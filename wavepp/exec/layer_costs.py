@@ -102,10 +102,7 @@ def wave_times(stage, shape: WaveShape, block_size: int, ending: bool, repeats: 
         for c in chunks:  # recurrent layers: resume from the snapshot slot each time
             executor.cancel(c.request_id)
 
-    try:
-        return _timings(wave, repeats, executor.device)
-    finally:
-        executor.close()
+    return _timings(wave, repeats, executor.device)
 
 
 def _median(run: Callable[[], object], repeats: int, device: torch.device) -> float:

@@ -40,10 +40,8 @@ import asyncio
 import ctypes
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import anyio
@@ -51,6 +49,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from wavepp.exec import compute
 from wavepp.exec.base import ChunkWork, StageOutput
 from wavepp.exec.handoff_send import BandTensor, dtype_name, pool_rows
 from wavepp.model import cpu_kernel
@@ -164,15 +163,8 @@ class TorchExecutor:
         self._key_slots: dict[BlockHash, int] = {}  # block-hash key path: hash -> slot
         self._free_slots = list(range(self.snapshot_capacity - 1, -1, -1))
         self.last_logits: OrderedDict[RequestId, torch.Tensor] = OrderedDict()
-        # Every wave runs on this one thread. OpenMP keeps a pool of threads per thread
-        # that starts a parallel region: waves spread over a thread pool's workers built
-        # one pool each, and with more pool threads than cores every barrier went to
-        # sleep — at P = 1 on two cores, 7.6-7.9K tok/s where one thread gives 9.1-9.6K
-        # (vllm_compare's cold-4k row, budget 2048).
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="wavepp-compute")
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.close = weakref.finalize(self, self._compute.shutdown, wait=False)
         self.fused: dict[int, FusedLayer] = {}  # layer -> its compiled form (--compile)
         if compile:
             self.fused = {i: FusedLayer(modules.layer(i)) for i in modules.layer_ids
@@ -188,7 +180,8 @@ class TorchExecutor:
         self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
     ) -> StageOutput:
         started = time.perf_counter()
-        future = self._compute.submit(self.forward, list(chunks), activations)
+        # every wave on the process's compute thread (wavepp.exec.compute)
+        future = compute.submit(self.forward, list(chunks), activations)
         with anyio.CancelScope(shield=True):  # a cancelled run still owns the stage's state
             out, results = await asyncio.wrap_future(future)
         return StageOutput(out, time.perf_counter() - started, results)

@@ -1,0 +1,62 @@
+"""The one thread of a process that runs its torch work: building the model and the
+pools, timing the layers, and every wave.
+
+OpenMP (libgomp, under the CPU build of torch) keeps a team of worker threads for each
+thread that starts a parallel region. Once a process's teams hold more threads than it
+has cores, libgomp stops letting idle workers spin (about a hundred tries, then sleep),
+so each of a wave's thousands of parallel regions wakes its workers through the kernel.
+Start-up work on the main thread and waves on a compute thread made two teams: at P = 1
+on two cores (two threads), ``bench.vllm_compare``'s shared-4k row through
+``torchrun --nproc-per-node 1 -m wavepp.main`` ran at 41-53K tok/s with 4,400 voluntary
+context switches, and at 58-62K with 600 once everything ran on this thread (three
+interleaved runs each). So a rank does all of its torch work here, and other threads
+touch tensors only in ways that start no parallel region (bytes through memoryviews,
+tensors under torch's grain size). A process with one thread a rank (P = 2 here) starts
+no team at all and gains nothing here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_ident: int | None = None
+
+
+def _mark() -> None:
+    global _ident
+    _ident = threading.get_ident()
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's compute thread (made on first use, never shut down: a process
+    ending mid-wave exits without waiting for it)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(1, thread_name_prefix="wavepp-compute",
+                                       initializer=_mark)  # fmt: skip
+        return _pool
+
+
+def on_compute_thread() -> bool:
+    return _ident is not None and threading.get_ident() == _ident
+
+
+def submit(fn: Callable[..., T], *args, **kwargs) -> Future[T]:
+    """Run ``fn`` on the compute thread, behind whatever it is running now."""
+    return pool().submit(fn, *args, **kwargs)
+
+
+def call(fn: Callable[..., T], *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` on the compute thread, waiting for it (at once when this
+    is the compute thread)."""
+    if on_compute_thread():
+        return fn(*args, **kwargs)
+    return submit(fn, *args, **kwargs).result()
