@@ -74,3 +74,42 @@ def test_building_and_running_a_stage_makes_one_openmp_team():
     # the compute thread and its one worker (2 threads); anyio's loop adds no thread here
     assert built_and_ran == 2, out.stdout
     assert with_main == 3  # the check can fail: a second team is one more thread
+
+
+SERIAL = """
+import os, sys, threading, torch
+torch.set_num_threads(2)
+from wavepp.exec import compute
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+x = compute.call(lambda: torch.randn(1 << 22))
+compute.call(lambda: x.mul(2).sum())  # the compute thread's team
+before = tasks()
+
+def gather(serial):
+    if serial:
+        compute.serial_here()
+    torch.cat([x.index_select(0, torch.randperm(1 << 22))] * 2)
+    print(torch.get_num_threads(), end=" ")
+
+for serial in (True, False):  # a band's gather on a sender thread, then the same without
+    thread = threading.Thread(target=gather, args=(serial,))
+    thread.start()
+    thread.join()
+    print(tasks() - before, end=" ")
+print(compute.call(torch.get_num_threads))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_serial_thread_starts_no_openmp_team_and_leaves_the_compute_threads_alone():
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(SERIAL)], capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    serial_threads, serial_extra, plain_threads, plain_extra, compute_threads = map(
+        int, out.stdout.split()
+    )
+    assert (serial_threads, serial_extra) == (1, 0), out.stdout  # ran inline, no new thread
+    assert plain_threads == 2 and plain_extra > 0, out.stdout  # the check can fail
+    assert compute_threads == 2

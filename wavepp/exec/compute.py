@@ -11,12 +11,14 @@ on two cores (two threads), ``bench.vllm_compare``'s shared-4k row through
 context switches, and at 58-62K with 600 once everything ran on this thread (three
 interleaved runs each). So a rank does all of its torch work here, and other threads
 touch tensors only in ways that start no parallel region (bytes through memoryviews,
-tensors under torch's grain size). A process with one thread a rank (P = 2 here) starts
-no team at all and gains nothing here.
+tensors under torch's grain size) or after ``serial_here``. A process with one thread a
+rank (P = 2 here) starts no team at all and gains nothing here.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,3 +62,38 @@ def call(fn: Callable[..., T], *args, **kwargs) -> T:
     if on_compute_thread():
         return fn(*args, **kwargs)
     return submit(fn, *args, **kwargs).result()
+
+
+_serial = threading.local()
+
+
+def serial_here() -> None:
+    """Keep this thread's torch work out of OpenMP: a thread other than the compute thread
+    that works on large tensors (a handoff band's gather, a vLLM file's layout) would start
+    a team of its own, and with it every team's workers sleep between regions. Under
+    OpenMP, torch asks the calling thread's own thread count, which this sets to one
+    (``omp_set_num_threads`` of the libgomp torch loaded); ops then run inline. Once per
+    thread; a no-op on the compute thread, at one thread, or without libgomp."""
+    import torch
+
+    if getattr(_serial, "done", False) or on_compute_thread():
+        return
+    _serial.done = True
+    if torch.get_num_threads() > 1 and (gomp := _libgomp()) is not None:  # torch's set-up first
+        gomp.omp_set_num_threads(1)
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process loaded (torch's own copy in its wheels), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.isfile(path):
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None

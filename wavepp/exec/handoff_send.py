@@ -33,7 +33,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import anyio.to_thread
@@ -41,11 +43,13 @@ import attrs
 import numpy as np
 import torch
 
+from wavepp.exec import compute
 from wavepp.handoff import wire
 from wavepp.rounds.messages import HandoffOutcome
 from wavepp.state import RequestId, SlotId
 
 # Why a band failed, as the record and /metrics count them.
+T = TypeVar("T")
 REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                torch.float16: "float16", torch.int32: "int32"}  # fmt: skip
@@ -259,11 +263,12 @@ class HandoffSender:
             if set(parts) != {"k", "v"}:
                 raise BandFailed("error", f"layer {layer} holds {sorted(parts)}: the vLLM "
                                  "example layout takes attention layers' keys and values only")
-            k = await anyio.to_thread.run_sync(parts["k"].read)
-            v = await anyio.to_thread.run_sync(parts["v"].read)
+            k = await anyio.to_thread.run_sync(_serial, parts["k"].read)
+            v = await anyio.to_thread.run_sync(_serial, parts["v"].read)
             for n in lengths:
-                await anyio.to_thread.run_sync(vllm_example.write_layer, folder / str(n), layer,
-                                               k[:n], v[:n], block)  # fmt: skip
+                write = partial(vllm_example.write_layer, folder / str(n), layer, k[:n], v[:n],
+                                block)  # fmt: skip
+                await anyio.to_thread.run_sync(_serial, write)
             written += parts["k"].num_bytes + parts["v"].num_bytes
         return written
 
@@ -288,6 +293,13 @@ IOV_MAX = 1024  # buffers per sendmsg call (Linux)
 SOCKET_BUFFER = 4 << 20  # bytes asked for the band's send buffer
 
 
+def _serial(fn: Callable[[], T]) -> T:
+    """``fn()`` in a worker thread without an OpenMP team of its own
+    (``wavepp.exec.compute.serial_here``)."""
+    compute.serial_here()
+    return fn()
+
+
 def _send_band(
     sock: socket.socket, address: wire.Address, prefix: bytes,
     tensors: Sequence[BandTensor], deadline: float, target: str,
@@ -298,6 +310,7 @@ def _send_band(
     ``wire_s[0]`` to its seconds from connect to the ack (or to its failure) and
     ``finished`` when it no longer touches the band's tensors."""
     started = time.perf_counter()
+    compute.serial_here()  # a TP band's shards are put together here: no OpenMP team
     try:
         return _exchange(sock, address, prefix, tensors, deadline, target)
     finally:
