@@ -48,8 +48,8 @@ from wavepp.handoff import wire
 from wavepp.rounds.messages import HandoffOutcome
 from wavepp.state import RequestId, SlotId
 
-# Why a band failed, as the record and /metrics count them.
 T = TypeVar("T")
+# Why a band failed, as the record and /metrics count them.
 REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                torch.float16: "float16", torch.int32: "int32"}  # fmt: skip
