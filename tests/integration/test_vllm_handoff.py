@@ -68,7 +68,10 @@ def run_vllm(tmp: Path, name: str, model: Path, prompts: list[list[int]],
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "block_size": BLOCK,
                                "max_len": 256, "max_tokens": DECODE,
                                "storage": None if storage is None else str(storage)}))  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # one process: the engine and its worker in the driver's (each of vLLM's processes
+    # imports vLLM again, about 10 s here)
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     proc = subprocess.run([VLLM_PYTHON, str(DRIVER), str(job)], env=env, cwd=tmp,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     log = proc.stdout + proc.stderr

@@ -24,7 +24,8 @@ def main():
         }  # fmt: skip
     llm = LLM(model=job["model"], dtype="float32", block_size=job["block_size"],
               skip_tokenizer_init=True, max_model_len=job["max_len"], seed=0,
-              enforce_eager=True, max_num_seqs=8, **connector)  # fmt: skip
+              enforce_eager=True, max_num_seqs=8, distributed_executor_backend="uni",
+              **connector)  # fmt: skip
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, logprobs=0,
                             ignore_eos=True, detokenize=False)  # fmt: skip
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params)

@@ -92,13 +92,14 @@ def gather(serial):
     if serial:
         compute.serial_here()
     torch.cat([x.index_select(0, torch.randperm(1 << 22))] * 2)
-    print(torch.get_num_threads(), end=" ")
+    # threads besides this one, counted while it lives (a team's workers live as long as
+    # the thread that started them)
+    print(torch.get_num_threads(), tasks() - before - 1, end=" ")
 
 for serial in (True, False):  # a band's gather on a sender thread, then the same without
     thread = threading.Thread(target=gather, args=(serial,))
     thread.start()
     thread.join()
-    print(tasks() - before, end=" ")
 print(compute.call(torch.get_num_threads))
 """
 
