@@ -34,12 +34,10 @@ EXECUTOR_DEFAULTS = {
 
 
 SIM_DEVICES = ("h100", "h200", "b200", "b300", "gb300")  # wavepp.sim.profiles.DEVICES
-# The sim's default wave-time spread (coefficient of variation), a documented figure, not
-# a measurement: between the 2% two runs of one plan differed by on the idle machine
-# (wavepp.bench.matrix, smoke) and the 5.2% spread of identical waves calibrate timed
-# (docs/results/calibration-tiny-llama.json). The validation's torch runs spread 0.6-9.6%
-# at P <= 2 on the idle machine (max - min over median; docs/benchmarks.md).
-SIM_NOISE = 0.03
+# The sim's default wave-time spread (coefficient of variation): the run-to-run spread of
+# the torch runs in the recorded validation (wavepp.bench.validate.run_spread over
+# docs/results/validate-quick.json, rounded; a test keeps the two equal).
+SIM_NOISE = 0.032
 
 
 @attrs.frozen

@@ -240,7 +240,11 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     rng = np.random.default_rng([c.seed, rank])  # the sim's noise: seeded, per rank
     measured = sim_measured(c)
     if measured is not None:
-        cost = MeasuredStageCost(measured, units, rank == 0, rank == world - 1)
+        sharing = measured.core_sharing(world, c.threads)
+        if sharing > 1 and rank == 0:
+            log(f"sim: {world} ranks share the {measured.machine['cores']} cores the profile "
+                f"was measured on: every simulated wave takes {sharing:g}x its parts' time")
+        cost = MeasuredStageCost(measured, units, rank == 0, rank == world - 1, sharing)
         recurrent = any(measured.mixers[u // 2] in RECURRENT for u in units if u % 2 == 0)
         return SimExecutor(cost, c.time_scale, c.sim_noise, rng), recurrent
     if c.executor == "sim":

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 
@@ -80,6 +81,8 @@ def _broken(change) -> dict:
         (lambda d: d.update(link={"bytes_s": 0, "latency_s": 0}), "bytes_s must be positive"),
         (lambda d: d.update(wave_overhead_s="1"), "wave_overhead_s must be a finite number"),
         (lambda d: d.update(machine=[]), "machine must be an object"),
+        (lambda d: d.update(machine={"cores": 0}), "machine cores must be a positive integer"),
+        (lambda d: d.update(machine={"threads": "2"}), "machine threads must be a positive"),
     ],
 )
 def test_a_malformed_profile_is_refused_with_its_reason(change, says):
@@ -236,8 +239,34 @@ def test_calibrate_then_simulate_end_to_end(tmp_path):
     assert run["config"]["sim_noise"] > 0
 
 
+def test_ranks_beyond_the_profiles_cores_stretch_every_wave():
+    """Four single-thread ranks on the two cores a profile was measured on: each wave
+    takes twice as long; two ranks, or a profile that does not say its cores: as fitted."""
+    two_cores = attrs.evolve(profile(), machine={"cores": 2, "threads": 1})
+    assert two_cores.core_sharing(4, 0) == 2.0 and two_cores.core_sharing(4, 1) == 2.0
+    assert two_cores.core_sharing(2, 0) == 1.0 and two_cores.core_sharing(1, 4) == 2.0
+    assert profile().core_sharing(8, 1) == 1.0
+    chunks = [(0, 64), (128, 160)]
+    alone = MeasuredStageCost(two_cores, range(0, 4), True, False).cost(chunks, 0).seconds
+    shared = MeasuredStageCost(two_cores, range(0, 4), True, False, 2.0).cost(chunks, 0).seconds
+    assert alone > 0 and shared == pytest.approx(2 * alone)
+
+
+def test_the_sim_noise_default_is_the_validations_measured_spread():
+    """``--sim-noise``'s default is the spread of the torch runs in the recorded
+    validation (docs/results/validate-quick.json), not a figure of judgement."""
+    from pathlib import Path
+
+    from wavepp.bench.validate import run_spread
+    from wavepp.config import SIM_NOISE
+
+    record = Path(__file__).parents[2] / "docs" / "results" / "validate-quick.json"
+    spread = run_spread(json.loads(record.read_text())["rows"])
+    assert 0 < spread < 1 and round(spread, 3) == SIM_NOISE
+
+
 def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
-    from wavepp.bench.validate import Spec, row, table
+    from wavepp.bench.validate import CORES, Spec, row, run_spread, table
 
     def runs(*pairs):
         return [{"throughput_tok_s": t, "completion_p50_s": p, "makespan_s": 2.0,
@@ -249,8 +278,12 @@ def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
     assert good["tok_s_error"] == pytest.approx(0.05) and good["within_goal"]
     assert good["note"] == ""
     assert good["runs"]["torch"][0]["stage_busy_s"] == [1.0, 0.5]
-    crowded = row(Spec("tiny-llama", "seeded", 4), runs((1000, 1.0)), runs((1500, 0.5)))
-    assert not crowded["within_goal"] and "4 ranks on 2 cores" in crowded["note"]
+    crowded = row(Spec("tiny-llama", "seeded", 2 * CORES), runs((1000, 1.0)),
+                  runs((1500, 0.5)))  # fmt: skip
+    assert not crowded["within_goal"]
+    assert f"{2 * CORES} ranks on {CORES} cores" in crowded["note"]
     text = table([good, crowded])
     assert "tiny-kimi/cold/P2" in text and "1 of 2 cells within the goal" in text
     assert "SIMULATED" in text
+    # the torch runs' spread: the median over cells of their relative standard deviation
+    assert run_spread([good, crowded]) == pytest.approx(0.1)  # one run: no spread

@@ -13,7 +13,9 @@ the parts' summed times against the whole model's, timed on the same waves).
 
 :class:`MeasuredStageCost` prices a stage's half-layer units from the fits, the way
 :class:`~wavepp.sim.executor.StageCostModel` prices a stage of a datasheet device, so
-the simulator predicts this machine for the model it was calibrated on. The file is
+the simulator predicts this machine for the model it was calibrated on — including its
+cores: where the run's ranks x threads exceed the cores the profile was measured on,
+every wave takes that many times longer (the ranks of one machine share its cores). The file is
 checked as untrusted input before any figure of it is used (:func:`load_profile`).
 """
 
@@ -78,6 +80,18 @@ class MeasuredProfile:
     @property
     def num_layers(self) -> int:
         return len(self.mixers)
+
+    def core_sharing(self, ranks: int, threads: int) -> float:
+        """How much longer each wave takes when ``ranks`` ranks of ``threads`` torch
+        threads each (0: the runtime's default, the cores divided among the ranks) share
+        the profile's machine: ranks x threads over its cores where that exceeds 1 (every
+        stage busy at once, each thread an equal share of a core: an upper bound, as
+        stages idle part of the time); 1 where the profile does not say its cores."""
+        cores = self.machine.get("cores")
+        if cores is None:
+            return 1.0
+        per_rank = threads or max(1, cores // max(1, ranks))
+        return max(1.0, ranks * per_rank / cores)
 
     def part(self, key: str) -> PartCost:
         if key not in self.parts:
@@ -181,6 +195,11 @@ def parse_profile(data: object, source: str = "profile") -> MeasuredProfile:
     machine = data.get("machine")
     if not isinstance(machine, dict):
         raise ProfileError(f"{source}: machine must be an object")
+    for key in ("cores", "threads"):
+        value = machine.get(key)
+        if value is not None and (type(value) is not int or not 1 <= value <= 1 << 16):
+            raise ProfileError(f"{source}: machine {key} must be a positive integer, got "
+                               f"{value!r}")  # fmt: skip
     return MeasuredProfile(
         model, d_model, vocab, mixers, mlps, act_bytes, parts,
         _number(data, "wave_overhead_s", source), _number(data, "noise", source),
@@ -215,12 +234,14 @@ def measured_path(sim_device: str) -> str | None:
 class MeasuredStageCost:
     """Predicted time of one wave on a stage holding ``units`` of the profile's model:
     each unit's fitted part, the embedding on the first stage, the head's rows on the
-    last, plus the executor's per-wave cost once."""
+    last, plus the executor's per-wave cost once; all of it times ``sharing``, where the
+    run's ranks outnumber the machine's cores (``MeasuredProfile.core_sharing``)."""
 
     profile: MeasuredProfile
     units: range
     is_first: bool
     is_last: bool
+    sharing: float = 1.0
 
     def cost(self, chunks: Sequence[tuple[int, int]], num_finished: int) -> WaveCost:
         """``chunks``: (start, end) token ranges; start is the chunk's attention prefix."""
@@ -238,7 +259,7 @@ class MeasuredStageCost:
             seconds += p.part("embed").seconds(tokens, 0.0)
         if self.is_last and num_finished:
             seconds += p.part("head").seconds(num_finished, 0.0)
-        return WaveCost(seconds, 0.0, 0.0)
+        return WaveCost(seconds * self.sharing, 0.0, 0.0)
 
     def generic_prior(self) -> tuple[float, float, float, float]:
         """(a, c, d, floor): what the torch executor's planner starts from for the same
