@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import anyio
 import attrs
@@ -268,9 +269,10 @@ def test_the_sim_noise_default_is_the_validations_measured_spread():
 def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
     from wavepp.bench.validate import CORES, Spec, row, run_spread, table
 
-    def runs(*pairs):
+    def runs(*pairs, util=(0.5, 0.25), waves=(4, 4)):
         return [{"throughput_tok_s": t, "completion_p50_s": p, "makespan_s": 2.0,
-                 "stage_utilization": [0.5, 0.25], "stage_waves": [4, 4]} for t, p in pairs]
+                 "stage_utilization": list(util), "stage_waves": list(waves)}
+                for t, p in pairs]  # fmt: skip
 
     good = row(Spec("tiny-kimi", "cold", 2), runs((1000, 1.0), (1100, 1.2), (900, 0.8)),
                runs((1050, 1.05)))  # fmt: skip
@@ -278,12 +280,44 @@ def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
     assert good["tok_s_error"] == pytest.approx(0.05) and good["within_goal"]
     assert good["note"] == ""
     assert good["runs"]["torch"][0]["stage_busy_s"] == [1.0, 0.5]
-    crowded = row(Spec("tiny-llama", "seeded", 2 * CORES), runs((1000, 1.0)),
-                  runs((1500, 0.5)))  # fmt: skip
+    # a miss names what differs: seconds a wave (busy 1.0 s over 4 waves against 0.5 s)
+    slow = row(Spec("tiny-kimi", "seeded", 2), runs((1000, 1.0)),
+               runs((1500, 0.5), util=(0.25, 0.125)))  # fmt: skip
+    assert not slow["within_goal"] and slow["wave_ratio"] == pytest.approx(2.0)
+    assert slow["note"].startswith("a real wave took 2.00x the predicted one")
+    # waves a stage, the busy share (with the cores shared), the stages' balance
+    crowded = row(Spec("tiny-llama", "seeded", 2 * CORES),
+                  runs((1000, 1.0), util=(0.4, 0.4), waves=(4, 4)),
+                  runs((1500, 0.5), util=(0.8, 0.4), waves=(8, 8)))  # fmt: skip
     assert not crowded["within_goal"]
+    assert "4 real waves a stage against 8 simulated" in crowded["note"]
+    assert "the real stages busy 40% of the run against 60% simulated" in crowded["note"]
     assert f"{2 * CORES} ranks on {CORES} cores" in crowded["note"]
+    assert "1.00x unevenly (slowest over fastest busy time) real, 2.00x simulated" in \
+        crowded["note"]
+    same = row(Spec("tiny-llama", "cold", 1), runs((1000, 1.0), util=(0.5,), waves=(4,)),
+               runs((1500, 0.5), util=(0.5,), waves=(4,)))  # fmt: skip
+    assert same["note"] == "miss: cause not identified"
     text = table([good, crowded])
     assert "tiny-kimi/cold/P2" in text and "1 of 2 cells within the goal" in text
     assert "SIMULATED" in text
     # the torch runs' spread: the median over cells of their relative standard deviation
     assert run_spread([good, crowded]) == pytest.approx(0.1)  # one run: no spread
+
+
+def test_a_recorded_validation_prints_again_with_its_notes_worked_out_anew(tmp_path, capsys):
+    from wavepp.bench.validate import main
+
+    record = Path(__file__).parents[2] / "docs" / "results" / "validate-quick.json"
+    out = tmp_path / "again.json"
+    main(["--table", str(record), "--json", str(out)])
+    printed = capsys.readouterr().out
+    again, before = json.loads(out.read_text()), json.loads(record.read_text())
+    assert [r["cell"] for r in again["rows"]] == [r["cell"] for r in before["rows"]]
+    assert [r["measured_tok_s"] for r in again["rows"]] == \
+        [r["measured_tok_s"] for r in before["rows"]]
+    assert again["rows"][0]["cell"] in printed and "cells within the goal" in printed
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": [{"cell": "x"}]}')
+    with pytest.raises(SystemExit, match="not a validation record"):
+        main(["--table", str(bad)])

@@ -10,8 +10,10 @@ Profiles come from ``--profile FILE`` (one per model), else ``python -m
 wavepp.bench.calibrate`` measures them first. Every rank runs one torch thread (the
 profiles are measured so): on a 2-core machine, P = 4 runs four ranks on two cores,
 which the simulator models as every wave taking P / 2 times as long (all stages busy at
-once, sharing the cores evenly: ``MeasuredProfile.core_sharing``); those cells say so
-where they miss. Goal: throughput within ±10% and p50 completion within ±15%.
+once, sharing the cores evenly: ``MeasuredProfile.core_sharing``). Goal: throughput
+within ±10% and p50 completion within ±15%; a cell that misses says what differs between
+its real and simulated runs (seconds a wave, waves, busy share, balance: :func:`why`).
+``--table FILE`` prints a recorded validation again.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from wavepp.bench.matrix import Cell, run_cell
 
 TOK_S_GOAL = 0.10
 P50_GOAL = 0.15
+BUSY_GAP = 0.10  # a miss's note names busy shares this far apart
 MODELS = ("tiny-kimi", "tiny-llama")
 WORKLOADS = ("cold", "seeded", "short-suffix", "conversation")
 STAGES = (1, 2, 4)
@@ -63,6 +66,11 @@ def error(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured - 1
 
 
+def stage_medians(runs: list[dict], key: str) -> list[float]:
+    """Each stage's median of ``key`` (a per-stage list) over ``runs``."""
+    return [statistics.median(r[key][i] for r in runs) for i in range(len(runs[0][key]))]
+
+
 def slowest_wave_s(runs: list[dict]) -> float | None:
     """Median over runs of the slowest stage's busy seconds per wave."""
     waves = [max(b / max(w, 1) for b, w in zip(r["stage_busy_s"], r["stage_waves"],
@@ -71,21 +79,43 @@ def slowest_wave_s(runs: list[dict]) -> float | None:
 
 
 def why(spec: Spec, tok_err: float | None, p50_err: float | None,
-        wave_ratio: float | None = None) -> str:  # fmt: skip
-    """The reason a cell misses, where the runs show one: ``wave_ratio`` is the real
-    slowest stage's seconds per wave over the simulated one's."""
+        torch_runs: list[dict] = (), sim_runs: list[dict] = ()) -> str:  # fmt: skip
+    """Where a cell misses, what differs between its real and simulated runs: the slowest
+    stage's seconds per wave, the waves a stage ran, the share of the run the stages were
+    busy, and how evenly the stages were loaded (slowest over fastest busy time)."""
     if tok_err is None or p50_err is None:
         return "no figure"
     if abs(tok_err) <= TOK_S_GOAL and abs(p50_err) <= P50_GOAL:
         return ""
+    if not torch_runs or not sim_runs:
+        return "miss: no runs to compare"
     reasons = []
-    if spec.stages > CORES:
-        reasons.append(f"{spec.stages} ranks on {CORES} cores: the real stages share cores "
-                       f"as they happen to be busy, the simulated ones each take "
-                       f"{spec.stages / CORES:g}x (all busy at once)")
-    if wave_ratio is not None and abs(wave_ratio - 1) > TOK_S_GOAL:
-        reasons.append(f"a real wave took {wave_ratio:.2f}x the predicted one (the parts "
-                       "timed alone by calibrate, summed)")
+    real_wave, sim_wave = slowest_wave_s(torch_runs), slowest_wave_s(sim_runs)
+    if real_wave and sim_wave and abs(real_wave / sim_wave - 1) > TOK_S_GOAL:
+        reasons.append(f"a real wave took {real_wave / sim_wave:.2f}x the predicted one (the "
+                       "parts timed alone by calibrate, summed)")  # fmt: skip
+    real_waves = max(stage_medians(torch_runs, "stage_waves"))
+    sim_waves = max(stage_medians(sim_runs, "stage_waves"))
+    if sim_waves and abs(real_waves / sim_waves - 1) > TOK_S_GOAL:
+        reasons.append(f"{real_waves:.0f} real waves a stage against {sim_waves:.0f} "
+                       "simulated")  # fmt: skip
+    real_busy = statistics.mean(stage_medians(torch_runs, "stage_utilization"))
+    sim_busy = statistics.mean(stage_medians(sim_runs, "stage_utilization"))
+    if abs(real_busy - sim_busy) > BUSY_GAP:
+        reason = (f"the real stages busy {real_busy:.0%} of the run against {sim_busy:.0%} "
+                  "simulated")
+        if spec.stages > CORES and real_busy < sim_busy:
+            reason += (f" ({spec.stages} ranks on {CORES} cores: the runtime's own work "
+                       "between waves shares them too; the sim stretches only the waves)")
+        reasons.append(reason)
+    real_busy_s, sim_busy_s = (stage_medians(runs, "stage_busy_s")
+                               for runs in (torch_runs, sim_runs))  # fmt: skip
+    if spec.stages > 1 and min(real_busy_s) > 0 and min(sim_busy_s) > 0:
+        real_spread = max(real_busy_s) / min(real_busy_s)
+        sim_spread = max(sim_busy_s) / min(sim_busy_s)
+        if abs(real_spread / sim_spread - 1) > TOK_S_GOAL:
+            reasons.append(f"stages loaded {real_spread:.2f}x unevenly (slowest over fastest "
+                           f"busy time) real, {sim_spread:.2f}x simulated")  # fmt: skip
     return "; ".join(reasons) or "miss: cause not identified"
 
 
@@ -120,7 +150,8 @@ def row(spec: Spec, torch_runs: list[dict], sim_runs: list[dict]) -> dict:
                           and abs(out["p50_error"]) <= P50_GOAL)  # fmt: skip
     real, simulated = slowest_wave_s(out["runs"]["torch"]), slowest_wave_s(out["runs"]["sim"])
     out["wave_ratio"] = real / simulated if real and simulated else None
-    out["note"] = why(spec, out["tok_s_error"], out["p50_error"], out["wave_ratio"])
+    out["note"] = why(spec, out["tok_s_error"], out["p50_error"], out["runs"]["torch"],
+                      out["runs"]["sim"])
     return out
 
 
@@ -169,6 +200,22 @@ def ensure_profile(model: str, given: dict[str, str], workdir: Path) -> str:
     return str(out)
 
 
+def reprint(path: Path, out: str | None) -> None:
+    """The table of the validation recorded in ``path``, each row worked out again from
+    its runs (so a record written before a change to :func:`why` reads as it would now)."""
+    try:
+        record = json.loads(path.read_text())
+        rows = [row(Spec(r["model"], r["workload"], r["stages"]), r["runs"]["torch"],
+                    r["runs"]["sim"]) for r in record["rows"]]  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        sys.exit(f"{path}: not a validation record ({type(e).__name__}: {e})")
+    print(table(rows), flush=True)
+    if out:
+        record.update(rows=rows, run_spread=run_spread(rows))
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {out}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m wavepp.bench.validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -186,7 +233,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=".", help="where measured profiles are written")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    p.add_argument("--table", default=None, metavar="FILE",
+                   help="print the table of a recorded validation (--json's file), its notes "
+                        "worked out again from its runs, and run nothing (with --json: "
+                        "write the record so)")  # fmt: skip
     a = p.parse_args(argv)
+    if a.table:
+        reprint(Path(a.table), a.json)
+        return
     repeat = a.repeat or (1 if a.quick else 3)
     specs = ([Spec(*s) for s in QUICK] if a.quick else
              [Spec(m, w, s) for m in MODELS for w in WORKLOADS for s in STAGES])  # fmt: skip
@@ -211,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
               f"tok/s {r['predicted_tok_s']:,.0f} predicted, {r['measured_tok_s']:,.0f} "
               f"measured; p50 {r['predicted_p50_s']:.3f} / {r['measured_p50_s']:.3f} s",
               file=sys.stderr)  # fmt: skip
-    print(table(rows))
+    print(table(rows), flush=True)
     if a.json:
         record = {"command": "python -m wavepp.bench.validate " + " ".join(argv or sys.argv[1:]),
                   "profiles": profiles, "repeat": repeat, "run_spread": run_spread(rows),
