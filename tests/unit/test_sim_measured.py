@@ -3,6 +3,7 @@ the sim's seeded noise and the planner's generic prior."""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -226,6 +227,7 @@ def test_calibrate_then_simulate_end_to_end(tmp_path):
     measured = load_profile(str(path))
     assert measured.model == "tiny-llama" and len(record["points"]) == len(grid)
     assert measured.machine["threads"] == 1 and measured.machine["torch"]
+    assert measured.machine["cores"] == len(os.sched_getaffinity(0))  # the cores it may use
     assert measured.link is not None and measured.link.bytes_s > 0
     out = tmp_path / "run.json"
     cmd = [sys.executable, "-m", "wavepp.main", "--executor", "sim", "--model", "tiny-llama",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import platform
 import socket
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wavepp.exec.device import pick_dtype, set_threads
+from wavepp.exec.device import pick_dtype, set_threads, usable_cores
 from wavepp.exec.layer_costs import measure, wave_times
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.model import BUILTIN, build_stage, random_weights
@@ -223,7 +222,7 @@ def calibrate(model: str, threads: int, dtype_name: str, block_size: int, repeat
         model=model, d_model=cfg.d_model, vocab=cfg.vocab_size, mixers=cfg.mixers, mlps=cfg.mlps,
         act_bytes=torch.empty((), dtype=dtype).element_size(), parts=parts,
         wave_overhead_s=overhead, noise=statistics.median(spreads),
-        machine={"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": threads,
+        machine={"cpu": _cpu_model(), "cores": usable_cores(), "threads": threads,
                  "torch": torch.__version__, "python": platform.python_version(),
                  "dtype": dtype_name, "block_size": block_size, "repeats": repeats,
                  "seed": seed, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",

@@ -33,14 +33,19 @@ def pick_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: a cpuset or ``taskset``
+    may allow fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_threads() -> int:
     """The cores this process may use, divided among the ranks of this node."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, cores // max(1, local_ranks))
+    return max(1, usable_cores() // max(1, local_ranks))
 
 
 def set_threads(threads: int) -> int:
