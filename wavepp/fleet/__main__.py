@@ -6,9 +6,10 @@ Each replica is ``python -m wavepp.serve.launch --nproc-per-node P`` (its own ``
 ``--kv-events tcp://127.0.0.1:0`` (free ports bound by the replica itself, which names them
 to the router in its ``/v1/models``); every other option goes to every
 replica as it is (``--json PATH`` becomes ``PATH`` with ``-r<i>`` before its suffix, one
-record per replica; ``--threads`` defaults to the node's cores over the N × P ranks). Once
-every replica listens, ``python -m wavepp.route`` starts over their URLs on ``--host`` and
-``--port``. Each child's stderr is relayed with its name in front.
+record per replica; ``--threads`` defaults to the cores the launcher may run on over
+the N × P ranks). Once every replica listens, ``python -m wavepp.route`` starts over
+their URLs on ``--host`` and ``--port``. Each child's stderr is relayed with its name in
+front.
 
 SIGTERM or SIGINT drains the fleet: SIGTERM to the router (new requests 503, the ones in
 flight answer) and to each replica's launcher (which drains its server); the exit status
@@ -156,13 +157,22 @@ def check(args: argparse.Namespace, rest: list[str]) -> None:
         raise SystemExit(2) from None
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (as ``wavepp.exec.device.usable_cores``, without
+    importing torch into the launcher)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def replica_command(args: argparse.Namespace, rest: list[str], index: int) -> list[str]:
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node",
            str(args.nproc_per_node), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
     cmd += ["--kv-events", "tcp://127.0.0.1:0"]  # free ports, bound by the replica
     if _option(rest, "--threads") is None:
         ranks = args.replicas * args.nproc_per_node
-        cmd += ["--threads", str(max(1, (os.cpu_count() or 1) // ranks))]
+        cmd += ["--threads", str(max(1, _usable_cores() // ranks))]
     return cmd + _per_replica(rest, index)
 
 
