@@ -169,7 +169,8 @@ class Watchdog:
         return out
 
     def peer_report(self) -> str:
-        """Which peers failed or look gone, for an error message; empty if none.
+        """Which peers failed or look gone, for an error message; empty if none. A peer
+        that finished (:meth:`finish` without a failure) is neither.
 
         Silent peers come first, the longest silent first: when one rank dies, the launcher
         stops the others a moment later, so the rank silent longest is the likely cause.
@@ -184,6 +185,8 @@ class Watchdog:
             except Exception:
                 return self.fatal or ""
             counter, _, status = value.partition("|")
+            if counter == "done":  # it ended its run and stopped beating on purpose
+                continue
             if counter == "failed":
                 failed.append(f"{self.name(rank)} failed: {status}")
             elif rank in self._seen and now - self._seen[rank][1] > 2 * self.interval_s:

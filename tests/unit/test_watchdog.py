@@ -1,0 +1,37 @@
+"""The heartbeat watchdog's report on its peers, against a real TCPStore."""
+
+import socket
+import time
+
+import pytest
+import torch.distributed as dist
+
+from wavepp.transport.watchdog import Watchdog
+
+
+@pytest.fixture()
+def store(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    yield master
+
+
+def test_a_peer_that_finished_is_not_reported_as_gone(store):
+    """Both ranks of a run interrupted by Ctrl-C: rank 0 ends first and says so; rank 1,
+    looking for a dead peer to blame before it stops, must not name rank 0 (it then
+    failed the run instead of reporting the interrupt: a flaky SIGINT test under load)."""
+    ranks = [Watchdog(r, 3, lambda _: None, interval_s=0.05) for r in range(3)]
+    ranks[0]._write("7|waiting for a wave")
+    ranks[2]._write("4|rounds plane: all_min")
+    ranks[1]._check(time.monotonic())  # rank 1 sees both beat
+    ranks[0].finish()  # ended its run
+    time.sleep(0.2)  # past two intervals: both are quiet now
+    report = ranks[1].peer_report()
+    assert "rank 0" not in report
+    assert "rank 2 stopped beating" in report and "rounds plane: all_min" in report
+    ranks[2].finish("its model failed to load")
+    assert "rank 2 failed: its model failed to load" in ranks[1].peer_report()
