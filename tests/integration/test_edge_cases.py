@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,8 +63,10 @@ def test_a_requests_file_with_nothing_runnable_exits_2_naming_the_file(tmp_path,
     assert ("the file is empty" in said[0]) == (content == "")
     assert all(name in said[0] for name in names), said[0]
     assert "ValueError" not in proc.stderr and "positive pool capacity" not in proc.stderr
-    # The ranks exit 2; torchrun reports that in its own failure summary.
-    assert proc.stderr.count("exitcode  : 2") == 2 and proc.returncode != 0
+    # The ranks exit 2; torchrun reports that in its own failure summary (a rank still
+    # exiting when torchrun saw the first one's 2 may be stopped by torchrun: -15).
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", proc.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"} and proc.returncode != 0, codes
 
 
 def _start(cmd, log):
