@@ -35,9 +35,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wavepp.exec.device import pick_dtype, set_threads, usable_cores
+from wavepp.exec.device import pick_dtype, set_threads
 from wavepp.exec.layer_costs import measure, wave_times
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.host import usable_cores
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.plan.placement import WaveShape
 from wavepp.sim.executor import attention_pairs

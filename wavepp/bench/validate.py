@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import attrs
 
 from wavepp.bench.matrix import Cell, run_cell
+from wavepp.host import usable_cores
 
 TOK_S_GOAL = 0.10
 P50_GOAL = 0.15
@@ -40,7 +40,7 @@ STAGES = (1, 2, 4)
 QUICK = (("tiny-kimi", "cold", 2), ("tiny-kimi", "seeded", 2), ("tiny-kimi", "short-suffix", 1),
          ("tiny-kimi", "conversation", 2), ("tiny-llama", "seeded", 1),
          ("tiny-llama", "short-suffix", 4))  # fmt: skip
-CORES = len(os.sched_getaffinity(0))  # P ranks of one thread each oversubscribe beyond this
+CORES = usable_cores()  # P ranks of one thread each oversubscribe beyond this
 
 
 @attrs.frozen

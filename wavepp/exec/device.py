@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from wavepp.host import usable_cores
+
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,15 +33,6 @@ def pick_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask: a cpuset or ``taskset``
-    may allow fewer than the machine has)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def default_threads() -> int:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import signal
 import subprocess
@@ -30,6 +29,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from wavepp.host import usable_cores
 
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
 CAUSE = re.compile(r"(\[wavepp rank \d+\] (failed: |rank \d+: )|wavepp serve(\.launch)?: ).*")
@@ -157,22 +158,13 @@ def check(args: argparse.Namespace, rest: list[str]) -> None:
         raise SystemExit(2) from None
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (as ``wavepp.exec.device.usable_cores``, without
-    importing torch into the launcher)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def replica_command(args: argparse.Namespace, rest: list[str], index: int) -> list[str]:
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node",
            str(args.nproc_per_node), "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
     cmd += ["--kv-events", "tcp://127.0.0.1:0"]  # free ports, bound by the replica
     if _option(rest, "--threads") is None:
         ranks = args.replicas * args.nproc_per_node
-        cmd += ["--threads", str(max(1, _usable_cores() // ranks))]
+        cmd += ["--threads", str(max(1, usable_cores() // ranks))]
     return cmd + _per_replica(rest, index)
 
 
