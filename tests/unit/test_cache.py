@@ -61,6 +61,25 @@ def test_lru_eviction_order_is_exact_and_leaf_first():
     assert usage(cache).balanced
 
 
+def test_slots_taken_by_eviction_come_in_ascending_order():
+    """Victims are evicted deepest block first, but a request gets their slots in
+    ascending order, so a run of slots stays one run (a handoff sends it in place)."""
+    cache = empty_cache(8)
+    a = prompt(1, 2, 3, 4, 5, 6, 7, 8)
+    cache, _ = run(cache, "a", a)
+    a_slots = block_table(cache, "a")
+    assert sorted(a_slots) == list(range(8))
+    cache = release(cache, "a")  # the pool full of a's cached blocks
+    c = prompt(11, 12, 13, 14, 15, 16)
+    cache, _ = lease(cache, "c", c, 0)
+    cache, ok = escrow(cache, "c", 6)
+    assert ok
+    cache, done = materialize(cache, "c")
+    assert done.evicted == tuple(reversed(a[2:]))  # deepest first
+    assert done.slots == tuple(sorted(a_slots[2:]))
+    audit(cache)
+
+
 def test_eviction_never_crosses_a_lease():
     cache = empty_cache(4)
     a = prompt(1, 2, 3, 4)

@@ -241,8 +241,7 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pool_pieces_are_the_gathered_rows(dtype, monkeypatch):
-    from wavepp.exec import torch_exec
+def test_pool_pieces_are_views_of_the_pool_one_per_run(dtype):
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
 
     pool = torch.randn(12 * 4, 2, 3).to(dtype)  # 12 blocks of 4 rows
@@ -251,17 +250,11 @@ def test_pool_pieces_are_the_gathered_rows(dtype, monkeypatch):
     assert runs == [(20, 28), (8, 12), (36, 46)]
     row = 2 * 3 * pool.element_size()
     expected = _gather(pool, pool_rows(table, 4, n)).reshape(-1).view(torch.uint8).numpy()
-    # runs of 10 rows and more go out as they are, shorter ones through the staging
-    # buffer (9 rows of it: a run of 8 and one of 4 do not fit together)
-    monkeypatch.setattr(torch_exec, "DIRECT_BYTES", 10 * row)
-    monkeypatch.setattr(torch_exec, "STAGING_BYTES", 9 * row)
-    monkeypatch.setattr(torch_exec, "_STAGING", threading.local())
-    pieces = [bytes(p) for p in _pool_pieces(pool, runs)]  # each taken before the next
-    assert [len(p) // row for p in pieces] == [8, 4, 10]
-    assert b"".join(pieces) == expected.tobytes()
-    direct = next(p for p in _pool_pieces(pool, runs) if len(p) == 10 * row)
-    pool[36, 0, 0] = 7.0  # the long run is a view of the pool itself, not a copy
-    assert torch.frombuffer(bytearray(bytes(direct)), dtype=dtype)[0] == 7.0
+    pieces = list(_pool_pieces(pool, runs))
+    assert [p.nbytes // row for p in pieces] == [8, 4, 10]
+    assert b"".join(bytes(p) for p in pieces) == expected.tobytes()
+    pool[36, 0, 0] = 7.0  # each piece is a view of the pool itself, not a copy
+    assert torch.frombuffer(bytearray(bytes(pieces[2])), dtype=dtype)[0] == 7.0
 
 
 def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged():

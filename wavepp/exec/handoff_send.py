@@ -70,9 +70,8 @@ class BandTensor:
     dtype: str  # a wire dtype name
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]  # a contiguous CPU tensor; runs in a worker thread
-    # the same bytes as pieces in order, each to be sent before the next is asked for,
-    # from where they live (a CPU stage's pool: long runs as they are, short ones gathered
-    # into a reused buffer); None: send read()'s bytes
+    # the same bytes as views of where they live, in order (a CPU stage's pool: one
+    # view per run of rows), sent without a copy; None: send read()'s bytes
     pieces: Callable[[], Iterator[memoryview]] | None = None
 
     @property
@@ -340,17 +339,19 @@ def _exchange(
             raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
         # Buffers go out in as few sendmsg calls as the iovec limit allows, blocking, no
         # timeout: this thread wakes (and takes the GIL) once per call, not every socket
-        # buffer's worth. The timeout and a cancel still end it: the event loop shuts
-        # the socket.
+        # buffer's worth — a band of pool runs, from the prefix to its last tensor, in
+        # one call per IOV_MAX runs. The timeout and a cancel still end it: the event
+        # loop shuts the socket.
         sock.settimeout(None)
         try:
             views = [memoryview(prefix)]
             for tensor in tensors:
-                if tensor.pieces is not None:  # the pool's blocks, short runs gathered
-                    _sendmsg_all(sock, views)
-                    views = []
+                if tensor.pieces is not None:  # views of the pool's runs, no copy
                     for piece in tensor.pieces():
-                        sock.sendall(piece)
+                        views.append(piece)
+                        if len(views) == IOV_MAX:
+                            _sendmsg_all(sock, views)
+                            views = []
                     continue
                 # a copy in host memory: out before the next tensor is read, so one
                 # tensor's bytes at a time (one flat run: an n-D view would slice by rows)

@@ -170,7 +170,9 @@ def materialize(
     evicted: list[BlockHash] = []
     if len(slots) < count:
         more, evicted = txn.evict(count - len(slots))
-        slots.extend(more)
+        # Victims come deepest block first; in ascending order a request reusing a
+        # victim's run of slots holds it as one run again (a handoff reads it in place).
+        slots.extend(sorted(more))
     txn.num_allocated += count
     txn.num_escrowed -= count
     txn.claims[request_id] = attrs.evolve(
