@@ -365,21 +365,28 @@ class Receiver:
 
     async def _read_payload(self, conn: _io.Connection, header: BandHeader):
         """The band's tensors: views into one buffer (each at a multiple of ``ALIGN``
-        bytes), filled straight from the socket."""
+        bytes), filled straight from the socket — one read per run of tensors that lie
+        back to back in it (most bands: one read; a read costs the event loop more than
+        a small tensor's copy)."""
         offsets, size = [], 0
+        runs: list[list[int]] = []  # [start, end) of the buffer, read in order
         for spec in header.tensors:
             offsets.append(size)
+            if spec.nbytes:
+                if runs and runs[-1][1] == size:
+                    runs[-1][1] += spec.nbytes
+                else:
+                    runs.append([size, size + spec.nbytes])
             size += -(-spec.nbytes // ALIGN) * ALIGN
         buffer = self._buffers.take(size)  # checked: within the budget
         tensors: dict[tuple[int, str], torch.Tensor] = {}
-        views = []
         for spec, at in zip(header.tensors, offsets, strict=True):
             raw = buffer[at : at + spec.nbytes]
-            if spec.nbytes:
-                views.append(memoryview(raw.numpy()))
             tensors[(spec.layer, spec.name)] = raw.view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
-        for view in views:
-            await conn.read_into(view)
+        whole = memoryview(buffer.numpy())
+        for start, end in runs:
+            await conn.read_into(whole[start:end])
+        del whole
         tokens = tensors.get((-1, "tokens"))
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
