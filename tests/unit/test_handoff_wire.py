@@ -289,6 +289,12 @@ def test_expected_tensors_match_wavepp_layers():
     assert expected_tensors(QWEN, "float32", 2, 3)["k"] == ("float32", (3, 2, 16))
     with pytest.raises(ValueError, match="layer 3 is outside"):
         expected_tensors(QWEN, "float32", 3, 3)
+    # a fingerprint passed in (a receiver's own) gives the same answer for every layer
+    for config, dtype in ((LLAMA, "float16"), (KIMI, "bfloat16"), (QWEN, "float32")):
+        fp = fingerprint_from_hf_config(config, dtype)
+        for layer in range(-1, fp.num_layers):
+            assert expected_tensors(config, dtype, layer, 5, fp) == expected_tensors(
+                config, dtype, layer, 5)
 
 
 def test_transformers_configs_fingerprint():

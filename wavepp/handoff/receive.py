@@ -287,7 +287,8 @@ class Receiver:
         t = header.num_tokens
         expected: dict[tuple[int, str], tuple[str, tuple[int, ...]]] = {}
         for layer in [-1] * (header.stage == 0) + header.layers:
-            for name, spec in expected_tensors(self.config, self.dtype, layer, t).items():
+            for name, spec in expected_tensors(self.config, self.dtype, layer, t,
+                                                mine).items():  # fmt: skip
                 expected[(layer, name)] = spec
         for spec in header.tensors:
             key = (spec.layer, spec.name)

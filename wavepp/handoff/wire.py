@@ -388,11 +388,14 @@ def fingerprint_from_hf_config(config: dict, dtype: str) -> Fingerprint:
 
 
 def expected_tensors(
-    config: dict, dtype: str, layer: int, num_tokens: int
+    config: dict, dtype: str, layer: int, num_tokens: int, fp: Fingerprint | None = None
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What a band carries for ``layer`` (-1: the per-request ``tokens``) of a prompt of
-    ``num_tokens`` tokens: name -> (dtype, shape), in WavePP's native layout."""
-    fp = fingerprint_from_hf_config(config, dtype)
+    ``num_tokens`` tokens: name -> (dtype, shape), in WavePP's native layout. ``fp``:
+    ``fingerprint_from_hf_config(config, dtype)`` when the caller holds it already (a
+    receiver checks every layer of every band)."""
+    if fp is None:
+        fp = fingerprint_from_hf_config(config, dtype)
     t = num_tokens
     if layer == -1:
         return {"tokens": ("int32", (t,))}
