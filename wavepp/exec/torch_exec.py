@@ -40,8 +40,8 @@ import asyncio
 import ctypes
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from functools import partial
+from collections.abc import Callable, Iterator, Sequence
+from functools import cache, partial
 
 import anyio
 import numpy as np
@@ -221,7 +221,10 @@ class TorchExecutor:
         prefix blocks included), every recurrent layer's state after the last token, and
         on stage 0 the token ids. Read lazily, one tensor at a time."""
         n = job.num_tokens
-        rows = pool_rows(job.block_table, self.block_size, n).to(self.device)
+        # the rows as an index, for the tensors read through a copy (a GPU stage's, a
+        # vLLM folder's): built once, when first asked for
+        rows = cache(lambda: pool_rows(job.block_table, self.block_size,
+                                                 n).to(self.device))  # fmt: skip
         out = []
         if job.tokens is not None:
             ids = np.asarray(job.tokens, dtype=np.int32)
@@ -401,9 +404,9 @@ class TorchExecutor:
         return out
 
 
-def _gather(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _gather(pool: torch.Tensor, rows: Callable[[], torch.Tensor]) -> torch.Tensor:
     # pool: [rows, *entry] -> [tokens, *entry] on the CPU, contiguous
-    return pool.index_select(0, rows).cpu().contiguous()
+    return pool.index_select(0, rows()).cpu().contiguous()
 
 
 def _as_cpu_float(state: torch.Tensor) -> torch.Tensor:
