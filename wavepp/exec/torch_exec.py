@@ -221,10 +221,13 @@ class TorchExecutor:
         prefix blocks included), every recurrent layer's state after the last token, and
         on stage 0 the token ids. Read lazily, one tensor at a time."""
         n = job.num_tokens
-        # the rows as an index, for the tensors read through a copy (a GPU stage's, a
-        # vLLM folder's): built once, when first asked for
-        rows = cache(lambda: pool_rows(job.block_table, self.block_size,
-                                                 n).to(self.device))  # fmt: skip
+
+        # the rows as an index, built the first time a tensor is read through a copy (a
+        # GPU stage's, a vLLM folder's); the CPU path sends the pool's runs instead
+        @cache
+        def rows() -> torch.Tensor:
+            return pool_rows(job.block_table, self.block_size, n).to(self.device)
+
         out = []
         if job.tokens is not None:
             ids = np.asarray(job.tokens, dtype=np.int32)
@@ -429,9 +432,8 @@ def _row_runs(block_table, block_size: int, num_tokens: int) -> list[tuple[int, 
 def _pool_pieces(pool: torch.Tensor, runs: list[tuple[int, int]]) -> Iterator[memoryview]:
     """The bytes of ``runs`` of a CPU pool's rows ([rows, *entry], contiguous), in order:
     one view of the pool per run, no copy. The sender hands them to ``sendmsg`` as they
-    are, up to ``IOV_MAX`` a call, and the kernel's copy into the socket is the only one.
-    (Short runs used to be gathered into a buffer first: a second copy, under the GIL, on
-    the sender's thread — 15-40 ms of a 32K-token band's 60-90 ms on the wire at P = 1.)"""
+    are, up to ``IOV_MAX`` a call, and the kernel's copy into the socket is the only one
+    (a gather into a buffer first would be a second, under the GIL, serial with the send)."""
     whole = pool.reshape(-1).view(torch.uint8).numpy().data
     row = whole.nbytes // pool.shape[0]
     for a, b in runs:
