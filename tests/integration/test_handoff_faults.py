@@ -206,7 +206,7 @@ def test_receivers_that_fail_cost_only_their_own_handoffs(tmp_path):
         victim = by_id[f"victim-{where}"]
         assert victim["status"] == "done" and victim["handoff"]["status"] == "failed"
         assert victim["handoff"]["reason"] in ("disconnected", "timeout", "connect"), victim
-    assert by_id["stall"]["status"] == "cancelled"
+    assert by_id["stall"]["status"] == "cancelled", by_id["stall"]
     assert any(fate == "stall" for fate in chaos.fate.values())  # cancelled on the wire
     stuck = by_id["stuck"]["handoff"]
     assert chaos.fate.get(("stuck", 0)) == "stuck" or chaos.fate.get(("stuck", 1)) == "stuck"

@@ -81,6 +81,50 @@ def test_a_first_token_before_the_cancel_reached_a_stage_wins():
     run(main)
 
 
+def test_a_handoff_cancelled_midway_ends_cancelled_even_if_every_outcome_came_first():
+    """Stages send their bands' outcomes straight to rank 0 (``HandoffRelay``), so they
+    may overtake the wave that confirms a cancel: the request still ends as cancelled,
+    when the stages confirm it."""
+    from wavepp.rounds.messages import HandoffOutcome
+
+    class Targets:
+        def __init__(self) -> None:
+            self.oks: list[bool] = []
+
+        def __call__(self, spec: RequestSpec) -> str:
+            return "unix:/nowhere"
+
+        def settled(self, spec: RequestSpec, target: str, ok: bool) -> None:
+            self.oks.append(ok)
+
+    def main() -> None:
+        targets = Targets()
+        table = RequestTable(lambda line: None, num_stages=2, handoff_target=targets)
+        intake = Intake(table, 4, 10, 100, handoff_target=targets)
+        records = {}
+        for rid in ("a", "b"):
+            records[rid] = intake.submit(RequestSpec(rid, np.arange(8, dtype=np.int32), False,
+                                                     0, handoff=True))  # fmt: skip
+            table.waiting.remove(rid)
+            table.admitted(rid, 0.0)
+            table.started(rid, 0.0)
+            table.finish(rid, 0, 3, 0.5)
+            assert records[rid].status is Status.HANDING_OFF
+        table.ask_cancel("a", "client went away")
+        for rid, ok in (("a", False), ("b", True)):
+            for stage in (0, 1):
+                table.handoff_settled(HandoffOutcome(rid, stage, ok, "" if ok else "cancelled",
+                                                     "", 0, 0.01))  # fmt: skip
+        assert records["b"].status is Status.DONE  # no cancel: its last outcome ends it
+        assert records["a"].status is Status.HANDING_OFF  # the stages' confirmation ends it
+        table.settle_cancel("a")
+        assert records["a"].status is Status.CANCELLED
+        assert records["a"].error == "client went away"
+        assert targets.oks == [True, False]
+
+    run(main)
+
+
 @pytest.mark.parametrize("tokens, reason, words", [
     (np.arange(0, dtype=np.int32), "invalid", "empty prompt"),
     (np.array([1, 100]), "invalid", "outside the vocabulary"),

@@ -90,6 +90,7 @@ class _Stage:
         self.seconds = seconds
         self.started: list[float] = []
         self.last_wave_s = seconds
+        self.handoffs = None  # hands nothing on
 
     async def execute(self, wave, tensor):
         self.started.append(time.monotonic())

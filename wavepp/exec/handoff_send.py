@@ -9,7 +9,7 @@ for the receiver's acknowledgement and then releases the blocks through the stag
 callback — however the band ends: acknowledged, refused, timed out, disconnected or
 cancelled — and only once the worker thread no longer reads them. Its
 :class:`~wavepp.rounds.messages.HandoffOutcome` (the whole time since the last chunk, and
-of it the time on the wire) goes to rank 0 with the stage's next wave.
+of it the time on the wire) goes to rank 0 at once (``on_settled``).
 
 Memory: at most ``budget_bytes`` of bands are on their way at once per stage; a band
 that does not fit waits its turn (its blocks stay in the pool) and one larger than the
@@ -126,6 +126,9 @@ class HandoffSender:
         self._budget_freed = anyio.Event()
         self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
         self.num_pending = 0  # jobs submitted and not settled
+        # called (on the event loop) after each band settles: the runtime sends the
+        # outcome on to rank 0 at once (wavepp.rounds.messages.HandoffRelay)
+        self.on_settled: Callable[[], None] | None = None
 
     def submit(self, job: BandJob) -> None:
         self.num_pending += 1
@@ -193,6 +196,8 @@ class HandoffSender:
         self.outcomes.append(HandoffOutcome(job.request_id, self.settings.stage, not reason,
                                             reason, detail[:1024], sent, seconds,
                                             job.ended_wall, min(wire_s, seconds)))  # fmt: skip
+        if self.on_settled is not None:
+            self.on_settled()
 
     async def _acquire(self, num_bytes: int) -> None:
         while self._in_use and self._in_use + num_bytes > self.settings.budget_bytes:

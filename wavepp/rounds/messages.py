@@ -148,6 +148,15 @@ class WaveMsg(_Msg, frozen=True):
     #  with --kv-events: cache changes of stages 1.. since their last wave, on to rank 0
 
 
+class HandoffRelay(_Msg, frozen=True):
+    """Stages 1.. -> rank 0 between waves, along the same links: bands that settled, sent
+    the moment they do and passed on at once by every stage after (each adding its own),
+    so that a request ends when its last band is acknowledged, not when a wave next
+    passes that stage and the rest of the pipeline."""
+
+    handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)]
+
+
 class Finished(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     request_id: Id
     cached_tokens: Count  # tokens reused from the cache (reuse point × block size)
@@ -207,7 +216,7 @@ class StageReport(_Msg, frozen=True):
     snapshot_bytes: Count = 0  # its snapshot pool, bytes
 
 
-DataMessage = WaveMsg | WaveDone
+DataMessage = WaveMsg | WaveDone | HandoffRelay
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import anyio
@@ -14,6 +15,7 @@ from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
     AdmitRound,
     Finished,
+    HandoffRelay,
     RoundMessage,
     Stop,
     WaveDone,
@@ -45,15 +47,30 @@ async def follow_rounds(plane: RoundsPlane, stage: Stage, mode: RoundMode) -> No
 async def follow_waves(
     stage: Stage, inbound: Link, outbound: Link | None, done: Link | None
 ) -> None:
-    """LOOP on ranks > 0: receive, execute, send on — three tasks joined by streams."""
+    """LOOP on ranks > 0: receive, execute, send on — three tasks joined by streams.
+    Handoff outcomes skip the worker: a relay from upstream, or a band of this stage's
+    that settled, goes on to the next link at once (``HandoffRelay``)."""
     to_worker_send, to_worker = anyio.create_memory_object_stream(math.inf)
     to_sender_send, to_sender = anyio.create_memory_object_stream(math.inf)
+    onward = outbound if outbound is not None else done
+
+    def relay(carried: list = ()) -> None:
+        handoffs = [*carried, *stage.take_handoff_outcomes()]
+        if handoffs:
+            with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                to_sender_send.send_nowait((encode(HandoffRelay(handoffs)), None, onward))
+
+    if stage.handoffs is not None:
+        stage.handoffs.on_settled = relay
 
     async def receiver() -> None:
         async with to_worker_send:
             while True:
                 raw, tensor = await inbound.recv(MAX_MESSAGE_BYTES)
-                wave = decode_untrusted(raw, WaveMsg)
+                wave = decode_untrusted(raw, WaveMsg | HandoffRelay)
+                if isinstance(wave, HandoffRelay):
+                    relay(wave.handoffs)
+                    continue
                 await to_worker_send.send((wave, tensor))
                 if wave.stop:
                     return

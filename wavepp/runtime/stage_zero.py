@@ -20,6 +20,7 @@ from wavepp.rounds.messages import (
     ChunkMsg,
     Finished,
     HandoffOutcome,
+    HandoffRelay,
     WaveDone,
     WaveMsg,
     decode_untrusted,
@@ -32,8 +33,6 @@ from wavepp.runtime.planning import WavePlanner
 from wavepp.runtime.table import RequestTable
 from wavepp.state import RequestId
 from wavepp.transport.base import Link
-
-CARRIER_S = 0.005  # while bands are awaited and no wave flows: an empty wave this often
 
 
 class StageZero:
@@ -56,7 +55,8 @@ class StageZero:
         self.measuring: dict[int, Wave] = {}  # measured waves in flight, for the cost fit
         self.sent: dict[int, tuple[Wave, float]] = {}  # waves in flight, sent when: their
         #                      chunks' blocks publish everywhere once they leave the last stage
-        self._last_carrier = 0.0  # when the last empty wave left (_carrier_due)
+        if stage.handoffs is not None:  # stage 0's bands settle straight into the table
+            stage.handoffs.on_settled = lambda: self.complete(())
 
     def drop_everywhere(self, rid: RequestId) -> None:
         """An admitted request was cancelled: the next wave drops it on every stage (after
@@ -85,22 +85,14 @@ class StageZero:
         if self.events is not None:
             self.events.report([*cache, self.stage.take_cache_report()])
 
-    def _carrier_due(self) -> bool:
-        """Bands of stages 1.. settle while no wave may be flowing; their outcomes ride
-        to rank 0 on waves, so an empty wave goes every CARRIER_S while some are awaited."""
-        if self.outbound is None or self.in_flight or not self.table.awaiting_handoff:
-            return False
-        return time.monotonic() - self._last_carrier >= CARRIER_S
-
     def _next_wave(self) -> Wave | None:
         wave = None
         if self.in_flight < self.ring:
             budget = self.planner.ctx.budget * max(self.ring // 2, 1)  # enough to feed P
             wave = self.planner.next(self.in_flight, self.admitter.upcoming(budget),
                                      self.admitter.round_latency_s(), self._running())  # fmt: skip
-        if wave is None and (self.pending_cancels or self._carrier_due()):
-            wave = Wave(self.planner.take_wave_id(), 0, ())  # carries cancels / outcomes
-            self._last_carrier = time.monotonic()
+        if wave is None and self.pending_cancels:
+            wave = Wave(self.planner.take_wave_id(), 0, ())  # carries the cancels
         return wave
 
     def _message(self, wave: Wave) -> tuple[WaveMsg, dict[RequestId, np.ndarray]]:
@@ -136,13 +128,9 @@ class StageZero:
                     await self.admitter.admit_on_path()
                     wave = self._next_wave()
                     if wave is None:
-                        own = self.stage.take_handoff_outcomes()
-                        if own:  # stage 0's bands that settled while nothing else ran
-                            self.complete((), (), own)
                         if finished_all():
                             break
-                        awaiting = self.table.awaiting_handoff or self.stage.handing_off
-                        await self.table.changed.wait(CARRIER_S if awaiting else None)
+                        await self.table.changed.wait(None)  # outcomes notify it too
                         continue
                     message, prompts = self._message(wave)
                     self.in_flight += 1
@@ -168,7 +156,10 @@ class StageZero:
         """Waves leaving the last stage, until the stop wave comes back."""
         while True:
             raw, _ = await self.done_link.recv(MAX_MESSAGE_BYTES)
-            message = decode_untrusted(raw, WaveDone)
+            message = decode_untrusted(raw, WaveDone | HandoffRelay)
+            if isinstance(message, HandoffRelay):
+                self.complete((), (), message.handoffs)
+                continue
             if message.stop:
                 return
             self.in_flight -= 1

@@ -178,7 +178,9 @@ class RequestTable:
         if record is None or not record.offer.handoff:
             return  # cancelled (its cancel settled it) or a peer's stray outcome
         record.handoff_outcomes[outcome.stage] = outcome
-        if (record.status is Status.HANDING_OFF
+        # A cancel asked meanwhile ends it as cancelled once the stages confirm the cancel
+        # (settle_cancel): outcomes come straight from the stages and may arrive first.
+        if (record.status is Status.HANDING_OFF and record.cancel_reason is None
                 and len(record.handoff_outcomes) >= self.num_stages):  # fmt: skip
             self._end(record, Status.DONE, None, held_room=True)
 
