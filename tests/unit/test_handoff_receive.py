@@ -74,6 +74,32 @@ def run_with(receiver: Receiver, client, address: Address | None = None):
     return result["value"]
 
 
+def test_a_bfloat16_band_arrives_with_its_bytes_and_dtypes():
+    """Latents in bfloat16 (no numpy dtype: viewed through torch), states in float32,
+    token ids in int32, in one band."""
+    receiver = Receiver(KIMI, "bfloat16")
+    fp = fingerprint_from_hf_config(KIMI, "bfloat16")
+    gen = torch.Generator().manual_seed(3)
+    sent = {(-1, "tokens"): torch.randint(0, 300, (T,), generator=gen, dtype=torch.int32)}
+    for layer in range(4):
+        for name, (dtype, shape) in expected_tensors(KIMI, "bfloat16", layer, T).items():
+            sent[(layer, name)] = torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+    header, payload = build_band("bf", 0, 1, fp, sent, T, 5, 1.0)
+
+    async def client(address):
+        ack = await send_band(address, header, payload)
+        return ack, await receiver.wait("bf", 10)
+
+    ack, handoff = run_with(receiver, client)
+    assert ack.ok, ack
+    assert torch.equal(handoff.tokens, sent[(-1, "tokens")].long())
+    for (layer, name), tensor in sent.items():
+        if layer >= 0:
+            got = handoff.layers[layer][name]
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), (layer, name)
+    assert handoff.layers[1]["latent"].dtype == torch.bfloat16
+
+
 def test_two_bands_make_one_handoff_and_tcp_works():
     receiver = Receiver(KIMI, "float32")
     (h0, p0), (h1, p1) = bands()
