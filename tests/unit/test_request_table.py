@@ -111,6 +111,10 @@ def test_a_handoff_cancelled_midway_ends_cancelled_even_if_every_outcome_came_fi
             table.finish(rid, 0, 3, 0.5)
             assert records[rid].status is Status.HANDING_OFF
         table.ask_cancel("a", "client went away")
+        # a peer's outcome for a stage the run does not have counts for nothing
+        table.handoff_settled(HandoffOutcome("b", 5, True, "", "", 0, 0.01))
+        table.handoff_settled(HandoffOutcome("b", 0, True, "", "", 0, 0.01))
+        assert records["b"].status is Status.HANDING_OFF
         for rid, ok in (("a", False), ("b", True)):
             for stage in (0, 1):
                 table.handoff_settled(HandoffOutcome(rid, stage, ok, "" if ok else "cancelled",

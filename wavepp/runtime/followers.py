@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 
 import anyio
 import msgspec
@@ -15,6 +16,7 @@ from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
     AdmitRound,
     Finished,
+    HandoffOutcome,
     HandoffRelay,
     RoundMessage,
     Stop,
@@ -54,7 +56,7 @@ async def follow_waves(
     to_sender_send, to_sender = anyio.create_memory_object_stream(math.inf)
     onward = outbound if outbound is not None else done
 
-    def relay(carried: list = ()) -> None:
+    def relay(carried: Sequence[HandoffOutcome] = ()) -> None:
         handoffs = [*carried, *stage.take_handoff_outcomes()]
         if handoffs:
             with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):

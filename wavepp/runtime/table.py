@@ -175,7 +175,7 @@ class RequestTable:
         """One stage's band of a request ended (a HandoffOutcome)."""
         rid = RequestId(outcome.request_id)
         record = self._live.get(rid)
-        if record is None or not record.offer.handoff:
+        if record is None or not record.offer.handoff or outcome.stage >= self.num_stages:
             return  # cancelled (its cancel settled it) or a peer's stray outcome
         record.handoff_outcomes[outcome.stage] = outcome
         # A cancel asked meanwhile ends it as cancelled once the stages confirm the cancel
