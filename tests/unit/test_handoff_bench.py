@@ -1,5 +1,6 @@
 """``wavepp.bench.handoff``'s arithmetic: bandwidth from the wire time, one plain-copy
-denominator per length, medians with their min-max, latency from the record's stamps."""
+denominator per length (the busy-core rows' too), medians with their min-max, latency
+from the record's stamps."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
     ]  # fmt: skip
     copies = [1.0, 0.5, 2.0]  # 100 bytes: 100, 200 and 50 B/s, median 100
     plain_bands = [[(100, 1.0), (200, 2.0)]] * 3
-    row = _row(4096, 2, handoffs, copies, 100, plain_bands)
+    busy_copies = [2.0, 4.0, 1.0]  # beside a busy core: 50, 25 and 100 B/s
+    busy_bands = [[(100, 4.0), (200, 1.0)], [(100, 2.0), (200, 2.0)], [(100, 1.0), (200, 4.0)]]
+    row = _row(4096, 2, handoffs, copies, 100, plain_bands, busy_copies, busy_bands)
     assert row["plain_copy"]["gb_s"]["median"] == pytest.approx(100e-9)
     s0, s1 = row["stages"]
     assert s0["gb_s"] == pytest.approx({"median": 50e-9, "min": 25e-9, "max": 100e-9})
@@ -24,5 +27,11 @@ def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
     assert s1["ratio"] == pytest.approx({"median": 1.0, "min": 0.5, "max": 2.0})
     assert s0["setup_s"]["median"] == pytest.approx(0.5)
     assert s1["plain_sender_library_receiver"]["ratio"]["median"] == pytest.approx(1.0)
+    # the busy-core rows divide by the idle copy's median too, not by their own
+    halves = {"median": 0.5, "min": 0.25, "max": 1.0}
+    assert row["plain_copy_busy_core"]["ratio"] == pytest.approx(halves)
+    assert s0["plain_sender_library_receiver_busy_core"]["ratio"] == pytest.approx(halves)
+    busy1 = s1["plain_sender_library_receiver_busy_core"]
+    assert busy1["gb_s"]["median"] == pytest.approx(100e-9)
     # the cache is whole when the later of the two acknowledgements comes
     assert row["latency_s"] == pytest.approx({"median": 4.1, "min": 1.3, "max": 4.3})

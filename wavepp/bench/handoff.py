@@ -21,9 +21,12 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   layers from this process (blocking ``sendall`` per tensor, the same send buffer) into
   the same ``Receiver``:
   its gap to the plain copy is the receiver's cost, its gap to the handoff the stage
-  sender's. The three are interleaved, one of each per sample, in turn; every figure is
-  the median over ``--samples`` with its min–max, and one plain-copy median per length
-  is the denominator of both ratios;
+  sender's. Both plain rows are also timed **beside a busy core**: a helper process
+  computing on one thread (torch matmuls), resumed 50 ms before the sample and stopped
+  after it — the machine as stage 0's sender finds it at P = 2, its band leaving while
+  stage 1 computes the prompt's last chunk. The five are interleaved, one of each per
+  sample, in turn; every figure is the median over ``--samples`` with its min–max, and
+  the idle plain copy's median per length is the denominator of every ratio;
 - **latency**: from the request's last chunk (on the last stage) to the receiver
   holding every band (the last stage's ``ended_at`` to the latest ``ended_at +
   seconds``);
@@ -91,6 +94,15 @@ while True:
         del view
 """
 
+BUSY = """
+import sys, torch
+torch.set_num_threads(1)
+a = torch.randn(512, 512)
+print("ready", flush=True)
+while True:
+    a = torch.tanh(a @ a)
+"""
+
 BLOCK = 16  # the server's block size (tokens)
 LISTENING = re.compile(r"listening on (http://\S+) \(pid")
 
@@ -111,6 +123,17 @@ def _child(script: str, *args: str):
     finally:
         proc.kill()
         proc.wait(30)
+
+
+@contextmanager
+def _busy(proc: subprocess.Popen):
+    """The BUSY helper computing for the duration (stopped again after)."""
+    proc.send_signal(signal.SIGCONT)
+    try:
+        time.sleep(0.05)  # running, as a stage's compute thread is, when the sample starts
+        yield
+    finally:
+        proc.send_signal(signal.SIGSTOP)
 
 
 @contextmanager
@@ -234,8 +257,9 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
     rx_path, copy_path = tmp / "rx.sock", tmp / "copy.sock"
     rx = f"unix:{rx_path}"
     with (_child(RECEIVER, rx, json.dumps(config)), _child(COPY_RECEIVER, str(copy_path)),
-          _server(args, tmp) as url,
+          _child(BUSY) as busy, _server(args, tmp) as url,
           httpx.Client(base_url=url, timeout=600) as client):  # fmt: skip
+        busy.send_signal(signal.SIGSTOP)
         for length in args.lengths:
             library = LibraryBands(config, args.stages, length)
 
@@ -247,27 +271,43 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
             plain_copy_s(copy_path, data)
             for stage in range(args.stages):
                 library.send_s(rx_path, f"warm-{length}-{stage}", stage)
-            handoffs, copies, plain_bands = [], [], []
-            kinds = ["handoff", "copy", "plain bands"]
+            handoffs = []
+            copies: dict[bool, list[float]] = {False: [], True: []}  # by: beside a busy core
+            plain_bands: dict[bool, list[list[tuple[int, float]]]] = {False: [], True: []}
+            kinds = [("handoff", False), ("copy", False), ("plain bands", False),
+                     ("copy", True), ("plain bands", True)]  # fmt: skip
             for k in range(args.samples):
-                # one of each per sample, in turn, each first in a third of the samples
-                for kind in kinds[k % 3 :] + kinds[: k % 3]:
-                    if kind == "handoff":
-                        handoffs.append(_handoff_sample(client, rx, draw()))
-                    elif kind == "copy":
-                        copies.append(plain_copy_s(copy_path, data))
-                    else:
-                        plain_bands.append([library.send_s(rx_path, f"p{length}-{k}", stage)
-                                            for stage in range(args.stages)])  # fmt: skip
-            rows.append(_row(length, args.stages, handoffs, copies, len(data), plain_bands))
+                # one of each per sample, in turn, each first in a fifth of the samples
+                for kind, loaded in kinds[k % 5 :] + kinds[: k % 5]:
+                    with _busy(busy) if loaded else contextlib.nullcontext():
+                        if kind == "handoff":
+                            handoffs.append(_handoff_sample(client, rx, draw()))
+                        elif kind == "copy":
+                            copies[loaded].append(plain_copy_s(copy_path, data))
+                        else:
+                            plain_bands[loaded].append(
+                                [library.send_s(rx_path, f"p{length}-{k}-{loaded:d}", stage)
+                                 for stage in range(args.stages)])  # fmt: skip
+            rows.append(_row(length, args.stages, handoffs, copies[False], len(data),
+                             plain_bands[False], copies[True], plain_bands[True]))  # fmt: skip
             _print_row(rows[-1])
     return rows
 
 
 def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
-         copy_bytes: int, plain_bands: list[list[tuple[int, float]]]) -> dict:  # fmt: skip
+         copy_bytes: int, plain_bands: list[list[tuple[int, float]]],
+         busy_copies: list[float], busy_plain_bands: list[list[tuple[int, float]]],
+         ) -> dict:  # fmt: skip
+    """One length's figures; ``busy_*``: the plain rows timed beside a busy core. Every
+    ratio divides by the idle plain copy's median."""
     plain = statistics.median(copies)
     plain_gb_s = copy_bytes / plain / 1e9
+
+    def against_copy(samples: list[tuple[int, float]]) -> dict:
+        gb_s = [n / s / 1e9 for n, s in samples]
+        return {"bytes": samples[0][0], "gb_s": _spread(gb_s),
+                "ratio": {k: v / plain_gb_s for k, v in _spread(gb_s).items()}}  # fmt: skip
+
     latencies = []
     for h in handoffs:
         last = h["stages"][-1]["ended_at"]
@@ -276,14 +316,13 @@ def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
         "tokens": length, "samples": len(handoffs), "latency_s": _spread(latencies),
         "plain_copy": {"bytes": copy_bytes, "seconds": _spread(copies),
                        "gb_s": _spread([copy_bytes / s / 1e9 for s in copies])},
+        "plain_copy_busy_core": against_copy([(copy_bytes, s) for s in busy_copies]),
         "stages": [],
     }  # fmt: skip
     for stage in range(stages):
         bands = [h["stages"][stage] for h in handoffs]
         num_bytes = bands[0]["bytes"]
         gb_s = [b["bytes"] / b["wire_s"] / 1e9 for b in bands]
-        lib = [plain[stage] for plain in plain_bands]
-        lib_gb_s = [n / s / 1e9 for n, s in lib]
         row["stages"].append({
             "stage": stage, "bytes": num_bytes,
             "wire_s": _spread([b["wire_s"] for b in bands]),
@@ -291,10 +330,9 @@ def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
             "seconds": _spread([b["seconds"] for b in bands]),
             "gb_s": _spread(gb_s),
             "ratio": {k: v / plain_gb_s for k, v in _spread(gb_s).items()},
-            "plain_sender_library_receiver": {
-                "bytes": lib[0][0], "gb_s": _spread(lib_gb_s),
-                "ratio": {k: v / plain_gb_s for k, v in _spread(lib_gb_s).items()},
-            },
+            "plain_sender_library_receiver": against_copy([p[stage] for p in plain_bands]),
+            "plain_sender_library_receiver_busy_core": against_copy(
+                [p[stage] for p in busy_plain_bands]),
         })  # fmt: skip
     return row
 
@@ -304,14 +342,20 @@ def _print_row(row: dict) -> None:
     print(f"{row['tokens']:>7,} tokens, {row['samples']} samples: cache held "
           f"{lat['median'] * 1e3:.1f} ms ({lat['min'] * 1e3:.1f}-{lat['max'] * 1e3:.1f}) after "
           f"the last chunk; plain copy {plain['median']:.2f} GB/s "
-          f"({plain['min']:.2f}-{plain['max']:.2f})", flush=True)  # fmt: skip
+          f"({plain['min']:.2f}-{plain['max']:.2f}); beside a busy core "
+          f"{_spell(row['plain_copy_busy_core']['ratio'])} of it", flush=True)  # fmt: skip
     for s in row["stages"]:
-        r, lib = s["ratio"], s["plain_sender_library_receiver"]["ratio"]
+        lib = s["plain_sender_library_receiver"]["ratio"]
+        busy = s["plain_sender_library_receiver_busy_core"]["ratio"]
         print(f"  stage {s['stage']}: {s['bytes'] / 2**20:.1f} MiB at {s['gb_s']['median']:.2f} "
-              f"GB/s on the wire = {r['median']:.2f}x the plain copy ({r['min']:.2f}-"
-              f"{r['max']:.2f}); setup {s['setup_s']['median'] * 1e3:.1f} ms; plain sender "
-              f"into the library receiver {lib['median']:.2f}x ({lib['min']:.2f}-"
-              f"{lib['max']:.2f})", flush=True)  # fmt: skip
+              f"GB/s on the wire = {_spell(s['ratio'])} the plain copy; setup "
+              f"{s['setup_s']['median'] * 1e3:.1f} ms; plain sender into the library "
+              f"receiver {_spell(lib)}, beside a busy core {_spell(busy)}",
+              flush=True)  # fmt: skip
+
+
+def _spell(ratio: dict) -> str:
+    return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
 def throughput(args, tmp: Path) -> dict:
