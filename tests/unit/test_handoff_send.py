@@ -9,6 +9,8 @@ import tempfile
 import threading
 
 import anyio
+import anyio.to_thread
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -426,3 +428,59 @@ def test_a_band_reads_the_cached_slot_of_a_block_another_request_published_first
     band = stage.handoffs._jobs.receive_nowait()
     assert band.block_table == cached  # not before[1], which is free again
     assert usage(stage.book.cache).num_free == 8 - 2
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothing(
+    sock_path, how
+):
+    """Every band thread busy (bands whose reads hang, as on a stuck GPU copy): the next
+    band waits for one. Timed out or cancelled there, it settles and is released at once
+    without its thread ever reading it; the planes' threads (anyio's default limiter) are
+    untouched throughout."""
+    from wavepp.exec.handoff_send import BAND_THREADS
+
+    receiver = Receiver(sock_path)
+    receiver.start()
+    stuck, reads = GatedBand(), []
+
+    def bands(job: BandJob) -> list[BandTensor]:
+        if job.request_id.startswith("stuck"):
+            return stuck(job)
+        k = torch.zeros(job.num_tokens, 1, 4)
+        return [BandTensor(0, "k", "float32", (job.num_tokens, 1, 4),
+                           lambda: reads.append(1) or k)]  # fmt: skip
+
+    released: list[str] = []
+    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 20), bands, released.append)
+
+    async def main():
+        default = anyio.to_thread.current_default_thread_limiter()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            for i in range(BAND_THREADS):
+                sender.submit(job(f"stuck-{i}", f"unix:{sock_path}"))
+            await _until(lambda: sender._threads.borrowed_tokens == BAND_THREADS)
+            assert default.borrowed_tokens == 0
+            late = job("late", f"unix:{sock_path}")
+            if how == "timeout":  # its last chunk ended 29.8 s ago: 0.2 s left
+                late = attrs.evolve(late, ended_at=late.ended_at - 29.8)
+            sender.submit(late)
+            if how == "cancel":
+                await anyio.sleep(0.1)
+                sender.cancel("late")
+            await _until(lambda: "late" in released)
+            assert sender.num_pending == BAND_THREADS  # the stuck ones are still on
+            stuck.gate.set()
+            await _until(lambda: not sender.num_pending)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        stuck.gate.set()
+        receiver.close()
+    outcomes = {o.request_id: o for o in sender.take_outcomes()}
+    assert outcomes["late"].reason == ("timeout" if how == "timeout" else "cancelled")
+    assert reads == [] and released.count("late") == 1
+    assert all(outcomes[f"stuck-{i}"].ok for i in range(BAND_THREADS))

@@ -17,7 +17,10 @@ whole budget goes alone. On a CPU stage the pool's rows go out without a copy; a
 without such buffers (a GPU stage's rows, a recurrent state) is copied to host memory,
 sent and dropped before the next is read: one tensor (one layer's keys, values, latents
 or state) at a time. ``timeout_s`` bounds a band from the request's
-last chunk to the acknowledgement, the wait for the budget included.
+last chunk to the acknowledgement, the waits for the budget and for a thread included.
+Each band's I/O runs in a worker thread, at most ``BAND_THREADS`` at once, counted apart
+from the threads of the rest of the process (the planes'): bands stuck on receivers that
+stopped reading hold threads until their timeouts, and must not stall the waves.
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
 (``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
@@ -123,6 +126,10 @@ class HandoffSender:
         self._scopes: dict[RequestId, anyio.CancelScope] = {}
         self._cancelled: set[RequestId] = set()  # cancelled before their task started
         self._in_use = 0  # budget bytes held by bands on their way
+        # the bands' own worker threads: a band stuck on a receiver that stopped reading
+        # holds one until its timeout, and must not hold one the planes' threads need
+        # (anyio's default limiter, shared by the whole process)
+        self._threads = anyio.CapacityLimiter(BAND_THREADS)
         self._budget_freed = anyio.Event()
         self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
         self.num_pending = 0  # jobs submitted and not settled
@@ -225,23 +232,30 @@ class HandoffSender:
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
                              if ":" in address.host else socket.AF_INET)  # fmt: skip
         deadline = job.ended_at + self.settings.timeout_s
-        finished = threading.Event()
+        claim, finished = threading.Lock(), threading.Event()
         try:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
             ack = await anyio.to_thread.run_sync(_send_band, sock, address, prefix, tensors,
-                                                 deadline, job.target, wire_s, finished,
-                                                 abandon_on_cancel=True)  # fmt: skip
+                                                 deadline, job.target, wire_s, claim,
+                                                 finished, abandon_on_cancel=True,
+                                                 limiter=self._threads)  # fmt: skip
         finally:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            if not finished.is_set():
-                # cancelled or timed out: the blocks stay held until the thread has
-                # stopped reading them (the shut socket ends it at once; a connect
-                # still waiting ends by the band's deadline)
+            if claim.acquire(blocking=False):
+                # cancelled or timed out before the thread began (waiting for a thread,
+                # or queued): it never will touch the band; the socket is ours to close
+                sock.close()
+            else:
+                # the thread began: the blocks stay held until it has stopped reading
+                # them (the shut socket ends it at once; a connect still waiting ends by
+                # the band's deadline). Polled: a wait in a thread would need a token
+                # from the limiter whose every thread may be this stuck.
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(finished.wait)
+                    while not finished.is_set():
+                        await anyio.sleep(FINISH_POLL_S)
         if ack.request_id != job.request_id or ack.stage != self.settings.stage:
             raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
                              f"{ack.stage}, not {job.request_id!r} stage "
@@ -267,12 +281,12 @@ class HandoffSender:
             if set(parts) != {"k", "v"}:
                 raise BandFailed("error", f"layer {layer} holds {sorted(parts)}: the vLLM "
                                  "example layout takes attention layers' keys and values only")
-            k = await anyio.to_thread.run_sync(_serial, parts["k"].read)
-            v = await anyio.to_thread.run_sync(_serial, parts["v"].read)
+            k = await anyio.to_thread.run_sync(_serial, parts["k"].read, limiter=self._threads)
+            v = await anyio.to_thread.run_sync(_serial, parts["v"].read, limiter=self._threads)
             for n in lengths:
                 write = partial(vllm_example.write_layer, folder / str(n), layer, k[:n], v[:n],
                                 block)  # fmt: skip
-                await anyio.to_thread.run_sync(_serial, write)
+                await anyio.to_thread.run_sync(_serial, write, limiter=self._threads)
             written += parts["k"].num_bytes + parts["v"].num_bytes
         return written
 
@@ -294,6 +308,8 @@ def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> t
 
 
 IOV_MAX = 1024  # buffers per sendmsg call (Linux)
+BAND_THREADS = 8  # a stage's bands on their way in worker threads at once
+FINISH_POLL_S = 0.005  # a given-up band's wait for its thread to stop reading the pool
 SOCKET_BUFFER = 4 << 20  # bytes asked for the band's send buffer
 
 
@@ -307,12 +323,16 @@ def _serial(fn: Callable[[], T]) -> T:
 def _send_band(
     sock: socket.socket, address: wire.Address, prefix: bytes,
     tensors: Sequence[BandTensor], deadline: float, target: str,
-    wire_s: list[float], finished: threading.Event,
-) -> wire.Ack:  # fmt: skip
+    wire_s: list[float], claim: threading.Lock, finished: threading.Event,
+) -> wire.Ack | None:  # fmt: skip
     """A band's whole exchange with blocking calls (in a worker thread): connect, the
-    prefix and header, every tensor's bytes, the acknowledgement. Owns ``sock``; sets
-    ``wire_s[0]`` to its seconds from connect to the ack (or to its failure) and
-    ``finished`` when it no longer touches the band's tensors."""
+    prefix and header, every tensor's bytes, the acknowledgement. Takes ``claim`` first:
+    if the event loop took it (the band was given up before this thread began), returns
+    None at once, touching nothing. Otherwise owns ``sock``; sets ``wire_s[0]`` to its
+    seconds from connect to the ack (or to its failure) and ``finished`` when it no
+    longer touches the band's tensors."""
+    if not claim.acquire(blocking=False):
+        return None
     started = time.perf_counter()
     compute.serial_here()  # a TP band's shards are put together here: no OpenMP team
     try:
@@ -345,8 +365,8 @@ def _exchange(
         # Buffers go out in as few sendmsg calls as the iovec limit allows, blocking, no
         # timeout: this thread wakes (and takes the GIL) once per call, not every socket
         # buffer's worth — a band of pool runs, from the prefix to its last tensor, in
-        # one call per IOV_MAX runs. The timeout and a cancel still end it: the event
-        # loop shuts the socket.
+        # one call per IOV_MAX runs (a copied tensor among them ends a call). The
+        # timeout and a cancel still end it: the event loop shuts the socket.
         sock.settimeout(None)
         try:
             views = [memoryview(prefix)]
