@@ -129,6 +129,56 @@ def test_a_handoff_cancelled_midway_ends_cancelled_even_if_every_outcome_came_fi
     run(main)
 
 
+@pytest.mark.parametrize("order", ["token first", "outcomes first"])
+def test_a_cancel_that_stopped_a_band_ends_the_request_cancelled_though_its_token_came(order):
+    """A cancel asked during the last chunk: stage 0 drops the request at once (its band
+    ends "cancelled") while the last stage still computes the first token, which clears
+    the cancel as too late for the prefill. The last stage's band, acknowledged before
+    the cancel reached it, may report before the stages confirm the cancel: the request
+    still ends cancelled. A cancel that stopped no band came too late: done. A
+    "cancelled" outcome with no cancel asked (a peer's bytes) waits for nothing: done."""
+    from wavepp.rounds.messages import HandoffOutcome
+
+    class Targets:
+        def __call__(self, spec: RequestSpec) -> str:
+            return "unix:/nowhere"
+
+        def settled(self, spec: RequestSpec, target: str, ok: bool) -> None:
+            pass
+
+    def main() -> None:
+        table = RequestTable(lambda line: None, num_stages=2, handoff_target=Targets())
+        intake = Intake(table, 4, 10, 100, handoff_target=Targets())
+        records = {}
+        for rid in ("stopped", "too late", "peer"):
+            records[rid] = intake.submit(RequestSpec(rid, np.arange(8, dtype=np.int32), False,
+                                                     0, handoff=True))  # fmt: skip
+            table.waiting.remove(rid)
+            table.admitted(rid, 0.0)
+            table.started(rid, 0.0)
+        table.ask_cancel("stopped", "client went away")
+        table.ask_cancel("too late", "client went away")
+        stage0 = {"stopped": (False, "cancelled"), "too late": (True, ""),
+                  "peer": (False, "cancelled")}  # fmt: skip
+        for rid, (ok, reason) in stage0.items():
+            outcomes = [HandoffOutcome(rid, 0, ok, reason, "", 0, 0.01),
+                        HandoffOutcome(rid, 1, True, "", "", 0, 0.01)]  # fmt: skip
+            if order == "token first":
+                table.finish(rid, 0, 3, 0.5)
+            for outcome in outcomes:
+                table.handoff_settled(outcome)
+            if order == "outcomes first":
+                table.finish(rid, 0, 3, 0.5)
+        assert records["stopped"].status is Status.HANDING_OFF  # the confirmation ends it
+        assert records["too late"].status is Status.DONE
+        assert records["peer"].status is Status.DONE
+        assert records["peer"].result().handoff["status"] == "failed"
+        table.settle_cancel("stopped")
+        assert records["stopped"].status is Status.CANCELLED
+
+    run(main)
+
+
 @pytest.mark.parametrize("tokens, reason, words", [
     (np.arange(0, dtype=np.int32), "invalid", "empty prompt"),
     (np.array([1, 100]), "invalid", "outside the vocabulary"),

@@ -113,6 +113,7 @@ class Record:
     # A cancel was asked for, and why; settled when every stage dropped the request
     # (cleared if its last chunk ran before the cancel reached it).
     cancel_reason: str | None = None
+    cancel_asked: bool = False  # ever (not cleared): its cancel wave is on its way
     miss_reason: str | None = None  # why it reused < 80% of its expected reuse
     handoff_outcomes: dict = attrs.field(factory=dict)  # stage -> HandoffOutcome
     finished: anyio.Event = attrs.field(factory=anyio.Event)
@@ -164,7 +165,7 @@ class Record:
         """Note a cancel; False when it is over or a cancel was already asked for."""
         if self._status.ended or self.cancel_reason is not None:
             return False
-        self.cancel_reason = reason
+        self.cancel_reason, self.cancel_asked = reason, True
         return True
 
     def end(self, status: Status, now: float, error: str | None = None) -> None:

@@ -165,11 +165,22 @@ class RequestTable:
         if record is None:  # ended meanwhile (a cancel settled it)
             return
         record.prefill(cached, token, logit)
-        if record.offer.handoff and len(record.handoff_outcomes) < self.num_stages:
+        if record.offer.handoff and not self._handed_off(record):
             record.hand_off()
             self.awaiting_handoff.add(rid)
             return
         self._end(record, Status.DONE, None, held_room=True)
+
+    def _handed_off(self, record: Record) -> bool:
+        """Every stage's band has ended, and none was stopped by a cancel: such a
+        request ends when the stages confirm the cancel (``settle_cancel``). Outcomes
+        come straight from the stages, so they may arrive before that confirmation, and
+        before or after the first token (which clears a cancel that came too late for
+        the prefill; it may still have stopped a band)."""
+        return (len(record.handoff_outcomes) >= self.num_stages
+                and record.cancel_reason is None
+                and not (record.cancel_asked and any(
+                    o.reason == "cancelled" for o in record.handoff_outcomes.values())))  # fmt: skip
 
     def handoff_settled(self, outcome) -> None:
         """One stage's band of a request ended (a HandoffOutcome)."""
@@ -178,10 +189,7 @@ class RequestTable:
         if record is None or not record.offer.handoff or outcome.stage >= self.num_stages:
             return  # cancelled (its cancel settled it) or a peer's stray outcome
         record.handoff_outcomes[outcome.stage] = outcome
-        # A cancel asked meanwhile ends it as cancelled once the stages confirm the cancel
-        # (settle_cancel): outcomes come straight from the stages and may arrive first.
-        if (record.status is Status.HANDING_OFF and record.cancel_reason is None
-                and len(record.handoff_outcomes) >= self.num_stages):  # fmt: skip
+        if record.status is Status.HANDING_OFF and self._handed_off(record):
             self._end(record, Status.DONE, None, held_room=True)
 
     def fail(self, rid: RequestId, error: str) -> None:
