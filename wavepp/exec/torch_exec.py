@@ -236,7 +236,7 @@ class TorchExecutor:
         for i in self.mixer_ids:
             if i in self.pools:
                 for name, pool in self.pools[i].items():
-                    # on the CPU the bytes go out from the pool's blocks, short runs gathered
+                    # on the CPU the bytes go out from the pool's blocks: a view per run
                     pieces = (partial(_pool_pieces, pool, runs) if pool.device.type == "cpu"
                               else None)  # fmt: skip
                     out.append(BandTensor(i, name, dtype_name(pool.dtype), (n, *pool.shape[1:]),

@@ -107,7 +107,7 @@ class HandoffOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ar
     detail: Annotated[str, msgspec.Meta(max_length=1024)]  # the error, for the result
     num_bytes: Count  # tensor bytes sent
     seconds: Seconds  # from the request's last chunk here to the acknowledgement
-    ended_at: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # wall clock of that last chunk
+    ended_at: Annotated[float, msgspec.Meta(ge=0.0, le=1e12)] = 0.0  # wall clock of that last chunk
     wire_s: Seconds = 0.0  # of ``seconds``, on the wire: connect to the ack received (the
     #                        rest is queueing and setup: the budget, the band's layout)
 
@@ -142,8 +142,6 @@ class WaveMsg(_Msg, frozen=True):
     #  requests to drop on every stage after this wave's chunks (none of theirs follow)
     stage_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_STAGES)] = []
     #  wall seconds each stage so far spent on this wave: cache effects + executor
-    handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)] = []
-    #  bands that stages 1.. settled since their last wave, carried on to rank 0
     cache: Annotated[list[CacheReport], msgspec.Meta(max_length=MAX_STAGES)] = []
     #  with --kv-events: cache changes of stages 1.. since their last wave, on to rank 0
 
@@ -173,8 +171,6 @@ class WaveDone(_Msg, frozen=True):
     cancelled: Annotated[list[Id], msgspec.Meta(max_length=MAX_ENTRIES)] = []
     stage_s: Annotated[list[Seconds], msgspec.Meta(max_length=MAX_STAGES)] = []
     #  wall seconds every stage spent on the wave (the cost planner's measurements)
-    handoffs: Annotated[list[HandoffOutcome], msgspec.Meta(max_length=MAX_ENTRIES)] = []
-    #  settled bands of stages 1..P-1 (WaveMsg.handoffs plus the last stage's own)
     cache: Annotated[list[CacheReport], msgspec.Meta(max_length=MAX_STAGES)] = []
     #  cache changes of stages 1..P-1 (WaveMsg.cache plus the last stage's own)
 

@@ -90,19 +90,17 @@ async def follow_waves(
                     return
                 output, ended = await stage.execute(wave, tensor)
                 times = [*wave.stage_s, stage.last_wave_s]
-                # bands this stage settled since its last wave ride on to rank 0
-                handoffs = [*wave.handoffs, *stage.take_handoff_outcomes()]
-                # and so do its cache changes, with --kv-events (wavepp.fleet.changes)
+                # this stage's cache changes ride on to rank 0, with --kv-events
+                # (wavepp.fleet.changes); its bands' outcomes went on as they settled
                 report = stage.take_cache_report()
                 cache = wave.cache if report is None else [*wave.cache, report]
                 if outbound is not None:
-                    wave = msgspec.structs.replace(wave, stage_s=times, handoffs=handoffs,
-                                                   cache=cache)  # fmt: skip
+                    wave = msgspec.structs.replace(wave, stage_s=times, cache=cache)
                     await to_sender_send.send((encode(wave), output.activations, outbound))
                 else:
                     message = WaveDone(wave.wave_id, finished(output, ended),
                                        cancelled=wave.cancels, stage_s=times,
-                                       handoffs=handoffs, cache=cache)  # fmt: skip
+                                       cache=cache)  # fmt: skip
                     await to_sender_send.send((encode(message), None, done))
 
     async def sender() -> None:

@@ -165,8 +165,7 @@ class StageZero:
             self.in_flight -= 1
             self._observe(message.wave_id, message.stage_s)
             self._published(message.wave_id)
-            self.complete(message.finished, message.cancelled, message.handoffs,
-                          message.cache)  # fmt: skip
+            self.complete(message.finished, message.cancelled, cache=message.cache)
 
     def _published(self, wave_id: int) -> None:
         """A wave left the last stage: every stage ran it (waves run in the same order
