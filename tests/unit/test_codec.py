@@ -65,3 +65,17 @@ def test_the_broadcast_inline_room_grows_alike_on_every_rank_up_to_its_ceiling()
     assert inline_after(room, room + 1) == 2 * room
     assert inline_after(2 * room, 10) == 2 * room
     assert inline_after(room, 10 * INLINE_MAX_BYTES) == INLINE_MAX_BYTES
+
+
+@pytest.mark.parametrize("ended_at", [float("inf"), float("nan"), -1.0, 2e12])
+def test_a_relayed_outcome_with_an_impossible_clock_is_refused(ended_at):
+    """A HandoffOutcome's ``ended_at`` goes into the result and the JSON record, where an
+    infinity would not be JSON: a peer's must be a wall clock."""
+    from wavepp.rounds.messages import HandoffOutcome, HandoffRelay
+
+    good = HandoffRelay([HandoffOutcome("a", 1, True, "", "", 8, 0.01, 1.8e9, 0.005)])
+    assert decode_untrusted(encode(good), DataMessage) == good
+    raw = msgspec.msgpack.encode({"type": "HandoffRelay", "handoffs": [
+        ["a", 1, True, "", "", 8, 0.01, ended_at, 0.005]]})  # fmt: skip
+    with pytest.raises(CodecError):
+        decode_untrusted(raw, DataMessage)
