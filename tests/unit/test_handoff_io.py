@@ -41,3 +41,27 @@ def test_a_read_gives_up_on_a_peer_that_stops():
         with pytest.raises(TimeoutError, match="3 of 10 read"):
             anyio.run(Connection(ours, timeout_s=0.3).read_into, memoryview(bytearray(10)))
         assert time.monotonic() - started >= 0.3
+
+
+@pytest.mark.parametrize("sent, closes, n, outcome", [
+    (b"abcd", False, 4, b"abcd"),  # all there: the fast path alone
+    (b"", False, 0, b""),  # nothing to read, nothing waited for
+    (b"", True, 0, b""),
+    (b"", True, 4, ConnectionError),  # closed before a byte
+    (b"ab", True, 4, ConnectionError),  # closed half way
+    (b"ab", False, 4, TimeoutError),  # half, then silence
+])  # fmt: skip
+def test_a_read_ends_as_what_is_there_says(sent, closes, n, outcome):
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(sent)
+        if closes:
+            theirs.shutdown(socket.SHUT_WR)
+        view = memoryview(bytearray(n))
+        read = Connection(ours, timeout_s=0.2).read_into
+        if isinstance(outcome, bytes):
+            anyio.run(read, view)
+            assert bytes(view) == outcome
+        else:
+            with pytest.raises(outcome):
+                anyio.run(read, view)

@@ -7,6 +7,7 @@ import contextlib
 import socket
 import tempfile
 import threading
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -240,6 +241,50 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
     ((_, payload),) = receiver.bands
     got = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(2, 4096, 2, 32)
     assert torch.equal(got[0], big) and torch.equal(got[1], -big)
+
+
+def test_a_band_of_more_runs_than_one_sendmsg_takes_arrives_whole_and_in_order(sock_path):
+    """Every other slot of the pool: one run per row, more than IOV_MAX of them, with a
+    copied tensor (a recurrent state's kind) between two layers' runs."""
+    from wavepp.exec.handoff_send import IOV_MAX
+    from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
+
+    n = IOV_MAX + 300
+    pool = torch.randn(2 * n, 1, 4)
+    table = tuple(range(0, 2 * n, 2))  # block size 1: no two rows adjacent
+    runs = _row_runs(table, 1, n)
+    assert len(runs) == n
+    rows = partial(pool_rows, table, 1, n)
+    state = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+
+    def band(job):
+        k = BandTensor(0, "k", "float32", (n, 1, 4), partial(_gather, pool, rows),
+                       partial(_pool_pieces, pool, runs))  # fmt: skip
+        copied = BandTensor(1, "state", "float32", (3, 4), lambda: state)
+        v = BandTensor(1, "v", "float32", (n, 1, 4), partial(_gather, pool, rows),
+                       partial(_pool_pieces, pool, runs))  # fmt: skip
+        return [k, copied, v]
+
+    receiver = Receiver(sock_path)
+    receiver.start()
+    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 30), band, lambda rid: None)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            sender.submit(job("runs", f"unix:{sock_path}", n=n))
+            await _until(lambda: not sender.num_pending)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        receiver.close()
+    (outcome,) = sender.take_outcomes()
+    assert outcome.ok, outcome
+    ((_, payload),) = receiver.bands
+    rows_bytes = _gather(pool, rows).reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert payload == rows_bytes + state.numpy().tobytes() + rows_bytes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

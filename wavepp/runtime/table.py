@@ -177,10 +177,10 @@ class RequestTable:
         come straight from the stages, so they may arrive before that confirmation, and
         before or after the first token (which clears a cancel that came too late for
         the prefill; it may still have stopped a band)."""
-        return (len(record.handoff_outcomes) >= self.num_stages
-                and record.cancel_reason is None
-                and not (record.cancel_asked and any(
-                    o.reason == "cancelled" for o in record.handoff_outcomes.values())))  # fmt: skip
+        outcomes = record.handoff_outcomes.values()
+        stopped = record.cancel_asked and any(o.reason == "cancelled" for o in outcomes)
+        return (len(outcomes) >= self.num_stages and record.cancel_reason is None
+                and not stopped)  # fmt: skip
 
     def handoff_settled(self, outcome) -> None:
         """One stage's band of a request ended (a HandoffOutcome)."""
