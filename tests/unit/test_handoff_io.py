@@ -7,6 +7,7 @@ import threading
 import time
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from wavepp.handoff._io import Connection
@@ -65,3 +66,40 @@ def test_a_read_ends_as_what_is_there_says(sent, closes, n, outcome):
         else:
             with pytest.raises(outcome):
                 anyio.run(read, view)
+
+
+def test_a_connect_to_a_unix_listener_with_a_full_backlog_waits_for_room(tmp_path):
+    """Such a connect fails at once with EAGAIN (a Unix socket never connects in the
+    background): it is tried again until the listener takes a connection."""
+    from wavepp.handoff._io import connect
+    from wavepp.handoff.wire import Address
+
+    path = str(tmp_path / "l.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(0)
+    waiting = []
+    for _ in range(8):  # fill the backlog
+        sock = socket.socket(socket.AF_UNIX)
+        sock.setblocking(False)
+        if sock.connect_ex(path) != 0:
+            sock.close()
+            break
+        waiting.append(sock)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, lambda: (time.sleep(0.2), listener.accept()))
+            conn = await connect(Address("unix", path=path), 5.0)
+            conn.sock.sendall(b"x")
+            conn.close()
+
+    try:
+        assert waiting, "the backlog took no connection"
+        started = time.monotonic()
+        anyio.run(main)
+        assert time.monotonic() - started >= 0.2  # it waited for the accept
+    finally:
+        for sock in waiting:
+            sock.close()
+        listener.close()

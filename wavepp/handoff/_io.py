@@ -21,6 +21,7 @@ import anyio
 from wavepp.handoff.wire import Address
 
 DRAIN_CHUNK = 1 << 20
+UNIX_RETRY_S = 0.002  # a connect to a Unix listener whose backlog is full, tried again
 
 
 class Connection:
@@ -131,7 +132,11 @@ async def connect(address: Address, timeout_s: float) -> Connection:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            if sock.connect_ex(target) not in (0, errno.EINPROGRESS, errno.EAGAIN):
+            # A Unix socket connects at once or, its listener's backlog full, not at all
+            # (EAGAIN): tried again shortly. TCP connects in the background.
+            while (code := sock.connect_ex(target)) == errno.EAGAIN and family == socket.AF_UNIX:
+                await anyio.sleep(UNIX_RETRY_S)
+            if code not in (0, errno.EINPROGRESS):
                 sock.connect(target)  # raises the real error
             await anyio.wait_writable(sock)
             error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
