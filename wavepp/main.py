@@ -40,7 +40,7 @@ from wavepp.config import (
 from wavepp.engine import Engine
 from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
-from wavepp.exec.handoff_send import HandoffSettings
+from wavepp.exec.handoff_send import INLINE_BYTES, HandoffSettings
 from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
@@ -649,9 +649,10 @@ def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup, planes:
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
     handoff = handoff_targets = None
     if c.executor == "torch":  # every stage can hand its band of a request's cache on
+        on_cpu = pick_device(c.device).type == "cpu"
         handoff = HandoffSettings(rank, world, fingerprint(c.model, executor.cfg, c.dtype),
                                   c.handoff_timeout_s, c.handoff_budget_mib << 20,
-                                  c.handoff_block_size)  # fmt: skip
+                                  c.handoff_block_size, INLINE_BYTES if on_cpu else 0)  # fmt: skip
         handoff_targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
                                          c.handoff_block_size, handoff.fingerprint.layer_kinds)
     cache_log = (StageLog(rank, recurrent, report_limit(world)) if c.kv_events

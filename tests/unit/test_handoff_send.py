@@ -8,6 +8,7 @@ import socket
 import tempfile
 import threading
 from functools import partial
+from unittest import mock
 
 import anyio
 import anyio.to_thread
@@ -16,7 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from wavepp.exec.handoff_send import BandJob, BandTensor, HandoffSender, HandoffSettings, pool_rows
+from wavepp.exec import handoff_send
+from wavepp.exec.handoff_send import (
+    INLINE_BYTES,
+    BandJob,
+    BandTensor,
+    HandoffSender,
+    HandoffSettings,
+    pool_rows,
+)
 from wavepp.handoff import wire
 
 FP = wire.Fingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_size=8,
@@ -103,9 +112,12 @@ class Receiver(threading.Thread):
         self.sock.close()
 
 
-def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.05, peak=None):
+def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.05, peak=None,
+             inline=False):  # fmt: skip
+    """``inline``: small bands go out from the event loop (a CPU stage's), not a thread."""
     released: list[str] = []
-    settings = HandoffSettings(1, 2, FP, timeout_s, budget)
+    settings = HandoffSettings(1, 2, FP, timeout_s, budget,
+                               inline_bytes=INLINE_BYTES if inline else 0)  # fmt: skip
     sender = HandoffSender(settings, band_of, released.append)
 
     async def main():
@@ -124,8 +136,13 @@ def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.0
                     await anyio.sleep(0.001)
             tg.cancel_scope.cancel()
 
-    anyio.run(main)
-    return {o.request_id: o for o in sender.take_outcomes()}, released
+    # an inline band never reaches the worker thread's exchange
+    with mock.patch.object(handoff_send, "_send_band", side_effect=AssertionError) if inline \
+            else contextlib.nullcontext():  # fmt: skip
+        anyio.run(main)
+    outcomes = {o.request_id: o for o in sender.take_outcomes()}
+    assert not any("AssertionError" in o.detail for o in outcomes.values()), outcomes
+    return outcomes, released
 
 
 @pytest.fixture
@@ -133,11 +150,12 @@ def sock_path(tmp_path):
     return str(tmp_path / "r.sock")
 
 
-def test_an_acknowledged_band_carries_its_header_and_bytes_in_order(sock_path):
+@pytest.mark.parametrize("inline", [False, True])
+def test_an_acknowledged_band_carries_its_header_and_bytes_in_order(sock_path, inline):
     receiver = Receiver(sock_path)
     receiver.start()
     try:
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=7)])
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=7)], inline=inline)
     finally:
         receiver.close()
     assert outcomes["a"].ok and outcomes["a"].reason == "" and released == ["a"]
@@ -151,15 +169,18 @@ def test_an_acknowledged_band_carries_its_header_and_bytes_in_order(sock_path):
     assert outcomes["a"].num_bytes == len(payload) == 4 * 7 * 4 * 4
 
 
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize(("mode", "reason"), [
     ("refuse", "refused"), ("half", "disconnected"), ("close", "disconnected"),
     ("garbage", "bad ack"), ("wrong-id", "bad ack"), ("silent", "timeout"),
 ])  # fmt: skip
-def test_a_misbehaving_receiver_fails_only_that_band_and_releases_it(sock_path, mode, reason):
+def test_a_misbehaving_receiver_fails_only_that_band_and_releases_it(sock_path, mode, reason,
+                                                                    inline):  # fmt: skip
     receiver = Receiver(sock_path, mode)
     receiver.start()
     try:
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=2000)], timeout_s=1.0)
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=2000)], timeout_s=1.0,
+                                      inline=inline)  # fmt: skip
     finally:
         receiver.close()
     assert not outcomes["a"].ok and outcomes["a"].reason == reason, outcomes["a"]
@@ -168,19 +189,22 @@ def test_a_misbehaving_receiver_fails_only_that_band_and_releases_it(sock_path, 
         assert "fingerprint differs" in outcomes["a"].detail
 
 
-def test_no_receiver_and_a_bad_address_are_failures_not_crashes(tmp_path):
+@pytest.mark.parametrize("inline", [False, True])
+def test_no_receiver_and_a_bad_address_are_failures_not_crashes(tmp_path, inline):
     outcomes, released = run_jobs([job("a", f"unix:{tmp_path}/nobody.sock"),
-                                   job("b", "carrier-pigeon:home")])  # fmt: skip
+                                   job("b", "carrier-pigeon:home")], inline=inline)  # fmt: skip
     assert outcomes["a"].reason == "connect" and outcomes["b"].reason == "error"
     assert sorted(released) == ["a", "b"]
 
 
-def test_a_cancel_stops_a_band_on_the_wire_and_releases_it_once(sock_path):
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_cancel_stops_a_band_on_the_wire_and_releases_it_once(sock_path, inline):
     receiver = Receiver(sock_path, "silent")
     receiver.start()
     try:
         jobs = [job("a", f"unix:{sock_path}"), job("b", f"unix:{sock_path}")]
-        outcomes, released = run_jobs(jobs, timeout_s=3.0, cancel=["a"], cancel_after=0.3)
+        outcomes, released = run_jobs(jobs, timeout_s=3.0, cancel=["a"], cancel_after=0.3,
+                                      inline=inline)  # fmt: skip
     finally:
         receiver.close()
     assert outcomes["a"].reason == "cancelled"

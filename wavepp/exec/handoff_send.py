@@ -3,7 +3,7 @@
 When a request that asked for a handoff ends on a stage, the stage keeps its blocks
 leased — they stay protected in the pool, nothing is copied — and gives a
 :class:`BandJob` to its :class:`HandoffSender`, a task beside the stage's LOOP. The
-sender reads the band's tensors from the pool one at a time (in a worker thread),
+sender reads the band's tensors from the pool (a large band in a worker thread),
 streams them to the receiver in WavePP's wire format (``wavepp.handoff.wire``), waits
 for the receiver's acknowledgement and then releases the blocks through the stage's
 callback — however the band ends: acknowledged, refused, timed out, disconnected or
@@ -18,9 +18,11 @@ without such buffers (a GPU stage's rows, a recurrent state) is copied to host m
 sent and dropped before the next is read: one tensor (one layer's keys, values, latents
 or state) at a time. ``timeout_s`` bounds a band from the request's
 last chunk to the acknowledgement, the waits for the budget and for a thread included.
-Each band's I/O runs in a worker thread, at most ``BAND_THREADS`` at once, counted apart
+A band's I/O runs in a worker thread, at most ``BAND_THREADS`` at once, counted apart
 from the threads of the rest of the process (the planes'): bands stuck on receivers that
-stopped reading hold threads until their timeouts, and must not stall the waves.
+stopped reading hold threads until their timeouts, and must not stall the waves. A CPU
+stage's small bands (``inline_bytes``) go out from the event loop instead: for them the
+thread hops cost more than the bytes.
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
 (``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
@@ -47,7 +49,7 @@ import numpy as np
 import torch
 
 from wavepp.exec import compute
-from wavepp.handoff import wire
+from wavepp.handoff import _io, wire
 from wavepp.rounds.messages import HandoffOutcome
 from wavepp.state import RequestId, SlotId
 
@@ -108,6 +110,9 @@ class HandoffSettings:
     timeout_s: float  # last chunk -> acknowledgement, per band
     budget_bytes: int  # bands on their way at once, bytes
     vllm_block_size: int = 16  # dir: targets, vLLM's block size (ExampleConnector layout)
+    # bands of up to this many bytes go out from the event loop, without a worker thread
+    # (0: never; a CPU stage's: INLINE_BYTES; a GPU stage's rows need copies to the host)
+    inline_bytes: int = 0
 
 
 class HandoffSender:
@@ -229,6 +234,9 @@ class HandoffSender:
             first_token=job.first_token, top_logit=job.top_logit,
         )  # fmt: skip
         prefix = wire.encode_band_prefix(header)
+        if self._inline(tensors):
+            ack = await _exchange_inline(address, prefix, tensors, job.target, wire_s)
+            return self._check_ack(job, ack, tensors)
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
                              if ":" in address.host else socket.AF_INET)  # fmt: skip
         deadline = job.ended_at + self.settings.timeout_s
@@ -256,6 +264,17 @@ class HandoffSender:
                 with anyio.CancelScope(shield=True):
                     while not finished.is_set():
                         await anyio.sleep(FINISH_POLL_S)
+        return self._check_ack(job, ack, tensors)
+
+    def _inline(self, tensors: Sequence[BandTensor]) -> bool:
+        """A small band whose bytes are views of the pool (or small copies, such as
+        recurrent states): out from the event loop, which spares the thread hops —
+        most of a small band's cost. Nothing reads the pool once a send has returned."""
+        size = sum(t.num_bytes for t in tensors)
+        return size <= self.settings.inline_bytes and all(
+            t.pieces is not None or t.num_bytes <= INLINE_COPY_BYTES for t in tensors)
+
+    def _check_ack(self, job: BandJob, ack: wire.Ack, tensors: Sequence[BandTensor]) -> int:
         if ack.request_id != job.request_id or ack.stage != self.settings.stage:
             raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
                              f"{ack.stage}, not {job.request_id!r} stage "
@@ -309,6 +328,8 @@ def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> t
 
 IOV_MAX = 1024  # buffers per sendmsg call (Linux)
 BAND_THREADS = 8  # a stage's bands on their way in worker threads at once
+INLINE_BYTES = 1 << 20  # a CPU stage's bands up to this size skip the worker thread
+INLINE_COPY_BYTES = 64 << 10  # ...if each tensor not in the pool is at most this
 FINISH_POLL_S = 0.005  # a given-up band's wait for its thread to stop reading the pool
 SOCKET_BUFFER = 4 << 20  # bytes asked for the band's send buffer
 
@@ -400,18 +421,86 @@ def _exchange(
         return _read_ack(sock, target)
 
 
+async def _exchange_inline(
+    address: wire.Address, prefix: bytes, tensors: Sequence[BandTensor], target: str,
+    wire_s: list[float],
+) -> wire.Ack:  # fmt: skip
+    """A small band's exchange on the event loop (non-blocking socket): connect, the
+    band's buffers through ``sendmsg``, the acknowledgement. Sets ``wire_s[0]`` as
+    ``_send_band`` does. The caller's deadline (a cancel scope) bounds every wait."""
+    started = time.perf_counter()
+    try:
+        try:
+            conn = await _io.connect(address, math.inf)
+        except OSError as error:
+            raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
+        try:
+            views = [memoryview(prefix)]
+            for tensor in tensors:
+                if tensor.pieces is not None:
+                    views.extend(tensor.pieces())
+                else:
+                    views.append(tensor.read().reshape(-1).view(torch.uint8).numpy().data)
+            try:
+                await _sendmsg_all_async(conn.sock, views)
+            except OSError as error:
+                ack = None  # a refusing receiver may answer and close before reading all
+                with contextlib.suppress(OSError, BandFailed, TimeoutError):
+                    with anyio.fail_after(1.0):
+                        ack = await _read_ack_async(conn, target)
+                if ack is not None and not ack.ok:
+                    raise BandFailed("refused", ack.error) from None
+                raise BandFailed("disconnected", f"{target} closed the connection while the "
+                                 f"band was sent ({error or type(error).__name__})") from None
+            del views
+            return await _read_ack_async(conn, target)
+        finally:
+            conn.close()
+    finally:
+        wire_s[0] = time.perf_counter() - started
+
+
+async def _sendmsg_all_async(sock: socket.socket, views: list[memoryview]) -> None:
+    queue = [memoryview(v).cast("B") for v in views if v.nbytes]
+    first = 0
+    while first < len(queue):
+        try:
+            sent = sock.sendmsg(queue[first : first + IOV_MAX])
+        except BlockingIOError:
+            await anyio.wait_writable(sock)
+            continue
+        first = _step(queue, first, sent)
+
+
+async def _read_ack_async(conn: _io.Connection, target: str) -> wire.Ack:
+    try:
+        length = wire.ack_length(await conn.read_exactly(wire.ACK_PREFIX_BYTES))
+        return wire.decode_ack(await conn.read_exactly(length))
+    except wire.WireError as error:
+        raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
+    except ConnectionError as error:
+        raise BandFailed("disconnected", f"{target} closed the connection before "
+                         f"acknowledging ({type(error).__name__})") from None  # fmt: skip
+
+
+def _step(queue: list[memoryview], first: int, sent: int) -> int:
+    """Step over ``sent`` bytes of ``queue[first:]``; a partly sent buffer keeps its
+    tail. Returns the new first index."""
+    while sent:
+        if sent >= queue[first].nbytes:
+            sent -= queue[first].nbytes
+            first += 1
+        else:
+            queue[first] = queue[first][sent:]
+            sent = 0
+    return first
+
+
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     queue = [memoryview(v).cast("B") for v in views if v.nbytes]
     first = 0  # an index, not pops from the front: a 32K-token band has 16K buffers
     while first < len(queue):
-        sent = sock.sendmsg(queue[first : first + IOV_MAX])
-        while sent:  # step over what went out; a partial buffer keeps its tail
-            if sent >= queue[first].nbytes:
-                sent -= queue[first].nbytes
-                first += 1
-            else:
-                queue[first] = queue[first][sent:]
-                sent = 0
+        first = _step(queue, first, sock.sendmsg(queue[first : first + IOV_MAX]))
 
 
 def _recv_exactly(sock: socket.socket, n: int, target: str) -> bytes:
