@@ -329,7 +329,10 @@ def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> t
 IOV_MAX = 1024  # buffers per sendmsg call (Linux)
 BAND_THREADS = 8  # a stage's bands on their way in worker threads at once
 INLINE_BYTES = 1 << 20  # a CPU stage's bands up to this size skip the worker thread
-INLINE_COPY_BYTES = 64 << 10  # ...if each tensor not in the pool is at most this
+# ...if each tensor not in the pool is at most this: copies of at most torch's grain size
+# (32,768 elements of 2 bytes or more), which start no OpenMP team on the loop's thread
+# (wavepp.exec.compute)
+INLINE_COPY_BYTES = 64 << 10
 FINISH_POLL_S = 0.005  # a given-up band's wait for its thread to stop reading the pool
 SOCKET_BUFFER = 4 << 20  # bytes asked for the band's send buffer
 
