@@ -145,6 +145,34 @@ def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.0
     return outcomes, released
 
 
+async def _until(condition) -> None:
+    with anyio.fail_after(60):  # hang guard
+        while not condition():
+            await anyio.sleep(0.005)
+
+
+def send_one(receiver: Receiver, band, one: BandJob) -> bytes:
+    """``one`` through a thread-path sender into a started ``receiver`` (closed after):
+    its payload as received; the band must be acknowledged."""
+    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 30), band, lambda rid: None)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            sender.submit(one)
+            await _until(lambda: not sender.num_pending)
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        receiver.close()
+    (outcome,) = sender.take_outcomes()
+    assert outcome.ok, outcome
+    ((_, payload),) = receiver.bands
+    return payload
+
+
 @pytest.fixture
 def sock_path(tmp_path):
     return str(tmp_path / "r.sock")
@@ -244,25 +272,7 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
         return [BandTensor(0, "k", "float32", (4096, 2, 32), lambda: big),
                 BandTensor(0, "v", "float32", (4096, 2, 32), lambda: -big)]  # fmt: skip
 
-    released: list[str] = []
-    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 30), band, released.append)
-
-    async def main():
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.run)
-            sender.submit(job("big", f"unix:{sock_path}", n=4096))
-            with anyio.fail_after(60):
-                while sender.num_pending:
-                    await anyio.sleep(0.01)
-            tg.cancel_scope.cancel()
-
-    try:
-        anyio.run(main)
-    finally:
-        receiver.close()
-    (outcome,) = sender.take_outcomes()
-    assert outcome.ok, outcome
-    ((_, payload),) = receiver.bands
+    payload = send_one(receiver, band, job("big", f"unix:{sock_path}", n=4096))
     got = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(2, 4096, 2, 32)
     assert torch.equal(got[0], big) and torch.equal(got[1], -big)
 
@@ -291,22 +301,7 @@ def test_a_band_of_more_runs_than_one_sendmsg_takes_arrives_whole_and_in_order(s
 
     receiver = Receiver(sock_path)
     receiver.start()
-    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 30), band, lambda rid: None)
-
-    async def main():
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.run)
-            sender.submit(job("runs", f"unix:{sock_path}", n=n))
-            await _until(lambda: not sender.num_pending)
-            tg.cancel_scope.cancel()
-
-    try:
-        anyio.run(main)
-    finally:
-        receiver.close()
-    (outcome,) = sender.take_outcomes()
-    assert outcome.ok, outcome
-    ((_, payload),) = receiver.bands
+    payload = send_one(receiver, band, job("runs", f"unix:{sock_path}", n=n))
     rows_bytes = _gather(pool, rows).reshape(-1).view(torch.uint8).numpy().tobytes()
     assert payload == rows_bytes + state.numpy().tobytes() + rows_bytes
 
@@ -366,12 +361,6 @@ class GatedBand:
         k = torch.zeros(n, 1, 4)
         return [BandTensor(0, "k", "float32", (n, 1, 4), lambda: k),
                 BandTensor(0, "v", "float32", (n, 1, 4), lambda: self.read(k))]  # fmt: skip
-
-
-async def _until(condition) -> None:
-    with anyio.fail_after(60):  # hang guard
-        while not condition():
-            await anyio.sleep(0.005)
 
 
 def test_a_cancelled_band_is_released_only_after_its_thread_stops_reading(sock_path):
