@@ -103,3 +103,29 @@ def test_a_connect_to_a_unix_listener_with_a_full_backlog_waits_for_room(tmp_pat
         for sock in waiting:
             sock.close()
         listener.close()
+
+
+def test_a_tcp_name_connects_over_the_family_listen_binds_for_it(monkeypatch):
+    """``localhost`` often resolves to ::1 first; a receiver listening on the same name
+    bound IPv4 (``listen``): the connect asks for IPv4 too."""
+    from wavepp.handoff import _io
+    from wavepp.handoff.wire import Address
+
+    listener, bound = _io.listen(Address("tcp", host="localhost", port=0))
+    port = bound.port
+
+    async def resolve(host, port, *, family=0, type=0, **kwargs):
+        v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))
+        v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))
+        return [v4] if family == socket.AF_INET else [v6, v4]
+
+    monkeypatch.setattr(_io.anyio, "getaddrinfo", resolve)
+
+    async def main():
+        conn = await _io.connect(Address("tcp", host="localhost", port=port), 5.0)
+        conn.close()
+
+    try:
+        anyio.run(main)
+    finally:
+        listener.close()

@@ -7,6 +7,7 @@ import contextlib
 import socket
 import tempfile
 import threading
+import time
 from functools import partial
 from unittest import mock
 
@@ -323,7 +324,8 @@ def test_pool_pieces_are_views_of_the_pool_one_per_run(dtype):
     assert torch.frombuffer(bytearray(bytes(pieces[2])), dtype=dtype)[0] == 7.0
 
 
-def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged():
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged(inline):
     """The other transport, against ``wavepp.handoff``'s own Receiver (which checks the
     band against its model before taking it)."""
     from tests.handoff_rig import ReceiverThread
@@ -336,7 +338,8 @@ def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged():
         port = probe.getsockname()[1]
     rx = ReceiverThread(config, "float32", None, address=f"tcp://127.0.0.1:{port}")
     with rx:
-        outcomes, released = run_jobs([job("t", f"tcp://127.0.0.1:{port}", n=33)])
+        outcomes, released = run_jobs([job("t", f"tcp://127.0.0.1:{port}", n=33)],
+                                      inline=inline)  # fmt: skip
         assert rx.receiver.counts["bands_ok"] == 1
     assert outcomes["t"].ok and released == ["t"]
     assert outcomes["t"].num_bytes == 4 * 33 * 4 * 4
@@ -542,3 +545,63 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
     assert outcomes["late"].reason == ("timeout" if how == "timeout" else "cancelled")
     assert reads == [] and released.count("late") == 1
     assert all(outcomes[f"stuck-{i}"].ok for i in range(BAND_THREADS))
+
+
+def test_a_band_whose_reads_wait_on_other_ranks_never_goes_out_from_the_event_loop(sock_path):
+    """A TP leader's band waits for its followers' shards in ``read()``: however small,
+    it takes a worker thread, so the stage's event loop never blocks on it."""
+    receiver = Receiver(sock_path)
+    receiver.start()
+    k = torch.ones(4, 1, 4)
+
+    def band(job):
+        return [BandTensor(0, "k", "float32", (4, 1, 4), lambda: k, waits=True)]
+
+    sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 20, inline_bytes=INLINE_BYTES),
+                           band, lambda rid: None)  # fmt: skip
+    assert not sender._inline(band(None))
+    plain = [BandTensor(0, "k", "float32", (4, 1, 4), lambda: k)]
+    assert sender._inline(plain)  # the same band without the wait would go inline
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            sender.submit(job("tp", f"unix:{sock_path}", n=4))
+            await _until(lambda: not sender.num_pending)
+            tg.cancel_scope.cancel()
+
+    try:
+        with mock.patch.object(handoff_send, "_exchange_inline", side_effect=AssertionError):
+            anyio.run(main)
+    finally:
+        receiver.close()
+    (outcome,) = sender.take_outcomes()
+    assert outcome.ok, outcome
+
+
+def test_a_thread_band_waits_for_room_in_a_full_unix_backlog(sock_path):
+    """A receiver behind on ``accept``: its listener's backlog is full, and a Unix
+    connect fails at once (EAGAIN). The band tries again until there is room."""
+    receiver = Receiver(sock_path)  # listening, not accepting yet
+    fillers = []
+    while True:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.setblocking(False)
+        if sock.connect_ex(sock_path) != 0:
+            sock.close()
+            break
+        fillers.append(sock)
+
+    def later() -> None:
+        time.sleep(0.3)
+        for sock in fillers:
+            sock.close()
+        receiver.start()
+
+    threading.Thread(target=later, daemon=True).start()
+    try:
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}")])
+    finally:
+        receiver.close()
+    assert outcomes["a"].ok, outcomes["a"]
+    assert released == ["a"] and [h.request_id for h, _ in receiver.bands] == ["a"]

@@ -78,6 +78,8 @@ class BandTensor:
     # the same bytes as views of where they live, in order (a CPU stage's pool: one
     # view per run of rows), sent without a copy; None: send read()'s bytes
     pieces: Callable[[], Iterator[memoryview]] | None = None
+    # read() may wait on other ranks (a TP band's shards): never on the event loop
+    waits: bool = False
 
     @property
     def num_bytes(self) -> int:
@@ -272,7 +274,8 @@ class HandoffSender:
         most of a small band's cost. Nothing reads the pool once a send has returned."""
         size = sum(t.num_bytes for t in tensors)
         return size <= self.settings.inline_bytes and all(
-            t.pieces is not None or t.num_bytes <= INLINE_COPY_BYTES for t in tensors)
+            t.pieces is not None or (t.num_bytes <= INLINE_COPY_BYTES and not t.waits)
+            for t in tensors)  # fmt: skip
 
     def _check_ack(self, job: BandJob, ack: wire.Ack, tensors: Sequence[BandTensor]) -> int:
         if ack.request_id != job.request_id or ack.stage != self.settings.stage:
@@ -379,13 +382,22 @@ def _exchange(
     with sock:
         with contextlib.suppress(OSError):  # fewer, larger transfers (capped by the kernel)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-        try:
-            sock.settimeout(left())
-            sock.connect(address.path if address.kind == "unix" else (address.host, address.port))
-        except OSError as error:
-            if isinstance(error, TimeoutError):
-                raise
-            raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
+        where = address.path if address.kind == "unix" else (address.host, address.port)
+        while True:
+            try:
+                sock.settimeout(left())
+                sock.connect(where)
+                break
+            except BlockingIOError:
+                # a Unix listener whose backlog is full refuses at once: tried again
+                # shortly (polled: a shut socket would not wake a blocking connect)
+                if address.kind != "unix":
+                    raise BandFailed("connect", f"cannot connect to {target}") from None
+                time.sleep(_io.UNIX_RETRY_S)
+            except OSError as error:
+                if isinstance(error, TimeoutError):
+                    raise
+                raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
         # Buffers go out in as few sendmsg calls as the iovec limit allows, blocking, no
         # timeout: this thread wakes (and takes the GIL) once per call, not every socket
         # buffer's worth — a band of pool runs, from the prefix to its last tensor, in

@@ -431,7 +431,8 @@ class TPLeader:
                 continue
             out.append(BandTensor(tensor.layer, tensor.name, tensor.dtype,
                                   whole_shape(rule, tensor.shape, self._tp),
-                                  partial(self._whole, job.request_id, index, tensor, rule)))
+                                  partial(self._whole, job.request_id, index, tensor, rule),
+                                  waits=True))  # fmt: skip
             index += 1
         return out
 

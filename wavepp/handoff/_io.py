@@ -125,7 +125,11 @@ async def connect(address: Address, timeout_s: float) -> Connection:
         if address.kind == "unix":
             family, target = socket.AF_UNIX, address.path
         else:
-            infos = await anyio.getaddrinfo(address.host, address.port, type=socket.SOCK_STREAM)
+            # the family ``listen`` binds for the same host (a name: IPv4), not whichever
+            # the resolver lists first (often ::1 for localhost)
+            family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+            infos = await anyio.getaddrinfo(address.host, address.port, family=family,
+                                            type=socket.SOCK_STREAM)  # fmt: skip
             if not infos:
                 raise ConnectionError(f"{address}: the host does not resolve")
             family, _, _, _, target = infos[0]
