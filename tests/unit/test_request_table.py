@@ -175,6 +175,7 @@ def test_a_cancel_that_stopped_a_band_ends_the_request_cancelled_though_its_toke
         assert records["peer"].result().handoff["status"] == "failed"
         table.settle_cancel("stopped")
         assert records["stopped"].status is Status.CANCELLED
+        assert records["stopped"].error == "client went away"  # not cleared by the token
 
     run(main)
 

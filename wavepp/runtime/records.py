@@ -113,7 +113,9 @@ class Record:
     # A cancel was asked for, and why; settled when every stage dropped the request
     # (cleared if its last chunk ran before the cancel reached it).
     cancel_reason: str | None = None
-    cancel_asked: bool = False  # ever (not cleared): its cancel wave is on its way
+    # why a cancel was asked, kept when the first token clears ``cancel_reason``: its
+    # cancel wave is on its way, and may still stop a band of a handoff
+    cancel_asked: str | None = None
     miss_reason: str | None = None  # why it reused < 80% of its expected reuse
     handoff_outcomes: dict = attrs.field(factory=dict)  # stage -> HandoffOutcome
     finished: anyio.Event = attrs.field(factory=anyio.Event)
@@ -165,13 +167,14 @@ class Record:
         """Note a cancel; False when it is over or a cancel was already asked for."""
         if self._status.ended or self.cancel_reason is not None:
             return False
-        self.cancel_reason, self.cancel_asked = reason, True
+        self.cancel_reason = self.cancel_asked = reason
         return True
 
     def end(self, status: Status, now: float, error: str | None = None) -> None:
         self._move(status)
         self.done_at = now
-        self.error = self.cancel_reason if status is Status.CANCELLED else error
+        self.error = (self.cancel_reason or self.cancel_asked) if status is Status.CANCELLED \
+            else error  # fmt: skip
         self.finished.set()
 
     def result(self) -> Result:

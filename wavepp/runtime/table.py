@@ -178,7 +178,8 @@ class RequestTable:
         before or after the first token (which clears a cancel that came too late for
         the prefill; it may still have stopped a band)."""
         outcomes = record.handoff_outcomes.values()
-        stopped = record.cancel_asked and any(o.reason == "cancelled" for o in outcomes)
+        stopped = record.cancel_asked is not None and any(
+            o.reason == "cancelled" for o in outcomes)  # fmt: skip
         return (len(outcomes) >= self.num_stages and record.cancel_reason is None
                 and not stopped)  # fmt: skip
 
