@@ -14,6 +14,22 @@ from tests.integration.conftest import torchrun
 from wavepp.handoff.receive import Handoff, Receiver
 
 
+def fill_backlog(path: str, most: int = 4096) -> list:
+    """Connect non-blocking Unix sockets to the listener at ``path`` until its backlog
+    is full (the next connect gets EAGAIN); the caller closes them."""
+    import socket
+
+    filled = []
+    for _ in range(most):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.setblocking(False)
+        if sock.connect_ex(path) != 0:
+            sock.close()
+            break
+        filled.append(sock)
+    return filled
+
+
 class ReceiverThread:
     """``with ReceiverThread(config, dtype, path) as rx:`` — ``rx.handoffs`` fills as
     requests' caches complete; the receiver's event loop runs in a thread (a portal)."""

@@ -71,6 +71,7 @@ def test_a_read_ends_as_what_is_there_says(sent, closes, n, outcome):
 def test_a_connect_to_a_unix_listener_with_a_full_backlog_waits_for_room(tmp_path):
     """Such a connect fails at once with EAGAIN (a Unix socket never connects in the
     background): it is tried again until the listener takes a connection."""
+    from tests.handoff_rig import fill_backlog
     from wavepp.handoff._io import connect
     from wavepp.handoff.wire import Address
 
@@ -78,14 +79,7 @@ def test_a_connect_to_a_unix_listener_with_a_full_backlog_waits_for_room(tmp_pat
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen(0)
-    waiting = []
-    for _ in range(8):  # fill the backlog
-        sock = socket.socket(socket.AF_UNIX)
-        sock.setblocking(False)
-        if sock.connect_ex(path) != 0:
-            sock.close()
-            break
-        waiting.append(sock)
+    waiting = fill_backlog(path)
 
     async def main():
         async with anyio.create_task_group() as tg:

@@ -582,15 +582,10 @@ def test_a_band_whose_reads_wait_on_other_ranks_never_goes_out_from_the_event_lo
 def test_a_thread_band_waits_for_room_in_a_full_unix_backlog(sock_path):
     """A receiver behind on ``accept``: its listener's backlog is full, and a Unix
     connect fails at once (EAGAIN). The band tries again until there is room."""
+    from tests.handoff_rig import fill_backlog
+
     receiver = Receiver(sock_path)  # listening, not accepting yet
-    fillers = []
-    while True:
-        sock = socket.socket(socket.AF_UNIX)
-        sock.setblocking(False)
-        if sock.connect_ex(sock_path) != 0:
-            sock.close()
-            break
-        fillers.append(sock)
+    fillers = fill_backlog(sock_path)
 
     def later() -> None:
         time.sleep(0.3)
