@@ -184,8 +184,10 @@ HELP: dict[str, str] = {
     "to the default target, as if each asked for handoff: true",
     "layers_per_stage": "layers each stage holds: 'auto' (placed so that the stages' busy "
     "times, measured at start-up on the run's typical wave, are equal; a boundary may fall "
-    "between a layer's mixer and its MLP), 'even', or counts such as '13,11,12,12' or "
-    "'1.5,2.5' (a half: a layer's mixer or its MLP; the last stage holds the whole last layer)",
+    "between a layer's mixer and its MLP, or inside an attention mixer that the two stages "
+    "then share by rows), 'even', or counts such as '13,11,12,12', '1.5,2.5' (a half: a "
+    "layer's mixer or its MLP) or '1.3,2.7' (stage 0 runs 60%% of layer 1's attention); the "
+    "last stage holds the whole last layer",
     "time_scale": "sim: real seconds slept per simulated second (figures are in simulated time)",
     "seed": "seed of the workload and of the random weights",
     "json": "write the run's JSON record here",
@@ -442,7 +444,7 @@ def capacity_list(text: str) -> list[int]:
 
 
 def layer_counts(text: str) -> list[float] | None:
-    """``--layers-per-stage`` as layer counts in halves (None: 'auto' or 'even')."""
+    """``--layers-per-stage`` as layer counts (None: 'auto' or 'even')."""
     if text in ("auto", "even"):
         return None
     try:

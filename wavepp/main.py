@@ -237,6 +237,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     """(executor, has recurrent layers) for stage ``rank``; with ``groups`` (``--tp``) the
     leader's shard, posting every wave to the stage's other ranks."""
     units = placement.spans[rank]
+    shares = (placement.shared_first(rank), placement.shared_last(rank))
     rng = np.random.default_rng([c.seed, rank])  # the sim's noise: seeded, per rank
     measured = sim_measured(c)
     if measured is not None:
@@ -244,7 +245,8 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
         if sharing > 1 and rank == 0:
             log(f"sim: {world} ranks share the {measured.machine['cores']} cores the profile "
                 f"was measured on: every simulated wave takes {sharing:g}x its parts' time")
-        cost = MeasuredStageCost(measured, units, rank == 0, rank == world - 1, sharing)
+        cost = MeasuredStageCost(measured, units, rank == 0, rank == world - 1, sharing,
+                                 *shares)  # fmt: skip
         recurrent = any(measured.mixers[u // 2] in RECURRENT for u in units if u % 2 == 0)
         return SimExecutor(cost, c.time_scale, c.sim_noise, rng), recurrent
     if c.executor == "sim":
@@ -260,7 +262,7 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
     if c.compile:
         log(f"compiling stage {rank}'s layers (--compile)")
     executor = compute.call(stage_executor, c, cfg, weights, units, rank == 0, rank == world - 1,
-                            capacity, snapshot_capacity, groups)  # fmt: skip
+                            capacity, snapshot_capacity, groups, shares)  # fmt: skip
     recurrent = any(cfg.kind(layer) == "L" for layer in executor.mixer_ids)
     log(f"stage {rank}: attention by {executor.attention_kernel}" if executor.attention_kernel
         else f"stage {rank}: no softmax-attention layers, so no attention kernel")  # fmt: skip
@@ -277,14 +279,17 @@ def build_executor(c: RunConfig, rank: int, world: int, capacity: int,
 
 def stage_executor(c: RunConfig, cfg: ModelConfig, weights: dict, units: range, first: bool,
                    last: bool, capacity: int, snapshot_capacity: int | None,
-                   groups: StageGroups | None) -> TorchExecutor:  # fmt: skip
+                   groups: StageGroups | None,
+                   shared: tuple[float | None, float | None] = (None, None),
+                   ) -> TorchExecutor:  # fmt: skip
     """This rank's torch executor: its stage's layers (with ``--tp``, its shard of them,
-    reducing over the stage's group) over pools of ``capacity`` blocks."""
+    reducing over the stage's group) over pools of ``capacity`` blocks; ``shared``: the
+    shares of the mixers it shares with the stage before and after (``Placement``)."""
     tp = NO_TP if groups is None else DistTPGroup(groups.compute)
     modules = build_stage(cfg, range(0), first, last, weights, pick_device(c.device),
                           pick_dtype(c.dtype), units, tp=tp)  # fmt: skip
     return TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
-                         c.full_last_layer)  # fmt: skip
+                         c.full_last_layer, *shared)  # fmt: skip
 
 
 async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlane, specs: list,
@@ -301,9 +306,14 @@ async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlan
     counts = layer_counts(c.layers_per_stage)
     if counts is not None:
         try:
-            return given(counts, num_layers)
+            placement = given(counts, num_layers)
         except PlacementError as error:  # a checkpoint's layer count is known only here
             raise SystemExit(f"wavepp: {error}") from None
+        if any(placement.shares):
+            why = sharing_refused(c, model, placement)
+            if why:
+                raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage}: {why}")
+        return placement
     if world == 1 or c.layers_per_stage == "even":
         return even(num_layers, world)
     placement = None
@@ -316,24 +326,48 @@ async def agree_placement(c: RunConfig, rank: int, world: int, plane: RoundsPlan
                      else _sim_placement(c, world, shape))  # fmt: skip
         log(f"layers per stage {placement.describe()}, placed in "
             f"{time.perf_counter() - started:.2f} s")  # fmt: skip
-    raw = await plane.broadcast(None if placement is None else json.dumps(placement.units).encode())
-    return placement or Placement(_units(raw, world, num_layers), "auto")
+    raw = await plane.broadcast(None if placement is None else json.dumps(
+        {"units": placement.units, "shares": placement.shares}).encode())
+    return placement or _received(raw, world, num_layers)
+
+
+def sharing_refused(c: RunConfig, model: tuple[ModelConfig, dict] | None,
+                    placement: Placement | None = None) -> str | None:
+    """Why this run cannot share a mixer between two stages (of ``placement``, if given),
+    or None: sharing runs on the torch executor (or the simulator calibrated on it), one
+    rank a stage, attention mixers."""
+    measured = sim_measured(c)
+    if model is None and measured is None:
+        return ("a mixer shared by two stages runs on the torch executor (or the simulator "
+                "of a measured profile) only")  # fmt: skip
+    if c.tp > 1:
+        return "a mixer shared by two stages cannot also be split by --tp"
+    mixers = model[0].mixers if model else measured.mixers
+    for b, share in enumerate(placement.shares if placement else ()):
+        layer = (sum(placement.units[: b + 1]) - 1) // 2
+        if share and mixers[layer] in RECURRENT:
+            return (f"layer {layer}'s mixer ({mixers[layer]}) is recurrent; only attention "
+                    "can be shared by two stages")  # fmt: skip
+    return None
 
 
 def _measured_placement(c: RunConfig, world: int, shape: WaveShape,
                         model: tuple[ModelConfig, dict]) -> Placement:  # fmt: skip
     cfg, weights = model
+    share = sharing_refused(c, model) is None
     costs = compute.call(measure_costs, cfg, weights, shape, pick_device(c.device),
-                         pick_dtype(c.dtype), c.block_size, c.full_last_layer)  # fmt: skip
+                         pick_dtype(c.dtype), c.block_size, c.full_last_layer,
+                         shared=share)  # fmt: skip
     return balanced(costs.mixers, costs.mlps, costs.last_layer, costs.embed, costs.head, world,
-                    shape=shape.describe())  # fmt: skip
+                    shape=shape.describe(), shared=costs.shared if share else None)  # fmt: skip
 
 
 def _calibrated_placement(profile: MeasuredProfile, world: int, shape: WaveShape) -> Placement:
     """The torch executor's balanced placement, from the costs the measured profile
     predicts for the parts it would time on the same wave."""
     costs = profile.unit_costs(shape)
-    return balanced(*costs, world, shape=shape.describe() + " (SIMULATED)")
+    return balanced(*costs, world, shape=shape.describe() + " (SIMULATED)",
+                    shared=profile.rowless_costs(shape))  # fmt: skip
 
 
 def _sim_placement(c: RunConfig, world: int, shape: WaveShape) -> Placement:
@@ -355,18 +389,27 @@ def _sim_placement(c: RunConfig, world: int, shape: WaveShape) -> Placement:
                      shape.describe() + " (SIMULATED)")  # fmt: skip
 
 
-def _units(raw: bytes, world: int, num_layers: int) -> tuple[int, ...]:
-    """Rank 0's placement as received: ``world`` unit counts, checked before use."""
+def _received(raw: bytes, world: int, num_layers: int) -> Placement:
+    """Rank 0's placement as received: ``world`` unit counts and no or ``world - 1``
+    shares, checked before use."""
     try:
-        units = json.loads(raw)
+        got = json.loads(raw)
     except (ValueError, RecursionError):
-        units = None
-    if (not isinstance(units, list) or len(units) != world
-            or not all(type(n) is int and n >= 1 for n in units)
-            or sum(units) != 2 * num_layers or units[-1] < 2):  # fmt: skip
-        raise RuntimeError(f"rank 0 sent a placement that is not {world} unit counts summing "
-                           f"to {2 * num_layers}: {raw[:200]!r}")  # fmt: skip
-    return tuple(units)
+        got = None
+    units = got.get("units") if isinstance(got, dict) else None
+    shares = got.get("shares") if isinstance(got, dict) else None
+    bad = (not isinstance(units, list) or len(units) != world
+           or not all(type(n) is int and n >= 1 for n in units)
+           or sum(units) != 2 * num_layers or units[-1] < 2
+           or not isinstance(shares, list) or len(shares) not in (0, world - 1)
+           or not all(type(f) in (int, float) for f in shares))  # fmt: skip
+    if not bad:
+        try:
+            return Placement(tuple(units), "auto", shares=tuple(float(f) for f in shares))
+        except (PlacementError, ValueError):
+            pass
+    raise RuntimeError(f"rank 0 sent a placement that is not {world} unit counts summing to "
+                       f"{2 * num_layers} with their shares: {raw[:200]!r}")  # fmt: skip
 
 
 def reusable_prefixes(specs: list, block_size: int) -> list[tuple[int, int]]:
@@ -387,7 +430,10 @@ def data_limits(c: RunConfig, executor) -> DataLimits:
     """What the data plane accepts: waves of at most --budget tokens, [tokens, d_model]
     in the model's dtype (the sim sends [tokens] float16 stand-ins)."""
     if isinstance(executor, TorchExecutor | TPLeader):
-        return DataLimits.for_run(c.budget, executor.cfg.d_model, executor.dtype,
+        # after a mixer shared with the stage before: the wave's rows and up to as many
+        # rows of that mixer's outputs (TorchExecutor.forward)
+        rows = c.budget * (2 if getattr(executor, "shared_first", None) is not None else 1)
+        return DataLimits.for_run(rows, executor.cfg.d_model, executor.dtype,
                                   MAX_MESSAGE_BYTES)  # fmt: skip
     return DataLimits.for_run(c.budget, None, torch.float16, MAX_MESSAGE_BYTES)
 

@@ -42,7 +42,9 @@ class Pipeline:
         for s, units in enumerate(placement.spans):
             modules = build_stage(cfg, range(0), s == 0, s == num_stages - 1, weights,
                                   dtype=dtype, units=units)  # fmt: skip
-            executor = TorchExecutor(modules, capacity, block_size)
+            executor = TorchExecutor(modules, capacity, block_size,
+                                     shared_first=placement.shared_first(s),
+                                     shared_last=placement.shared_last(s))  # fmt: skip
             recurrent = any(cfg.kind(i) == "L" for i in executor.mixer_ids)
             book = StageBook(empty_cache(capacity, has_recurrent=recurrent))
             self.stages.append(Stage(s, book, executor, block_size, snapshot_interval,

@@ -2,7 +2,8 @@
 
 For each family's tiny checkpoint (made here by ``transformers``), a run under torchrun
 at P = 1, 2 or 3 stages (some of two tensor-parallel ranks, whose leader puts the heads
-together) with uneven layers (some stage boundaries between a layer's mixer and its MLP)
+together) with uneven layers (some stage boundaries between a layer's mixer and its MLP, one
+inside an attention mixer that two stages share)
 prefills prompts that reuse cached prefixes
 (so handed-off blocks were computed by earlier requests), ending on and off block
 boundaries; every stage sends its band to a real receiver on a Unix socket. Then, per
@@ -40,13 +41,14 @@ def prompts(seed: int) -> dict[str, list[int]]:
     return {"doc": doc, "turn": turn, "aligned": doc + draw(32), "deeper": turn + draw(30)}
 
 
-CASES = [  # (family, stages, layers per stage (a half: a boundary inside a layer), TP)
+CASES = [  # (family, stages, layers per stage (a half: a boundary between a layer's mixer
+    # and its MLP; another fraction: inside a mixer, which the two stages share), TP)
     ("llama", 3, "1.5,1.5,1", 1),
     ("kimi_linear", 1, None, 1),
     ("kimi_linear", 2, "3,2", 1),
     ("kimi_linear", 3, "1.5,1.5,2", 1),
     ("qwen3_next", 3, "2,2,1", 1),
-    ("minimax_m2", 2, "1,3", 1),
+    ("minimax_m2", 2, "1.3,2.7", 1),  # layer 1's attention shared by the two stages
     # a stage over two ranks: its leader puts the followers' heads together
     ("kimi_linear", 2, "3,2", 2),
     ("qwen3_next", 1, None, 2),

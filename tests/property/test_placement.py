@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 
 from wavepp.plan.placement import (
     HALF_LAYER_GAIN,
+    MIN_SHARE,
+    SHARE_GAIN,
+    Placement,
     PlacementError,
     balanced,
     even,
@@ -108,7 +111,7 @@ def test_a_short_last_stage_is_balanced_by_cutting_inside_a_layer():
 def test_even_and_given_placements():
     assert even(10, 4).units == (6, 6, 4, 4)
     assert given(parse_counts("1.5, 2.5"), 4).units == (3, 5)
-    for text, problem in (("2,x", "not 'auto'"), ("1.25,2.75", "halves"), ("0,4", "positive")):
+    for text, problem in (("2,x", "not 'auto'"), ("0,4", "positive"), ("1,nan", "positive")):
         with pytest.raises(PlacementError, match=problem):
             parse_counts(text)
     with pytest.raises(PlacementError, match="sums to 5"):
@@ -128,3 +131,73 @@ def test_typical_wave():
     assert (w.chunks, w.tokens, w.prefix) == (1, 512, 1792)
     # a server: one cold prompt of the default length
     assert typical_wave(2048, [], 16, 1024).tokens == 1024
+
+
+def test_a_count_inside_a_mixer_shares_it():
+    p = given(parse_counts("1.3,2.7"), 4)  # 2.6 units: 60% of unit 2, layer 1's mixer
+    assert p.units == (3, 5) and p.shares == (0.6,) and p.layers == (1.3, 2.7)
+    assert p.spans == [range(0, 3), range(2, 8)]  # both stages hold the shared mixer
+    assert (p.shared_last(0), p.shared_first(1)) == (0.6, 0.6)
+    assert p.shared_first(0) is None and p.shared_last(1) is None
+    assert "layer 1's attention shared 0.60 / 0.40 by stages 0 and 1" in p.describe()
+    assert p.as_record()["shared_mixers"] == [{"stages": [0, 1], "layer": 1, "share": 0.6}]
+    three = given([0.25, 1, 2.75], 4)  # inside layers 0's and 1's mixers (units 0.5, 2.5)
+    assert three.units == (1, 2, 5) and three.shares == (0.5, 0.5)
+    assert three.spans == [range(0, 1), range(0, 3), range(2, 8)]
+    assert sum(three.layers) == pytest.approx(4)
+    for counts, problem in (([1.8, 2.2], "layer 1's MLP"), ([3.3, 0.7], "before the last"),
+                            ([1.01, 2.99], f"at least {MIN_SHARE:g}"),
+                            ([1.3, 0.1, 2.6], "a unit of its own")):  # fmt: skip
+        with pytest.raises(PlacementError, match=problem):
+            given(counts, 4)
+    with pytest.raises(PlacementError, match="only a layer's mixer"):
+        Placement((2, 6), "auto", shares=(0.5,))  # unit 1 is an MLP
+
+
+def _times_with_shares(p, mixers, mlps, last, embed, head, rowless) -> list[float]:
+    """Each stage's seconds under ``p``: a shared mixer costs each side its rowless part
+    plus its share of the rest."""
+    per_unit = [c for pair in zip(mixers, mlps, strict=True) for c in pair] + [last / 2] * 2
+    times = []
+    for s, span in enumerate(p.spans):
+        t = sum(per_unit[u] for u in span) + (embed if s == 0 else 0)
+        t += head if s == len(p.units) - 1 else 0
+        for share, unit in ((p.shared_last(s), span.stop - 1), (p.shared_first(s), span.start)):
+            if share:
+                fixed = rowless[unit // 2]
+                part = share if unit == span.stop - 1 else 1 - share
+                t += fixed + part * (per_unit[unit] - fixed) - per_unit[unit]
+        times.append(t)
+    return times
+
+
+@settings(max_examples=200, deadline=None)
+@hypothesis_given(st.integers(1, 6).flatmap(lambda n: st.tuples(
+    st.lists(costs, min_size=n, max_size=n), st.lists(costs, min_size=n, max_size=n),
+    costs, costs, costs, st.integers(1, n + 1),
+    st.lists(st.none() | st.floats(0.0, 1.0), min_size=n, max_size=n))))  # fmt: skip
+def test_a_shared_mixer_is_taken_only_when_it_pays_and_is_priced_right(case):
+    mixers, mlps, last, embed, head, stages, fractions = case
+    rowless = [None if f is None else f * m for f, m in zip(fractions, mixers, strict=True)]
+    plain = balanced(mixers, mlps, last, embed, head, stages)
+    p = balanced(mixers, mlps, last, embed, head, stages, shared=rowless)
+    assert sum(p.units) == 2 * (len(mixers) + 1) and min(p.units) >= 1 and p.units[-1] >= 2
+    times = _times_with_shares(p, mixers, mlps, last, embed, head, rowless)
+    assert times == pytest.approx(list(p.predicted_s), abs=1e-9)
+    if not any(p.shares):
+        assert p == plain
+        return
+    assert max(p.predicted_s) <= max(plain.predicted_s) * (1 - SHARE_GAIN) + 1e-9
+    for b, share in enumerate(p.shares):
+        if share:
+            assert MIN_SHARE - 1e-9 <= share <= 1 - MIN_SHARE + 1e-9
+            assert rowless[(sum(p.units[: b + 1]) - 1) // 2] is not None
+
+
+def test_the_short_suffix_llama_is_balanced_by_sharing_a_mixer():
+    # mixers ~100 ms, MLPs ~20, the last layer and head ~46 (the vllm_compare Llama's
+    # short-suffix wave): no cut between units comes within 14%; sharing layer 1's
+    # attention evens the stages
+    p = balanced([100.0] * 3, [20.0] * 3, 46.0, 1.0, 0.0, 2, shared=[5.0] * 3)
+    assert p.units == (3, 5) and p.shares and 0.8 < p.shares[0] < 0.9
+    assert min(p.predicted_s) / max(p.predicted_s) == pytest.approx(1.0)

@@ -14,8 +14,12 @@ from wavepp.workload.generators import RequestSpec
 def test_every_part_of_a_hybrid_model_is_timed():
     cfg = BUILTIN["tiny-kimi"]  # KDA and MLA mixers, dense and sparse MLPs
     costs = measure(cfg, random_weights(cfg, 0), WaveShape(2, 32, 64), torch.device("cpu"),
-                    torch.float32, 16, repeats=1)  # fmt: skip
-    assert len(costs.mixers) == len(costs.mlps) == cfg.num_layers - 1
+                    torch.float32, 16, repeats=1, shared=True)  # fmt: skip
+    assert len(costs.mixers) == len(costs.mlps) == len(costs.shared) == cfg.num_layers - 1
+    # attention (MLA) mixers are timed with no rows of their own too; recurrent ones not
+    for i, rowless in enumerate(costs.shared):
+        assert (rowless is None) == (cfg.kind(i) == "L")
+        assert rowless is None or rowless > 0
     assert min(costs.mixers) > 0 and min(costs.mlps) > 0 and costs.head > 0
     assert costs.embed > 0 and costs.last_layer >= 0
     # layers of one kind are timed once
@@ -49,3 +53,34 @@ def test_a_seed_names_the_same_weights():
     # each tensor's sum weighted by its place in the draw: a swap of two tensors shows
     total = sum(k * float(t.double().sum()) for k, t in enumerate(weights.values(), 1))
     assert abs(total - PINNED) < 1e-3
+
+
+def test_a_placement_from_rank_0_is_checked_before_use():
+    import json
+
+    import pytest
+
+    from wavepp.main import _received
+
+    ok = _received(json.dumps({"units": [3, 5], "shares": [0.6]}).encode(), 2, 4)
+    assert ok.spans == [range(0, 3), range(2, 8)] and ok.shares == (0.6,)
+    assert _received(b'{"units": [4, 4], "shares": []}', 2, 4).shares == ()
+    for bad in (b"[4, 4]", b'{"units": [4, 4]}', b'{"units": [3, 5], "shares": [1.5]}',
+                b'{"units": [4, 4], "shares": [0.5]}', b'{"units": [3, 5], "shares": [true]}',
+                b'{"units": [3, 5], "shares": [0.5, 0.5]}', b"\xff"):  # fmt: skip
+        with pytest.raises(RuntimeError, match="rank 0 sent a placement"):
+            _received(bad, 2, 4)
+
+
+def test_sharing_needs_the_torch_executor_one_rank_a_stage_and_attention():
+    from wavepp.config import RunConfig
+    from wavepp.main import sharing_refused
+    from wavepp.plan.placement import given
+
+    cfg = BUILTIN["tiny-kimi"]  # LLLALLLA
+    model = (cfg, {})
+    torch_run = RunConfig(executor="torch")
+    assert sharing_refused(torch_run, model, given([3.3, 4.7], 8)) is None  # layer 3: MLA
+    assert "recurrent" in sharing_refused(torch_run, model, given([1.3, 6.7], 8))
+    assert "--tp" in sharing_refused(RunConfig(executor="torch", tp=2), model)
+    assert "torch executor" in sharing_refused(RunConfig(executor="sim"), None)

@@ -153,6 +153,26 @@ def test_unit_costs_feed_the_torch_placement_with_each_part_as_a_stage():
     assert last > mlps[0] and embed > 0
 
 
+def test_a_shared_mixer_is_priced_as_the_torch_placement_prices_it():
+    p = profile()
+    shape = WaveShape(2, 256, 512)
+    rowless = p.rowless_costs(shape)  # layer 3 is MLA; KDA layers cannot be shared
+    assert [r is None for r in rowless] == [True, True, True, False, True, True, True]
+    assert rowless[3] == pytest.approx(p.parts["mixer:mla"].seconds(512, 0) + 1e-4)
+    chunks = [(512, 768)] * 2
+    pairs = 2 * attention_pairs(512, 256)
+    mla = p.parts["mixer:mla"]
+    for share in (0.25, 0.7):  # layer 3's mixer (unit 6) shared: units 4..6, then 6..8
+        before = MeasuredStageCost(p, range(4, 7), False, False, shared_last=share)
+        after = MeasuredStageCost(p, range(6, 9), False, False, shared_first=share)
+        dense = MeasuredStageCost(p, range(4, 6), False, False).cost(chunks, 0).seconds
+        assert before.cost(chunks, 0).seconds == pytest.approx(
+            dense + mla.seconds(512, share * pairs))
+        rest = MeasuredStageCost(p, range(7, 9), False, False).cost(chunks, 0).seconds
+        assert after.cost(chunks, 0).seconds == pytest.approx(
+            rest + mla.seconds(512, (1 - share) * pairs))
+
+
 def test_the_fit_recovers_synthetic_coefficients():
     rng = np.random.default_rng(0)
     truth = (2e-4, 3e-6, 5e-10)

@@ -112,7 +112,8 @@ class TorchExecutor:
 
     def __init__(self, modules: nn.Module, capacity: int, block_size: int,
                  snapshot_capacity: int | None = None, compile: bool = False,
-                 full_last_layer: bool = False) -> None:  # fmt: skip
+                 full_last_layer: bool = False, shared_first: float | None = None,
+                 shared_last: float | None = None) -> None:  # fmt: skip
         """``modules``: a stage (``build_stage``) already on its device in its dtype; the
         pools and states follow it. ``snapshot_capacity``: slots of the snapshot pool
         (default ``capacity``: at most one snapshot per cached block). ``compile``: run
@@ -122,13 +123,17 @@ class TorchExecutor:
         forward does; by default its cache entries (keys and values, latents, recurrent
         states) are computed for every token and its outputs (attention, MLP) only for
         the last token of each prompt that ends in the wave, the only rows the logits
-        read."""
+        read. ``shared_first`` / ``shared_last``: the stage's first (last) layer is one
+        whose attention it shares with the stage before (after) it, at that share of the
+        rows' work (``wavepp.plan.placement``); see :meth:`forward`."""
         self.m = modules
         self.tp = modules.tp  # the stage's tensor-parallel ranks: sums partial outputs
         # layers whose mixer (and cache) this stage holds: all of its layers, but the
         # last when a stage boundary falls between that layer's mixer and its MLP
         self.mixer_ids = [i for i in modules.layer_ids if modules.layer(i).has_mixer]
         self.full_last_layer = full_last_layer
+        self.shared_first, self.shared_last = shared_first, shared_last
+        self._check_shared()
         self.cfg = modules.cfg
         self.block_size = block_size
         weight = next(modules.parameters())
@@ -165,13 +170,39 @@ class TorchExecutor:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.fused: dict[int, FusedLayer] = {}  # layer -> its compiled form (--compile)
-        if compile:
+        if compile:  # a shared layer runs eagerly: the fused form attends every row
+            shared = self._shared_layers()
             self.fused = {i: FusedLayer(modules.layer(i)) for i in modules.layer_ids
-                          if fusable(modules.layer(i))}  # fmt: skip
+                          if fusable(modules.layer(i)) and i not in shared}  # fmt: skip
             self._warm_compiled()
 
     def _mixers(self):
         return [self.m.layer(i).mixer for i in self.mixer_ids]
+
+    def _shared_layers(self) -> set[int]:
+        """The layers whose mixer this stage shares with a neighbour."""
+        ids = self.m.layer_ids
+        first = [ids[0]] if self.shared_first is not None else []
+        return set(first + ([ids[-1]] if self.shared_last is not None else []))
+
+    def _check_shared(self) -> None:
+        """A shared layer's mixer is paged attention, held here (with its cache); the
+        stage before holds only that mixer of the layer, the stage after its MLP too."""
+        for share in (self.shared_first, self.shared_last):
+            if share is not None and not 0.0 <= share <= 1.0:
+                raise ValueError(f"a shared mixer's share is {share}, not within 0..1")
+        if self.tp.size > 1 and self._shared_layers():
+            raise ValueError("a mixer shared by two stages cannot also be split over "
+                             "tensor-parallel ranks")  # fmt: skip
+        for i in self._shared_layers():
+            layer = self.m.layer(i)
+            if not (layer.has_mixer and layer.mixer.paged):
+                raise ValueError(f"layer {i}: only an attention mixer (a paged cache) can be "
+                                 "shared by two stages")  # fmt: skip
+        if self.shared_last is not None and self.m.layer(self.m.layer_ids[-1]).has_ffn:
+            raise ValueError("the stage before a shared mixer ends with it, without its MLP")
+        if self.shared_first is not None and self.m.first:
+            raise ValueError("stage 0 cannot share a mixer with a stage before it")
 
     # -- the protocol ---------------------------------------------------------------
 
@@ -233,7 +264,11 @@ class TorchExecutor:
             ids = np.asarray(job.tokens, dtype=np.int32)
             out.append(BandTensor(-1, "tokens", "int32", (n,), lambda: torch.from_numpy(ids)))
         runs = _row_runs(job.block_table, self.block_size, n)
+        # a mixer shared with the stage before: that stage's band carries its cache
+        skip = self.m.layer_ids[0] if self.shared_first is not None else None
         for i in self.mixer_ids:
+            if i == skip:
+                continue
             if i in self.pools:
                 for name, pool in self.pools[i].items():
                     # on the CPU the bytes go out from the pool's blocks: a view per run
@@ -301,12 +336,26 @@ class TorchExecutor:
 
     @torch.inference_mode()
     def forward(self, chunks: list[ChunkWork], x: torch.Tensor | None):
-        """x: [tokens, d_model] from the previous stage (None on stage 0)."""
+        """x: [tokens, d_model] from the previous stage (None on stage 0).
+
+        A mixer two stages share (``shared_last`` here, ``shared_first`` on the next
+        stage) is cut by rows (:meth:`PagedBatch.share_row`): both stages store every
+        token's keys and values, the earlier attends for rows ``0..m-1`` and the later for
+        the rest. The earlier sends ``[tokens + m, d_model]``: the residual before the
+        mixer, then rows ``0..m-1`` after it; the later adds its rows' outputs to the
+        rest."""
         if x is None:
             tokens = torch.cat([torch.as_tensor(c.tokens, dtype=torch.long) for c in chunks])
             x = self.m.model.embed_tokens(tokens.to(self.device))
         batch = PagedBatch.build(chunks, self.block_size, self.device)
-        if batch.num_tokens != x.shape[0]:
+        done = None  # shared_first: rows 0..m-1 after the shared mixer, from the stage before
+        if self.shared_first is not None:
+            m = batch.share_row(self.shared_first)
+            if x.shape[0] != batch.num_tokens + m:
+                raise ValueError(f"wave of {batch.num_tokens} tokens sharing {m} rows got "
+                                 f"activations for {x.shape[0]}")  # fmt: skip
+            x, done = x[: batch.num_tokens], x[batch.num_tokens :]
+        elif batch.num_tokens != x.shape[0]:
             raise ValueError(f"wave of {batch.num_tokens} tokens got activations for {x.shape[0]}")
         x = x.to(self.device, self.dtype)  # x: [tokens, d_model]
         ending = [s for s, c in enumerate(chunks) if c.is_last]  # sequences whose logits we read
@@ -319,7 +368,11 @@ class TorchExecutor:
                 x = self.fused[i](x, batch, self.pools[i], self.attention, queries)
                 continue
             layer = self.m.layer(i)
-            if layer.has_mixer:
+            if done is not None and i == self.m.layer_ids[0]:
+                x = self._mix_shared(i, layer, x, batch, done)
+            elif self.shared_last is not None and i == self.m.layer_ids[-1]:
+                x = self._mix_shared(i, layer, x, batch, None)
+            elif layer.has_mixer:
                 x = self._mix(i, layer, x, chunks, batch, queries)
             if layer.has_ffn and x.shape[0]:
                 x = x + self.tp.all_reduce(layer.ffn(layer.post_attention_layernorm(x)))
@@ -357,6 +410,22 @@ class TorchExecutor:
             _, mixed = to_queries(batch, queries, mixed)
         _, x = to_queries(batch, queries, x)
         return x + self.tp.all_reduce(mixed)
+
+    def _mix_shared(self, i: int, layer: nn.Module, x: torch.Tensor, batch: PagedBatch,
+                    done: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        """A shared mixer (:meth:`forward`): every token's cache entries, and the outputs
+        of this stage's rows. ``done`` (on the later stage): the earlier stage's rows
+        after the mixer; without it (the earlier stage) the result is the residual before
+        the mixer followed by this stage's rows after it, ``[tokens + m, d_model]``."""
+        later = done is not None
+        n = batch.num_tokens
+        m = batch.share_row(self.shared_first if later else self.shared_last)
+        rows = batch.query_rows(m, n) if later else batch.query_rows(0, m)
+        mixed = layer.mixer.paged_forward(layer.input_layernorm(x), batch, self.pools[i],
+                                          self.attention, rows)  # fmt: skip
+        if later:
+            return torch.cat([done.to(x.dtype), x[m:] + mixed])
+        return torch.cat([x, x[:m] + mixed])
 
     def _resume(self, i: int, c: ChunkWork) -> State | None:
         """The state before token c.start: live, from a snapshot slot, or None (zeros)."""

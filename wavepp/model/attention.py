@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from wavepp.model import cpu_kernel
@@ -114,6 +115,36 @@ class PagedBatch:
         queries.rows = torch.as_tensor([self.spans[s][1] - 1 for s in seqs],
                                        dtype=torch.long).to(self.device)  # fmt: skip
         return queries
+
+    def query_rows(self, lo: int, hi: int) -> PagedBatch:
+        """This wave's new tokens ``lo..hi-1`` (rows of its tensors) as a batch of queries,
+        each attending to its whole sequence up to itself in the pools (rows this wave has
+        already written); ``rows`` holds their rows. A chunk the range cuts becomes the
+        piece inside it. For a mixer two stages share, each running some of its rows
+        (:meth:`share_row`)."""
+        starts, ends, tables = [], [], []
+        for (a, b), start, table in zip(self.spans, self.starts, self.tables, strict=True):
+            first, stop = max(a, lo), min(b, hi)
+            if first < stop:
+                starts.append(start + first - a)
+                ends.append(start + stop - a)
+                tables.append(table)
+        queries = PagedBatch(starts, ends, tables, self.block_size, self.device)
+        queries.rows = torch.arange(lo, hi, dtype=torch.long).to(self.device)
+        return queries
+
+    def share_row(self, share: float) -> int:
+        """The row ``m`` that cuts a shared mixer's queries: rows ``0..m-1`` run on the
+        earlier stage, ``m..`` on the later. Each row weighs the keys it attends to (its
+        position + 1), and ``m`` is the first row at which the weights before it reach
+        ``share`` of the wave's. A pure function of the wave's chunks and ``share``, so
+        both stages compute the same ``m`` without sending it."""
+        if not self.num_tokens:
+            return 0
+        spans = zip(self.starts, self.ends, strict=True)
+        weights = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in spans])
+        before = np.concatenate([[0], np.cumsum(weights)])  # before[m]: rows 0..m-1
+        return int(np.searchsorted(before, share * before[-1], side="left"))
 
     @classmethod
     def build(

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import attrs
 
+from wavepp.model.config import RECURRENT
 from wavepp.plan.placement import WaveShape
 from wavepp.sim.executor import WaveCost, attention_pairs
 from wavepp.sim.profiles import LinkProfile
@@ -122,6 +123,16 @@ class MeasuredProfile:
         return ([of(f"mixer:{self.mixers[i]}") for i in body],
                 [of(f"mlp:{self.mlps[i]}") for i in body],
                 of("last_layer"), of("embed", p=0.0), of("head", shape.chunks, 0.0))  # fmt: skip
+
+    def rowless_costs(self, shape: WaveShape) -> list[float | None]:
+        """Per layer 0..L-2: an attention mixer's seconds on ``shape`` with no rows of its
+        own (its fit without the attention term: what each of two stages sharing it
+        pays besides its share, as ``layer_costs.measure(shared=True)`` times it), or
+        None for a recurrent mixer, which cannot be shared."""
+        tokens = shape.chunks * shape.tokens
+        return [None if self.mixers[i] in RECURRENT
+                else self.part(f"mixer:{self.mixers[i]}").seconds(tokens, 0.0)
+                + self.wave_overhead_s for i in range(self.num_layers - 1)]  # fmt: skip
 
     def to_json(self, points: Sequence[dict] = ()) -> dict:
         return {
@@ -243,6 +254,10 @@ class MeasuredStageCost:
     is_first: bool
     is_last: bool
     sharing: float = 1.0
+    # the share of the first (last) unit's mixer this stage runs with the stage before
+    # (after) it: that mixer's fit with its attention term cut to the stage's part of it
+    shared_first: float | None = None
+    shared_last: float | None = None
 
     def cost(self, chunks: Sequence[tuple[int, int]], num_finished: int) -> WaveCost:
         """``chunks``: (start, end) token ranges; start is the chunk's attention prefix."""
@@ -251,9 +266,15 @@ class MeasuredStageCost:
             return WaveCost(0.0, 0.0, 0.0)
         pairs = sum(attention_pairs(s, e - s) for s, e in chunks)
         p = self.profile
+
+        def part(u: int) -> float:  # a shared mixer: all rows' projections, its pairs' share
+            share = (1 - self.shared_first if self.shared_first and u == self.units.start
+                     else self.shared_last if self.shared_last and u == self.units.stop - 1
+                     else 1.0)  # fmt: skip
+            return p.part(p.unit_key(u)).seconds(tokens, share * pairs)
+
         seconds = p.wave_overhead_s + sum(
-            p.part(p.unit_key(u)).seconds(tokens, pairs)
-            for u in self.units
+            part(u) for u in self.units
             if not (p.unit_key(u) == "last_layer" and u % 2)  # the last layer: one entry
         )
         if self.is_first:
