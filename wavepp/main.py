@@ -428,7 +428,8 @@ def reusable_prefixes(specs: list, block_size: int) -> list[tuple[int, int]]:
 
 def data_limits(c: RunConfig, executor) -> DataLimits:
     """What the data plane accepts: waves of at most --budget tokens, [tokens, d_model]
-    in the model's dtype (the sim sends [tokens] float16 stand-ins)."""
+    in the model's dtype (twice the rows after a shared mixer; the sim sends [tokens]
+    float16 stand-ins)."""
     if isinstance(executor, TorchExecutor | TPLeader):
         # after a mixer shared with the stage before: the wave's rows and up to as many
         # rows of that mixer's outputs (TorchExecutor.forward)

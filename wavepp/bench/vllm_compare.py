@@ -112,6 +112,7 @@ def run_wavepp(ckpt: Path, row: str, stages: int, threads: int, args, tmp: Path,
     firsts = {r["id"]: r["first_token"] for r in record["requests"]}
     return {"tok_s": record["throughput_tok_s"],
             "stage_utilization": record["stage_utilization"],
+            "placement": record["placement"],
             "first_tokens": [firsts[f"p{i}"] for i in range(len(measured))]}  # fmt: skip
 
 

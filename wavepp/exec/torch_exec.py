@@ -424,7 +424,7 @@ class TorchExecutor:
         mixed = layer.mixer.paged_forward(layer.input_layernorm(x), batch, self.pools[i],
                                           self.attention, rows)  # fmt: skip
         if later:
-            return torch.cat([done.to(x.dtype), x[m:] + mixed])
+            return torch.cat([done.to(x.device, x.dtype), x[m:] + mixed])
         return torch.cat([x, x[:m] + mixed])
 
     def _resume(self, i: int, c: ChunkWork) -> State | None:

@@ -141,9 +141,12 @@ class PagedBatch:
         both stages compute the same ``m`` without sending it."""
         if not self.num_tokens:
             return 0
-        spans = zip(self.starts, self.ends, strict=True)
-        weights = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in spans])
-        before = np.concatenate([[0], np.cumsum(weights)])  # before[m]: rows 0..m-1
+        before = self.kernel_state.get("share_weights")
+        if before is None:
+            spans = zip(self.starts, self.ends, strict=True)
+            weights = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in spans])
+            before = np.concatenate([[0], np.cumsum(weights)])  # before[m]: rows 0..m-1
+            self.kernel_state["share_weights"] = before
         return int(np.searchsorted(before, share * before[-1], side="left"))
 
     @classmethod

@@ -70,11 +70,11 @@ class Placement:
 
     def shared_first(self, stage: int) -> float | None:
         """The share that cuts the mixer ``stage`` shares with the stage before, if any."""
-        return self.share(stage - 1) or None if stage else None
+        return (self.share(stage - 1) or None) if stage else None
 
     def shared_last(self, stage: int) -> float | None:
         """The share that cuts the mixer ``stage`` shares with the stage after, if any."""
-        return self.share(stage) or None if stage < len(self.units) - 1 else None
+        return (self.share(stage) or None) if stage < len(self.units) - 1 else None
 
     @property
     def spans(self) -> list[range]:
