@@ -406,7 +406,7 @@ def _received(raw: bytes, world: int, num_layers: int) -> Placement:
     if not bad:
         try:
             return Placement(tuple(units), "auto", shares=tuple(float(f) for f in shares))
-        except (PlacementError, ValueError):
+        except (PlacementError, ValueError, OverflowError):
             pass
     raise RuntimeError(f"rank 0 sent a placement that is not {world} unit counts summing to "
                        f"{2 * num_layers} with their shares: {raw[:200]!r}")  # fmt: skip
@@ -436,7 +436,9 @@ def data_limits(c: RunConfig, executor) -> DataLimits:
         rows = c.budget * (2 if getattr(executor, "shared_first", None) is not None else 1)
         return DataLimits.for_run(rows, executor.cfg.d_model, executor.dtype,
                                   MAX_MESSAGE_BYTES)  # fmt: skip
-    return DataLimits.for_run(c.budget, None, torch.float16, MAX_MESSAGE_BYTES)
+    shared = getattr(getattr(executor, "cost_model", None), "shared_first", None)
+    return DataLimits.for_run(c.budget * (2 if shared else 1), None, torch.float16,
+                              MAX_MESSAGE_BYTES)  # fmt: skip
 
 
 def pick_policy(c: RunConfig, rung) -> Policy:

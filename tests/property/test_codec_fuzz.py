@@ -214,7 +214,7 @@ def test_data_plane_receive_accepts_the_runs_own_shapes_only():
     refused = {
         "claims to come from rank 3": [0x57505044, 3, 300, 1, 2, 64, 128, 0, 0, 0],
         "bad magic": [0, 1, 300, 1, 2, 64, 128, 0, 0, 0],
-        "513 tokens, the wave budget is 512": [0x57505044, 1, 300, 1, 2, 513, 128, 0, 0, 0],
+        "513 rows, this link takes at most 512": [0x57505044, 1, 300, 1, 2, 513, 128, 0, 0, 0],
         "width 129, the model's is 128": [0x57505044, 1, 300, 1, 2, 64, 129, 0, 0, 0],
         "dtype code 3 is not one of this run's": [0x57505044, 1, 300, 3, 2, 64, 128, 0, 0, 0],
         "descriptor of 65537 bytes": [0x57505044, 1, 65537, 0, 0, 0, 0, 0, 0, 0],

@@ -67,7 +67,8 @@ def test_a_placement_from_rank_0_is_checked_before_use():
     assert _received(b'{"units": [4, 4], "shares": []}', 2, 4).shares == ()
     for bad in (b"[4, 4]", b'{"units": [4, 4]}', b'{"units": [3, 5], "shares": [1.5]}',
                 b'{"units": [4, 4], "shares": [0.5]}', b'{"units": [3, 5], "shares": [true]}',
-                b'{"units": [3, 5], "shares": [0.5, 0.5]}', b"\xff"):  # fmt: skip
+                b'{"units": [3, 5], "shares": [0.5, 0.5]}', b"\xff",
+                b'{"units": [3, 5], "shares": [' + b"9" * 400 + b"]}"):  # fmt: skip
         with pytest.raises(RuntimeError, match="rank 0 sent a placement"):
             _received(bad, 2, 4)
 

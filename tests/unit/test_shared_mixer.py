@@ -59,7 +59,7 @@ def test_two_stages_sharing_a_mixer_equal_one_stage(name, share):
         whole.forward(wave, None)
         x, _ = first.forward(wave, None)
         n = sum(c.end - c.start for c in wave)
-        assert x.shape[0] == n + PagedBatch.build(wave, BS).share_row(share)
+        assert x.shape[0] == n + PagedBatch.build(wave, BS).share_row(share, cfg.d_model // 2)
         rest.forward(wave, x)
     assert set(rest.last_logits) == set(whole.last_logits) == {"a", "b", "c"}
     for rid, logits in whole.last_logits.items():
@@ -94,3 +94,7 @@ def test_what_cannot_be_shared_is_refused():
     n = sum(c.end - c.start for c in wave)
     with pytest.raises(ValueError, match="sharing"):  # the earlier stage's rows missing
         rest.forward(wave, torch.zeros(n, llama.d_model))
+    last = build_stage(llama, range(0), False, True, random_weights(llama, 0),
+                       units=range(0, 2 * llama.num_layers - 1))  # fmt: skip
+    with pytest.raises(ValueError, match="last stage cannot share"):
+        TorchExecutor(last, 16, BS, shared_last=0.5)

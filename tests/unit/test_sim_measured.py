@@ -18,7 +18,7 @@ from wavepp.bench.calibrate import fit_part, nnls
 from wavepp.config import RunConfig
 from wavepp.exec.base import ChunkWork
 from wavepp.main import sim_measured
-from wavepp.plan.placement import WaveShape
+from wavepp.plan.placement import WaveShape, share_row
 from wavepp.sim.executor import SimExecutor, StageCostModel, attention_pairs
 from wavepp.sim.measured import (
     MAX_FILE_BYTES,
@@ -171,6 +171,12 @@ def test_a_shared_mixer_is_priced_as_the_torch_placement_prices_it():
         rest = MeasuredStageCost(p, range(7, 9), False, False).cost(chunks, 0).seconds
         assert after.cost(chunks, 0).seconds == pytest.approx(
             rest + mla.seconds(512, (1 - share) * pairs))
+        # the stage before sends the shared rows on, as the torch stage does
+        works = [ChunkWork(f"r{i}", 512, 768, 768, (), (), False) for i in range(2)]
+        m = share_row(chunks, share, p.d_model // 2)
+        assert 0 < m < 512 and before.shared_rows(works) == m and after.shared_rows(works) == 0
+        sent = anyio.run(SimExecutor(before).run, works, None)
+        assert sent.activations.shape == (512 + m,)
 
 
 def test_the_fit_recovers_synthetic_coefficients():

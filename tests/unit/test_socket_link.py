@@ -80,7 +80,7 @@ def test_a_bad_header_is_refused_before_anything_is_allocated():
         await real(view)
 
     receiver._read_into = recording
-    with pytest.raises(PlaneError, match="tokens"):
+    with pytest.raises(PlaneError, match="rows, this link takes at most"):
         anyio.run(receiver.recv, 4096)
     assert asked == [80]  # the header only
 
@@ -131,7 +131,7 @@ def test_new_limits_bound_what_a_link_accepts():
         await sender.send(b"wave", torch.zeros(9, 64, dtype=torch.bfloat16))
         await receiver.recv(4096)
 
-    with pytest.raises(PlaneError, match="9 tokens, the wave budget is 8"):
+    with pytest.raises(PlaneError, match="9 rows, this link takes at most 8"):
         anyio.run(main)
 
 

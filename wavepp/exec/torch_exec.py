@@ -199,6 +199,8 @@ class TorchExecutor:
             if not (layer.has_mixer and layer.mixer.paged):
                 raise ValueError(f"layer {i}: only an attention mixer (a paged cache) can be "
                                  "shared by two stages")  # fmt: skip
+        if self.shared_last is not None and self.m.last:
+            raise ValueError("the last stage cannot share a mixer with a stage after it")
         if self.shared_last is not None and self.m.layer(self.m.layer_ids[-1]).has_ffn:
             raise ValueError("the stage before a shared mixer ends with it, without its MLP")
         if self.shared_first is not None and self.m.first:
@@ -339,9 +341,10 @@ class TorchExecutor:
         """x: [tokens, d_model] from the previous stage (None on stage 0).
 
         A mixer two stages share (``shared_last`` here, ``shared_first`` on the next
-        stage) is cut by rows (:meth:`PagedBatch.share_row`): both stages store every
-        token's keys and values, the earlier attends for rows ``0..m-1`` and the later for
-        the rest. The earlier sends ``[tokens + m, d_model]``: the residual before the
+        stage) is cut by rows (:meth:`PagedBatch.share_row`, each row weighing the keys
+        it attends to plus ``d_model / 2`` for its output projection): both stages store
+        every token's keys and values, the earlier attends for rows ``0..m-1`` and the
+        later for the rest. The earlier sends ``[tokens + m, d_model]``: the residual before the
         mixer, then rows ``0..m-1`` after it; the later adds its rows' outputs to the
         rest."""
         if x is None:
@@ -350,7 +353,7 @@ class TorchExecutor:
         batch = PagedBatch.build(chunks, self.block_size, self.device)
         done = None  # shared_first: rows 0..m-1 after the shared mixer, from the stage before
         if self.shared_first is not None:
-            m = batch.share_row(self.shared_first)
+            m = batch.share_row(self.shared_first, self.cfg.d_model // 2)
             if x.shape[0] != batch.num_tokens + m:
                 raise ValueError(f"wave of {batch.num_tokens} tokens sharing {m} rows got "
                                  f"activations for {x.shape[0]}")  # fmt: skip
@@ -419,7 +422,9 @@ class TorchExecutor:
         the mixer followed by this stage's rows after it, ``[tokens + m, d_model]``."""
         later = done is not None
         n = batch.num_tokens
-        m = batch.share_row(self.shared_first if later else self.shared_last)
+        # a row's other work, its output projection, in keys' worth (PagedBatch.share_row)
+        m = batch.share_row(self.shared_first if later else self.shared_last,
+                            self.cfg.d_model // 2)  # fmt: skip
         rows = batch.query_rows(m, n) if later else batch.query_rows(0, m)
         mixed = layer.mixer.paged_forward(layer.input_layernorm(x), batch, self.pools[i],
                                           self.attention, rows)  # fmt: skip

@@ -42,10 +42,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from wavepp.model import cpu_kernel
+from wavepp.plan.placement import share_row
 
 _SMALL_RUN = 256  # prefix runs shorter than this (rows) are gathered, not viewed in place
 _GATHER_ROWS = 4096  # most rows gathered into one piece
@@ -133,21 +133,12 @@ class PagedBatch:
         queries.rows = torch.arange(lo, hi, dtype=torch.long).to(self.device)
         return queries
 
-    def share_row(self, share: float) -> int:
+    def share_row(self, share: float, per_row: int = 0) -> int:
         """The row ``m`` that cuts a shared mixer's queries: rows ``0..m-1`` run on the
-        earlier stage, ``m..`` on the later. Each row weighs the keys it attends to (its
-        position + 1), and ``m`` is the first row at which the weights before it reach
-        ``share`` of the wave's. A pure function of the wave's chunks and ``share``, so
-        both stages compute the same ``m`` without sending it."""
-        if not self.num_tokens:
-            return 0
-        before = self.kernel_state.get("share_weights")
-        if before is None:
-            spans = zip(self.starts, self.ends, strict=True)
-            weights = np.concatenate([np.arange(s + 1, e + 1, dtype=np.int64) for s, e in spans])
-            before = np.concatenate([[0], np.cumsum(weights)])  # before[m]: rows 0..m-1
-            self.kernel_state["share_weights"] = before
-        return int(np.searchsorted(before, share * before[-1], side="left"))
+        earlier stage, ``m..`` on the later (``wavepp.plan.placement.share_row``: each
+        row weighs the keys it attends to plus ``per_row``). A pure function of the
+        wave's chunks, so both stages compute the same ``m`` without sending it."""
+        return share_row(list(zip(self.starts, self.ends, strict=True)), share, per_row)
 
     @classmethod
     def build(

@@ -35,6 +35,7 @@ import attrs
 HALF_LAYER_GAIN = 0.03  # a cut inside a layer must make the slowest stage 3% faster
 SHARE_GAIN = 0.03  # a shared mixer must make the slowest stage 3% faster still
 MIN_SHARE = 0.05  # a share is kept between 5% and 95% of the mixer's work
+_UNIT_SLACK = 1e-4  # given counts: a boundary this close to a whole unit is on it
 
 
 class PlacementError(ValueError):
@@ -119,6 +120,36 @@ class Placement:
         return out
 
 
+def share_row(spans: Sequence[tuple[int, int]], share: float, per_row: int = 0) -> int:
+    """The row ``m`` that cuts a shared mixer's rows for a wave of chunks ``spans``
+    (each chunk's new tokens ``start..end-1``, rows in that order): the earlier stage runs
+    rows ``0..m-1``, the later the rest. A row at position ``p`` weighs ``p + 1 +
+    per_row`` (the keys it attends to, plus its other per-row work in keys' worth), and
+    ``m`` is the first row at which the weights before it reach ``share`` of the wave's.
+    Integer sums of the chunks' positions and ``share``, so every rank computes the same
+    ``m``; the executor and the simulator both cut by it."""
+
+    def weight(start: int, rows: int) -> int:  # rows start..start+rows-1
+        return rows * (2 * start + rows + 1) // 2 + per_row * rows
+
+    total = sum(weight(s, e - s) for s, e in spans)
+    target, before, at = share * total, 0, 0
+    for s, e in spans:
+        here = weight(s, e - s)
+        if before + here >= target and e > s:
+            lo, hi = 0, e - s  # the fewest rows j of this chunk with before + weight >= target
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if before + weight(s, mid) >= target:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return at + lo
+        before += here
+        at += e - s
+    return at
+
+
 def parse_counts(text: str) -> list[float]:
     """``--layers-per-stage`` counts ('13,11,12,12', '1.5,2.5', or '1.3,2.7' with a mixer
     shared): positive numbers."""
@@ -144,14 +175,14 @@ def even(num_layers: int, stages: int) -> Placement:
 def given(counts: Sequence[float], num_layers: int) -> Placement:
     """The counts of ``--layers-per-stage``, checked against the model."""
     text = ",".join(f"{c:g}" for c in counts)
-    if abs(sum(counts) - num_layers) > 1e-6:
+    if abs(2 * sum(counts) - 2 * num_layers) > _UNIT_SLACK:
         raise PlacementError(f"--layers-per-stage {text} sums to {sum(counts):g} layers; the "
                              f"model has {num_layers}")  # fmt: skip
     ends, shares, at = [], [], 0.0
     for c in counts[:-1]:  # each boundary, in units: a whole unit, or inside a mixer
         at += 2 * c
         whole = round(at)
-        if abs(at - whole) <= 1e-6:
+        if abs(at - whole) <= _UNIT_SLACK:
             ends.append(whole)
             shares.append(0.0)
             continue
@@ -205,9 +236,10 @@ def balanced(mixers: Sequence[float], mlps: Sequence[float], last_layer: float,
                                                                       else 0.0)  # fmt: skip
 
     whole = best_cuts(span, len(costs), stages, whole=True)
-    chosen = whole
+    chosen, best_units = whole, whole[0]  # the best cut between units, whole or half
     if halves:
         cut = best_cuts(span, len(costs), stages, whole=False)
+        best_units = cut[0]
         if cut[0] < whole[0] * (1 - HALF_LAYER_GAIN):
             chosen = cut
     sizes = chosen[1]
@@ -221,8 +253,8 @@ def balanced(mixers: Sequence[float], mlps: Sequence[float], last_layer: float,
         for i, f in enumerate(shared):
             if f is not None:
                 fixed[2 * i] = min(f, costs[2 * i])
-        cut = shared_cuts(costs, fixed, embed, head, stages, max(times))
-        if cut is not None and max(cut[0]) < max(times) * (1 - SHARE_GAIN):
+        cut = shared_cuts(costs, fixed, embed, head, stages, best_units)
+        if cut is not None and max(cut[0]) < best_units * (1 - SHARE_GAIN):
             times, ends = cut
             bounds = [0, *(int(e) + (e % 1 > 0) for e in ends), len(costs) + 1]
             units = tuple(b - a for a, b in itertools.pairwise(bounds))

@@ -185,7 +185,10 @@ class SimExecutor:
             await anyio.sleep(seconds)
         tokens = sum(c.end - c.start for c in chunks)
         # activations: [tokens] float16, a stand-in for the [tokens, d_model] hidden states
-        out = None if self.cost_model.is_last else torch.zeros(tokens, dtype=torch.float16)
+        # (and the rows of a mixer shared with the next stage, as the torch stage sends)
+        shared = getattr(self.cost_model, "shared_rows", None)
+        rows = tokens + (shared(chunks) if shared is not None else 0)
+        out = None if self.cost_model.is_last else torch.zeros(rows, dtype=torch.float16)
         results = {c.request_id: (-1, 0.0) for c in chunks if c.is_last}
         return StageOutput(out, seconds, results)  # real seconds
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import attrs
 
 from wavepp.model.config import RECURRENT
-from wavepp.plan.placement import WaveShape
+from wavepp.plan.placement import WaveShape, share_row
 from wavepp.sim.executor import WaveCost, attention_pairs
 from wavepp.sim.profiles import LinkProfile
 
@@ -256,6 +256,8 @@ class MeasuredStageCost:
     sharing: float = 1.0
     # the share of the first (last) unit's mixer this stage runs with the stage before
     # (after) it: that mixer's fit with its attention term cut to the stage's part of it
+    # (its per-token term in full on both sides: the fit does not part the projections
+    # both stages run from the output projection each runs for its own rows)
     shared_first: float | None = None
     shared_last: float | None = None
 
@@ -282,6 +284,14 @@ class MeasuredStageCost:
         if self.is_last and num_finished:
             seconds += p.part("head").seconds(num_finished, 0.0)
         return WaveCost(seconds * self.sharing, 0.0, 0.0)
+
+    def shared_rows(self, chunks: Sequence) -> int:
+        """The rows of a mixer shared with the next stage that this stage sends on besides
+        the wave's (``TorchExecutor.forward``): 0 when it shares none."""
+        if not self.shared_last:
+            return 0
+        return share_row([(c.start, c.end) for c in chunks], self.shared_last,
+                         self.profile.d_model // 2)  # fmt: skip
 
     def generic_prior(self) -> tuple[float, float, float, float]:
         """(a, c, d, floor): what the torch executor's planner starts from for the same

@@ -38,7 +38,8 @@ MAX_TENSOR_BYTES = 8 << 30  # one wave's activations when no run-derived bound i
 class DataLimits:
     """What a data-plane header may announce, derived from the run's config.
 
-    ``max_tokens`` is the wave budget (most tokens in one wave); ``width`` the model's
+    ``max_tokens`` is the most rows a tensor may have: the wave budget (most tokens in
+    one wave), twice it on a link after a mixer two stages share; ``width`` the model's
     ``d_model``, which every activation tensor ``[tokens, width]`` must have (None: not
     checked, and ``[tokens]`` stand-ins, as the sim executor sends, are accepted);
     ``dtypes`` the tensor dtypes this run sends. Every tensor is also bounded by
@@ -112,7 +113,7 @@ def parse_header(
     shape = tuple(dims[:ndim])
     tokens = shape[0]
     if not 0 <= tokens <= limits.max_tokens:
-        raise PlaneError(f"{where}: {tokens} tokens, the wave budget is {limits.max_tokens}")
+        raise PlaneError(f"{where}: {tokens} rows, this link takes at most {limits.max_tokens}")
     if ndim == 2 and limits.width is not None and shape[1] != limits.width:
         raise PlaneError(f"{where}: width {shape[1]}, the model's is {limits.width}")
     if ndim == 1 and limits.width is not None:
