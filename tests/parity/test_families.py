@@ -37,9 +37,9 @@ def test_reference_forward_matches_transformers(family):
     assert expected.abs().max().item() > 0.5  # logits far from zero: the check means something
 
 
-# "halves": stage boundaries between a layer's mixer and its MLP; "shared": the first
-# attention mixer shared by the two stages, 60 / 40 (wavepp.plan.placement)
-SPLITS = {1: [None], 2: [None, "uneven", "halves", "shared"], 4: [None, "halves"]}
+# "halves": stage boundaries between a layer's mixer and its MLP; "in-mixer": the first
+# attention mixer split by rows between the two stages, 60 / 40 (wavepp.plan.placement)
+SPLITS = {1: [None], 2: [None, "uneven", "halves", "in-mixer"], 4: [None, "halves"]}
 
 
 @pytest.mark.parametrize(("stages", "split"), [(p, s) for p in (1, 2, 4) for s in SPLITS[p]])
@@ -48,7 +48,7 @@ def test_pipeline_matches_transformers(family, stages, split):
     counts = None
     if split == "uneven":
         counts = [1, cfg.num_layers - 1]
-    elif split == "shared":
+    elif split == "in-mixer":
         k = cfg.pattern.index("A")
         counts = [k + 0.3, cfg.num_layers - k - 0.3]
     elif split == "halves":
