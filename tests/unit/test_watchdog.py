@@ -1,6 +1,7 @@
 """The heartbeat watchdog's report on its peers, against a real TCPStore."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -35,3 +36,21 @@ def test_a_peer_that_finished_is_not_reported_as_gone(store):
     assert "rank 2 stopped beating" in report and "rounds plane: all_min" in report
     ranks[2].finish("its model failed to load")
     assert "rank 2 failed: its model failed to load" in ranks[1].peer_report()
+
+
+def test_finish_returns_once_the_heartbeat_thread_has_stopped(store):
+    """A heartbeat thread still inside a store call when the interpreter shuts down
+    aborts the rank as that call returns (SIGABRT, after a run that went well), so
+    finish() waits for it."""
+    dog = Watchdog(0, 2, lambda _: None, interval_s=0.01)
+    in_check = threading.Event()
+
+    def slow_check(started):  # a store read that takes a while
+        in_check.set()
+        time.sleep(0.3)
+
+    dog._check = slow_check
+    dog.start()
+    assert in_check.wait(5)
+    dog.finish()
+    assert not dog._thread.is_alive()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 _PREFIX = "wavepp/heartbeat/"
 _STATS = "wavepp/stats/"
+FINISH_WAIT_S = 5.0  # finish() waits this long for the heartbeat thread's last store call
 
 
 class Watchdog:
@@ -212,7 +213,12 @@ class Watchdog:
         return report
 
     def finish(self, failure: str | None = None) -> None:
-        """Stop beating; peers then ignore this rank (or learn why it failed)."""
+        """Stop beating; peers then ignore this rank (or learn why it failed). Returns
+        once the heartbeat thread has stopped (within ``FINISH_WAIT_S``): a daemon thread
+        still inside a store call when the interpreter shuts down aborts the process as
+        it comes back ("terminate called without an active exception", SIGABRT)."""
         self._stop.set()
         with contextlib.suppress(Exception):  # the store may be gone with the launcher
             self._write(f"failed|{failure}" if failure else "done|finished")
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(FINISH_WAIT_S)
