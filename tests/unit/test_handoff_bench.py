@@ -19,7 +19,8 @@ def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
     plain_bands = [[(100, 1.0), (200, 2.0)]] * 3
     busy_copies = [2.0, 4.0, 1.0]  # beside a busy core: 50, 25 and 100 B/s
     busy_bands = [[(100, 4.0), (200, 1.0)], [(100, 2.0), (200, 2.0)], [(100, 1.0), (200, 4.0)]]
-    row = _row(4096, 2, handoffs, copies, 100, plain_bands, busy_copies, busy_bands)
+    alone = [[(100, 0.5), (200, 2.0)], [(100, 1.0), (200, 2.0)], [(100, 2.0), (200, 2.0)]]
+    row = _row(4096, 2, handoffs, copies, 100, plain_bands, busy_copies, busy_bands, alone)
     assert row["plain_copy"]["gb_s"]["median"] == pytest.approx(100e-9)
     s0, s1 = row["stages"]
     assert s0["gb_s"] == pytest.approx({"median": 50e-9, "min": 25e-9, "max": 100e-9})
@@ -33,5 +34,28 @@ def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
     assert s0["plain_sender_library_receiver_busy_core"]["ratio"] == pytest.approx(halves)
     busy1 = s1["plain_sender_library_receiver_busy_core"]
     assert busy1["gb_s"]["median"] == pytest.approx(100e-9)
+    # the stage's sender alone: against the same idle copy
+    assert s0["stage_sender_alone"]["ratio"] == pytest.approx({"median": 1.0, "min": 0.5,
+                                                               "max": 2.0})  # fmt: skip
+    assert s1["stage_sender_alone"]["gb_s"]["median"] == pytest.approx(100e-9)
     # the cache is whole when the later of the two acknowledgements comes
     assert row["latency_s"] == pytest.approx({"median": 4.1, "min": 1.3, "max": 4.3})
+
+
+def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_path):
+    """The row 'its sender alone' is a stage's real HandoffSender into the real
+    receiver: every band acknowledged, the same bytes as the plain sender's band."""
+    import json
+
+    from wavepp.bench.handoff import RECEIVER, LibraryBands, _child
+    from wavepp.model import BUILTIN
+    from wavepp.runtime.handoff import model_hf_config
+
+    config = model_hf_config("tiny-llama", BUILTIN["tiny-llama"])
+    bands = LibraryBands(config, 2, 40)
+    path = tmp_path / "rx.sock"
+    with _child(RECEIVER, f"unix:{path}", json.dumps(config)):
+        for stage in range(2):
+            plain, _ = bands.send_s(path, "plain", stage)
+            sent, wire_s = bands.stage_sender_s(path, "staged", stage)
+            assert sent == plain > 0 and wire_s > 0

@@ -20,11 +20,14 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   A third row, **plain sender into the library receiver**, sends bands of the same
   layers from this process (blocking ``sendall`` per tensor, the same send buffer) into
   the same ``Receiver``:
-  its gap to the plain copy is the receiver's cost, its gap to the handoff the stage
-  sender's. Both plain rows are also timed **beside a busy core**: a helper process
+  its gap to the plain copy is the receiver's cost. A fourth, **the stage's sender
+  alone**, sends the same bands with a stage's own ``HandoffSender`` (the pool's rows as
+  views, a large band from a worker thread) from this process, with no pipeline beside
+  it: its gap to the handoff is what the running pipeline costs the sender. Both plain
+  rows are also timed **beside a busy core**: a helper process
   computing on one thread (torch matmuls), resumed 50 ms before the sample and stopped
   after it — the machine as stage 0's sender finds it at P = 2, its band leaving while
-  stage 1 computes the prompt's last chunk. The five are interleaved, one of each per
+  stage 1 computes the prompt's last chunk. The six are interleaved, one of each per
   sample, in turn; every figure is the median over ``--samples`` with its min–max, and
   the idle plain copy's median per length is the denominator of every ratio;
 - **latency**: from the request's last chunk (on the last stage) to the receiver
@@ -32,7 +35,8 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   seconds``);
 - **throughput**: the default job (``wavepp.main`` with no options but ``--json``)
   with every request handing its cache to the receiver process (``--handoff-all``)
-  against the same job without, ``--repeats`` alternating pairs.
+  against the same job without, ``--repeats`` alternating pairs: the median of the
+  pairs' ratios, and the mean throughput on over the mean off.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +244,50 @@ class LibraryBands:
             raise SystemExit(f"the library receiver refused a plain band: {ack.error}")
         return wire.band_bytes(header), seconds
 
+    def stage_sender_s(self, path: Path, request_id: str, stage: int) -> tuple[int, float]:
+        """The same band sent by a stage's own sender (``HandoffSender``, as a CPU stage
+        runs it: the pool's rows as views, one run a tensor here, large bands from a
+        worker thread) into the same receiver, with no pipeline beside it: (payload
+        bytes, its ``wire_s``)."""
+        import anyio
+
+        from wavepp.exec.handoff_send import (
+            INLINE_BYTES,
+            BandJob,
+            BandTensor,
+            HandoffSender,
+            HandoffSettings,
+        )
+        from wavepp.exec.torch_exec import _pool_pieces
+
+        def band(job: BandJob) -> list[BandTensor]:
+            return [BandTensor(layer, name, str(t.dtype).removeprefix("torch."),
+                               tuple(t.shape), lambda t=t: t,
+                               None if layer < 0 else partial(_pool_pieces, t,
+                                                              [(0, self.length)]))
+                    for (layer, name), t in self._tensors[stage].items()]  # fmt: skip
+
+        settings = HandoffSettings(stage, self.stages, self._fp, timeout_s=60.0,
+                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES)  # fmt: skip
+        sender = HandoffSender(settings, band, release=lambda rid: None)
+        last = stage == self.stages - 1
+        job = BandJob(request_id, f"unix:{path}", self.length, (), {}, None,
+                      first_token=0 if last else -1)  # fmt: skip
+
+        async def one() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sender.run)
+                sender.submit(job)
+                while sender.num_pending:
+                    await anyio.sleep(0.001)
+                tg.cancel_scope.cancel()
+
+        anyio.run(one)
+        (outcome,) = sender.take_outcomes()
+        if not outcome.ok:
+            raise SystemExit(f"the stage sender's band failed: {outcome.detail}")
+        return outcome.num_bytes, outcome.wire_s
+
 
 def _handoff_sample(client, rx: str, tokens: list[int]) -> dict:
     answer = client.post("/v1/prefill", json={"tokens": tokens, "handoff": rx})
@@ -271,25 +320,32 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
             plain_copy_s(copy_path, data)
             for stage in range(args.stages):
                 library.send_s(rx_path, f"warm-{length}-{stage}", stage)
+                library.stage_sender_s(rx_path, f"warm-s-{length}", stage)
             handoffs = []
             copies: dict[bool, list[float]] = {False: [], True: []}  # by: beside a busy core
             plain_bands: dict[bool, list[list[tuple[int, float]]]] = {False: [], True: []}
+            alone: list[list[tuple[int, float]]] = []  # the stage's sender, no pipeline
             kinds = [("handoff", False), ("copy", False), ("plain bands", False),
-                     ("copy", True), ("plain bands", True)]  # fmt: skip
+                     ("copy", True), ("plain bands", True), ("stage sender", False)]  # fmt: skip
             for k in range(args.samples):
-                # one of each per sample, in turn, each first in a fifth of the samples
-                for kind, loaded in kinds[k % 5 :] + kinds[: k % 5]:
+                # one of each per sample, in turn, each first in as many samples
+                turn = k % len(kinds)
+                for kind, loaded in kinds[turn:] + kinds[:turn]:
                     with _busy(busy) if loaded else contextlib.nullcontext():
                         if kind == "handoff":
                             handoffs.append(_handoff_sample(client, rx, draw()))
                         elif kind == "copy":
                             copies[loaded].append(plain_copy_s(copy_path, data))
-                        else:
+                        elif kind == "plain bands":
                             plain_bands[loaded].append(
                                 [library.send_s(rx_path, f"p{length}-{k}-{loaded:d}", stage)
                                  for stage in range(args.stages)])  # fmt: skip
+                        else:
+                            alone.append([library.stage_sender_s(rx_path, f"s{length}-{k}", stage)
+                                          for stage in range(args.stages)])  # fmt: skip
             rows.append(_row(length, args.stages, handoffs, copies[False], len(data),
-                             plain_bands[False], copies[True], plain_bands[True]))  # fmt: skip
+                             plain_bands[False], copies[True], plain_bands[True],
+                             alone))  # fmt: skip
             _print_row(rows[-1])
     return rows
 
@@ -297,9 +353,10 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
 def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
          copy_bytes: int, plain_bands: list[list[tuple[int, float]]],
          busy_copies: list[float], busy_plain_bands: list[list[tuple[int, float]]],
-         ) -> dict:  # fmt: skip
-    """One length's figures; ``busy_*``: the plain rows timed beside a busy core. Every
-    ratio divides by the idle plain copy's median."""
+         alone: list[list[tuple[int, float]]]) -> dict:  # fmt: skip
+    """One length's figures; ``busy_*``: the plain rows timed beside a busy core;
+    ``alone``: the stage's sender with no pipeline beside it. Every ratio divides by the
+    idle plain copy's median."""
     plain = statistics.median(copies)
     plain_gb_s = copy_bytes / plain / 1e9
 
@@ -333,6 +390,7 @@ def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
             "plain_sender_library_receiver": against_copy([p[stage] for p in plain_bands]),
             "plain_sender_library_receiver_busy_core": against_copy(
                 [p[stage] for p in busy_plain_bands]),
+            "stage_sender_alone": against_copy([a[stage] for a in alone]),
         })  # fmt: skip
     return row
 
@@ -347,11 +405,12 @@ def _print_row(row: dict) -> None:
     for s in row["stages"]:
         lib = s["plain_sender_library_receiver"]["ratio"]
         busy = s["plain_sender_library_receiver_busy_core"]["ratio"]
+        alone = s["stage_sender_alone"]["ratio"]
         print(f"  stage {s['stage']}: {s['bytes'] / 2**20:.1f} MiB at {s['gb_s']['median']:.2f} "
               f"GB/s on the wire = {_spell(s['ratio'])} the plain copy; setup "
-              f"{s['setup_s']['median'] * 1e3:.1f} ms; plain sender into the library "
-              f"receiver {_spell(lib)}, beside a busy core {_spell(busy)}",
-              flush=True)  # fmt: skip
+              f"{s['setup_s']['median'] * 1e3:.1f} ms; its sender alone {_spell(alone)}; "
+              f"plain sender into the library receiver {_spell(lib)}, beside a busy core "
+              f"{_spell(busy)}", flush=True)  # fmt: skip
 
 
 def _spell(ratio: dict) -> str:
@@ -384,8 +443,12 @@ def throughput(args, tmp: Path) -> dict:
             print(f"default job, handoff {mode}: {record['throughput_tok_s']:,.0f} tok/s",
                   flush=True)  # fmt: skip
     ratios = [on / off for on, off in zip(runs["on"], runs["off"], strict=True)]
+    of_means = statistics.mean(runs["on"]) / statistics.mean(runs["off"])
+    spread = _spread(ratios)
+    print(f"on / off, {len(ratios)} pairs: median {spread['median']:.3f} ({spread['min']:.3f}-"
+          f"{spread['max']:.3f}); mean on / mean off {of_means:.3f}", flush=True)  # fmt: skip
     return {"tok_s_off": runs["off"], "tok_s_on": runs["on"], "ratios": ratios,
-            "ratio": _spread(ratios)}  # fmt: skip
+            "ratio": spread, "ratio_of_means": of_means}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -399,8 +462,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=int, default=2048, help="wave budget of those runs")
     parser.add_argument("--samples", type=int, default=10,
                         help="samples per length (medians and min-max over them)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="alternating on/off pairs of the default job (0: skip)")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="alternating on/off pairs of the default job (0: skip); a "
+                             "run's throughput varies by 10-20%% here, so a few pairs "
+                             "cannot tell a 5%% cost")  # fmt: skip
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
