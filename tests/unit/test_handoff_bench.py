@@ -47,15 +47,20 @@ def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_pat
     receiver: every band acknowledged, the same bytes as the plain sender's band."""
     import json
 
+    import anyio.from_thread
+
     from wavepp.bench.handoff import RECEIVER, LibraryBands, _child
     from wavepp.model import BUILTIN
     from wavepp.runtime.handoff import model_hf_config
 
     config = model_hf_config("tiny-llama", BUILTIN["tiny-llama"])
-    bands = LibraryBands(config, 2, 40)
     path = tmp_path / "rx.sock"
-    with _child(RECEIVER, f"unix:{path}", json.dumps(config)):
-        for stage in range(2):
-            plain, _ = bands.send_s(path, "plain", stage)
-            sent, wire_s = bands.stage_sender_s(path, "staged", stage)
-            assert sent == plain > 0 and wire_s > 0
+    with (_child(RECEIVER, f"unix:{path}", json.dumps(config)),
+          anyio.from_thread.start_blocking_portal() as portal):  # fmt: skip
+        bands = LibraryBands(config, 2, 40, portal)
+        for k in range(2):  # the second time through the same senders
+            for stage in range(2):
+                plain, _ = bands.send_s(path, f"plain-{k}", stage)
+                sent, wire_s = bands.stage_sender_s(path, f"staged-{k}", stage)
+                assert sent == plain > 0 and wire_s > 0
+        bands.close()

@@ -201,13 +201,18 @@ class LibraryBands:
     """Bands of a prompt length, from this process into the library receiver: stage s of
     ``stages`` holding an even split of the layers (stage 0 the token ids)."""
 
-    def __init__(self, config: dict, stages: int, length: int) -> None:
+    def __init__(self, config: dict, stages: int, length: int, portal=None) -> None:
+        """``portal``: an ``anyio`` blocking portal, the event loop :meth:`stage_sender_s`
+        runs the stage senders on."""
         import torch
 
         from wavepp.handoff import wire
 
         fp = wire.fingerprint_from_hf_config(config, "float32")
         self.stages, self.length = stages, length
+        self._portal = portal
+        self._senders: dict = {}
+        self._tasks: list = []
         self._fp = fp
         self._tensors = []
         bounds = np.linspace(0, fp.num_layers, stages + 1).round().astype(int)
@@ -246,11 +251,36 @@ class LibraryBands:
 
     def stage_sender_s(self, path: Path, request_id: str, stage: int) -> tuple[int, float]:
         """The same band sent by a stage's own sender (``HandoffSender``, as a CPU stage
-        runs it: the pool's rows as views, one run a tensor here, large bands from a
+        runs it: the pool's rows as views, one run a tensor here, a large band from a
         worker thread) into the same receiver, with no pipeline beside it: (payload
-        bytes, its ``wire_s``)."""
+        bytes, its ``wire_s``). The senders run on the portal's event loop (in a thread
+        of this process; :meth:`close` stops them), their worker threads kept from band
+        to band as a stage's are."""
         import anyio
 
+        sender = self._senders.get(stage)
+        if sender is None:
+            sender = self._senders[stage] = self._stage_sender(stage)
+            self._tasks.append(self._portal.start_task_soon(sender.run))
+        from wavepp.exec.handoff_send import BandJob
+
+        last = stage == self.stages - 1
+        job = BandJob(request_id, f"unix:{path}", self.length, (), {}, None,
+                      first_token=0 if last else -1)  # fmt: skip
+
+        async def one() -> None:
+            settled = anyio.Event()
+            sender.on_settled = settled.set
+            sender.submit(job)
+            await settled.wait()
+
+        self._portal.call(one)
+        (outcome,) = sender.take_outcomes()
+        if not outcome.ok:
+            raise SystemExit(f"the stage sender's band failed: {outcome.detail}")
+        return outcome.num_bytes, outcome.wire_s
+
+    def _stage_sender(self, stage: int):
         from wavepp.exec.handoff_send import (
             INLINE_BYTES,
             BandJob,
@@ -269,24 +299,13 @@ class LibraryBands:
 
         settings = HandoffSettings(stage, self.stages, self._fp, timeout_s=60.0,
                                    budget_bytes=1 << 40, inline_bytes=INLINE_BYTES)  # fmt: skip
-        sender = HandoffSender(settings, band, release=lambda rid: None)
-        last = stage == self.stages - 1
-        job = BandJob(request_id, f"unix:{path}", self.length, (), {}, None,
-                      first_token=0 if last else -1)  # fmt: skip
+        return HandoffSender(settings, band, release=lambda rid: None)
 
-        async def one() -> None:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sender.run)
-                sender.submit(job)
-                while sender.num_pending:
-                    await anyio.sleep(0.001)
-                tg.cancel_scope.cancel()
-
-        anyio.run(one)
-        (outcome,) = sender.take_outcomes()
-        if not outcome.ok:
-            raise SystemExit(f"the stage sender's band failed: {outcome.detail}")
-        return outcome.num_bytes, outcome.wire_s
+    def close(self) -> None:
+        """Stop the stage senders started on the portal."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks, self._senders = [], {}
 
 
 def _handoff_sample(client, rx: str, tokens: list[int]) -> dict:
@@ -299,6 +318,7 @@ def _handoff_sample(client, rx: str, tokens: list[int]) -> dict:
 
 
 def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
+    import anyio.from_thread
     import httpx
 
     rows = []
@@ -307,10 +327,11 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
     rx = f"unix:{rx_path}"
     with (_child(RECEIVER, rx, json.dumps(config)), _child(COPY_RECEIVER, str(copy_path)),
           _child(BUSY) as busy, _server(args, tmp) as url,
-          httpx.Client(base_url=url, timeout=600) as client):  # fmt: skip
+          httpx.Client(base_url=url, timeout=600) as client,
+          anyio.from_thread.start_blocking_portal() as portal):  # fmt: skip
         busy.send_signal(signal.SIGSTOP)
         for length in args.lengths:
-            library = LibraryBands(config, args.stages, length)
+            library = LibraryBands(config, args.stages, length, portal)
 
             def draw(n: int = length) -> list[int]:
                 return rng.integers(3, config["vocab_size"], n).tolist()
@@ -346,6 +367,7 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
             rows.append(_row(length, args.stages, handoffs, copies[False], len(data),
                              plain_bands[False], copies[True], plain_bands[True],
                              alone))  # fmt: skip
+            library.close()
             _print_row(rows[-1])
     return rows
 
