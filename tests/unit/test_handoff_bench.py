@@ -57,7 +57,7 @@ def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_pat
     path = tmp_path / "rx.sock"
     with (_child(RECEIVER, f"unix:{path}", json.dumps(config)),
           anyio.from_thread.start_blocking_portal() as portal):  # fmt: skip
-        bands = LibraryBands(config, 2, 40, portal)
+        bands = LibraryBands(config, 2, 4096, portal)  # 8 MiB a band: a worker thread
         for k in range(2):  # the second time through the same senders
             for stage in range(2):
                 plain, _ = bands.send_s(path, f"plain-{k}", stage)

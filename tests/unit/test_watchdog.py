@@ -54,3 +54,13 @@ def test_finish_returns_once_the_heartbeat_thread_has_stopped(store):
     assert in_check.wait(5)
     dog.finish()
     assert not dog._thread.is_alive()
+
+
+@pytest.mark.parametrize("failure, word", [(None, "done|finished"), ("boom", "failed|boom")])
+def test_a_beat_that_comes_after_finish_leaves_the_final_word(store, failure, word):
+    """A beat already past the stop check when finish() ran must not overwrite "done" or
+    "failed": peers would take a counter that never moves for a dead rank."""
+    dog = Watchdog(0, 2, lambda _: None)
+    dog.finish(failure)
+    dog._write("7|a late beat")
+    assert dog._read(0) == word

@@ -21,9 +21,10 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   layers from this process (blocking ``sendall`` per tensor, the same send buffer) into
   the same ``Receiver``:
   its gap to the plain copy is the receiver's cost. A fourth, **the stage's sender
-  alone**, sends the same bands with a stage's own ``HandoffSender`` (the pool's rows as
-  views, a large band from a worker thread) from this process, with no pipeline beside
-  it: its gap to the handoff is what the running pipeline costs the sender. Both plain
+  alone**, sends the same bands with a stage's own ``HandoffSender`` (the rows as views,
+  here one a tensor where a stage has one a run of blocks; a large band from a worker
+  thread) from this process, with no pipeline running: its gap to the handoff is what
+  sending from inside the running pipeline costs. Both plain
   rows are also timed **beside a busy core**: a helper process
   computing on one thread (torch matmuls), resumed 50 ms before the sample and stopped
   after it — the machine as stage 0's sender finds it at P = 2, its band leaving while
@@ -349,7 +350,7 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
             kinds = [("handoff", False), ("copy", False), ("plain bands", False),
                      ("copy", True), ("plain bands", True), ("stage sender", False)]  # fmt: skip
             for k in range(args.samples):
-                # one of each per sample, in turn, each first in as many samples
+                # one of each per sample, the kind that goes first moving on one a sample
                 turn = k % len(kinds)
                 for kind, loaded in kinds[turn:] + kinds[:turn]:
                     with _busy(busy) if loaded else contextlib.nullcontext():
@@ -485,9 +486,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=10,
                         help="samples per length (medians and min-max over them)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=8,
-                        help="alternating on/off pairs of the default job (0: skip); a "
-                             "run's throughput varies by 10-20%% here, so a few pairs "
-                             "cannot tell a 5%% cost")  # fmt: skip
+                        help="alternating on/off pairs of the default job (0: skip); on "
+                             "a shared two-core machine one run's throughput can differ "
+                             "from the next by half, so a few pairs cannot tell a 5%% "
+                             "cost")  # fmt: skip
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]

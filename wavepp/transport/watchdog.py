@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 _PREFIX = "wavepp/heartbeat/"
 _STATS = "wavepp/stats/"
-FINISH_WAIT_S = 5.0  # finish() waits this long for the heartbeat thread's last store call
 
 
 class Watchdog:
@@ -44,9 +43,10 @@ class Watchdog:
         self._on_fatal: list[Callable[[str], None]] = []
         self.status = "starting"
         self._stop = threading.Event()
+        self._store_timeout_s = max(5.0, dead_after_s)  # the longest one store call waits
         self._store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-            timeout=datetime.timedelta(seconds=max(5.0, dead_after_s)), wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=self._store_timeout_s), wait_for_workers=False,
         )  # fmt: skip
         self._lock = threading.Lock()  # one store client, used from two threads
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (beat, when it last moved)
@@ -67,9 +67,12 @@ class Watchdog:
     def set_status(self, text: str) -> None:
         self.status = text
 
-    def _write(self, value: str) -> None:
+    def _write(self, value: str, final: bool = False) -> None:
+        """This rank's heartbeat entry; once :meth:`finish` has begun, only its final
+        word (a beat already past the stop check must not overwrite "done" or "failed")."""
         with self._lock:
-            self._store.set(f"{_PREFIX}{self.rank}", value)
+            if final or not self._stop.is_set():
+                self._store.set(f"{_PREFIX}{self.rank}", value)
 
     def _read(self, rank: int) -> str | None:
         key = f"{_PREFIX}{rank}"
@@ -213,12 +216,16 @@ class Watchdog:
         return report
 
     def finish(self, failure: str | None = None) -> None:
-        """Stop beating; peers then ignore this rank (or learn why it failed). Returns
-        once the heartbeat thread has stopped (within ``FINISH_WAIT_S``): a daemon thread
-        still inside a store call when the interpreter shuts down aborts the process as
-        it comes back ("terminate called without an active exception", SIGABRT)."""
+        """Stop beating; peers then ignore this rank (or learn why it failed).
+
+        A run that ends well returns once the heartbeat thread has stopped (waiting as
+        long as one store call may take): a daemon thread still inside a store call when
+        the interpreter shuts down aborts the process as the call comes back ("terminate
+        called without an active exception", SIGABRT). A failing rank does not wait: it
+        leaves by ``os._exit``, and its heartbeat thread may be the one ending it."""
         self._stop.set()
         with contextlib.suppress(Exception):  # the store may be gone with the launcher
-            self._write(f"failed|{failure}" if failure else "done|finished")
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(FINISH_WAIT_S)
+            self._write(f"failed|{failure}" if failure else "done|finished", final=True)
+        if failure is None and self._thread.is_alive() and (
+                self._thread is not threading.current_thread()):  # fmt: skip
+            self._thread.join(self._store_timeout_s + self.interval_s)
