@@ -12,6 +12,7 @@ import pytest
 
 from wavepp.fleet.changes import Announcer, PipelineView, StageLog, report_limit
 from wavepp.fleet.events import (
+    END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     EventPublisher,
@@ -261,6 +262,47 @@ def test_subscribe_learns_the_past_fills_gaps_and_shows_its_state():
                     await anyio.sleep(0.02)
             assert pub.num_dropped == 1 and feed.feed.num_replays >= 2
             assert index.predicted_blocks(h, 10) == 6
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    finally:
+        pub.close()
+
+
+class _SlowEnd:
+    """A replay socket whose end mark leaves half a second after the batches."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+
+    def send_multipart(self, frames, *args, **kwargs):
+        if frames[3] == END_SEQ:
+            time.sleep(0.5)
+        return self._sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
+def test_a_replay_answer_shows_the_feed_connected_before_its_end_mark():
+    """A subscriber that has applied batches from a replay is connected, though the
+    replay's end mark has not come yet (a check right after the batches flaked)."""
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=BS,
+                         buffer_steps=4)  # fmt: skip
+    index = ReplicaIndex(BS)
+    for i in range(3):
+        pub.publish([stored([10 + i], 9 + i if i else None, [0] * BS, BS, 0)])
+    pub._replay = _SlowEnd(pub._replay)
+
+    async def main():
+        feed = subscribe(pub.endpoint, pub.replay_endpoint, index)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(feed.run)
+            with anyio.fail_after(30):  # hang guard
+                while feed.last_seq != 2:
+                    await anyio.sleep(0.02)
+            assert feed.connected and feed.feed.num_replays == 1
             tg.cancel_scope.cancel()
 
     try:

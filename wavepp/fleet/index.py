@@ -220,8 +220,10 @@ class _Subscription:
                     feed.num_refused += 1
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)
+                # an answer, a batch or the end mark: the publisher is there (before the
+                # batch is applied, so a reader that sees it applied sees this too)
+                feed.connected, feed.last_heard = True, time.monotonic()
                 if seq < 0:
-                    feed.connected, feed.last_heard = True, time.monotonic()
                     return True
                 last = feed.last_seq
                 if last is not None and seq <= last:
