@@ -229,6 +229,13 @@ def test_publisher_pub_frames_and_replay():
         pub.close()
 
 
+async def _until_seq(feed, seq: int) -> None:
+    """Until the subscriber has applied batch ``seq``."""
+    with anyio.fail_after(30):  # hang guard
+        while feed.last_seq != seq:
+            await anyio.sleep(0.02)
+
+
 class _NoRoom(queue.Queue):
     def put_nowait(self, item):
         raise queue.Full
@@ -248,18 +255,15 @@ def test_subscribe_learns_the_past_fills_gaps_and_shows_its_state():
         feed = subscribe(pub.endpoint, pub.replay_endpoint, index)
         async with anyio.create_task_group() as tg:
             tg.start_soon(feed.run)
-            with anyio.fail_after(30):  # hang guard
-                while feed.last_seq != 5:
-                    await anyio.sleep(0.02)
-                assert index.predicted_blocks(h, 10) == 6 and feed.connected
-                # the next batch never reaches the PUB socket (its send queue is full):
-                # the subscriber sees a gap and gets it from the replay socket
-                saved, pub._queue = pub._queue, _NoRoom()
-                pub.publish([removed([h[5]], 0)])
-                pub._queue = saved
-                pub.publish([stored([h[5]], h[4], [0] * BS, BS, 0)])
-                while feed.last_seq != 7:
-                    await anyio.sleep(0.02)
+            await _until_seq(feed, 5)
+            assert index.predicted_blocks(h, 10) == 6 and feed.connected
+            # the next batch never reaches the PUB socket (its send queue is full): the
+            # subscriber sees a gap and gets it from the replay socket
+            saved, pub._queue = pub._queue, _NoRoom()
+            pub.publish([removed([h[5]], 0)])
+            pub._queue = saved
+            pub.publish([stored([h[5]], h[4], [0] * BS, BS, 0)])
+            await _until_seq(feed, 7)
             assert pub.num_dropped == 1 and feed.feed.num_replays >= 2
             assert index.predicted_blocks(h, 10) == 6
             tg.cancel_scope.cancel()
@@ -299,9 +303,7 @@ def test_a_replay_answer_shows_the_feed_connected_before_its_end_mark():
         feed = subscribe(pub.endpoint, pub.replay_endpoint, index)
         async with anyio.create_task_group() as tg:
             tg.start_soon(feed.run)
-            with anyio.fail_after(30):  # hang guard
-                while feed.last_seq != 2:
-                    await anyio.sleep(0.02)
+            await _until_seq(feed, 2)
             assert feed.connected and feed.feed.num_replays == 1
             tg.cancel_scope.cancel()
 
