@@ -487,9 +487,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="samples per length (medians and min-max over them)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=8,
                         help="alternating on/off pairs of the default job (0: skip); on "
-                             "a shared two-core machine one run's throughput can differ "
-                             "from the next by half, so a few pairs cannot tell a 5%% "
-                             "cost")  # fmt: skip
+                             "a two-core machine one run's throughput can differ from "
+                             "the next by half, so a few pairs cannot tell a 5%% cost")  # fmt: skip
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
