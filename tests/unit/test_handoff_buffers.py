@@ -1,8 +1,12 @@
-"""The receiver's band buffers: memory comes back only once no tensor views it, and the
-free list stays within its bound."""
+"""The receiver's band buffers: memory comes back only once no tensor views it, the free
+list stays within its bound, and a lent segment goes back only to the process it was lent
+to."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from wavepp.handoff.receive import BandBuffers
@@ -38,3 +42,30 @@ def test_the_free_list_keeps_at_most_keep_bytes_newest_first_and_sizes_that_fit(
     big = buffers.take(4096)
     assert _address(big) == where_b
     assert _address(buffers.take(4096)) not in (where_b, _address(small))  # fresh memory
+
+
+def test_a_segment_is_lent_again_only_to_its_peer_and_their_number_is_bounded():
+    buffers = BandBuffers(keep_bytes=1 << 20, max_segments=2)
+    first, memory = buffers.lend(8192, peer=101)
+    assert memory.fd >= 0 and first.numel() == 8192
+    first[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # mapped, writable
+    assert os.pread(memory.fd, 4, 0) == b"\x01\x02\x03\x04"  # the same memory as the file
+    where = _address(first)
+    del first
+    other, _ = buffers.lend(8192, peer=202)  # another process: never the first's segment
+    assert _address(other) != where and buffers.num_segments == 2
+    assert buffers.lend(8192, peer=303) is None  # two open: the band goes on the socket
+    again, _ = buffers.lend(6000, peer=101)  # its own, back
+    assert _address(again) == where and buffers.num_segments == 2
+    assert _address(buffers.take(8192)) not in (where, _address(other))  # heap: apart
+
+
+def test_a_kept_segment_let_go_closes_its_file():
+    buffers = BandBuffers(keep_bytes=0)
+    tensor, memory = buffers.lend(4096, peer=7)
+    fd = memory.fd
+    del tensor
+    buffers.tidy()  # over keep_bytes: let go
+    assert buffers.num_segments == 0 and memory.fd == -1
+    with pytest.raises(OSError):
+        os.fstat(fd)

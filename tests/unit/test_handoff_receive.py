@@ -4,6 +4,7 @@ acked with its reason, broken senders costing only their band, bounded memory.""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import tempfile
@@ -17,6 +18,9 @@ from wavepp.handoff.client import build_band, send_band
 from wavepp.handoff.receive import HandoffError, Receiver
 from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
+    DONE_MAGIC,
+    FLAG_SEGMENT,
+    SEGMENT_BYTES,
     Ack,
     Address,
     ack_length,
@@ -25,6 +29,8 @@ from wavepp.handoff.wire import (
     encode_band_prefix,
     expected_tensors,
     fingerprint_from_hf_config,
+    payload_layout,
+    segment_size,
 )
 
 KIMI = {
@@ -246,7 +252,7 @@ def test_garbage_and_broken_senders_cost_only_their_band():
 
     acks, handoff = run_with(receiver, client)
     assert acks["garbage"].error.startswith("unknown magic b'\\x00\\x00\\x00\\x00'")
-    assert acks["version"].error == "wire version 9 is not supported (this side speaks 1)"
+    assert acks["version"].error == "wire version 9 is not supported (this side speaks 1, 2)"
     assert acks["junk header"].error.startswith("band header does not decode")
     assert acks["stalled"] == Ack("r1", 0, False, "the sender stopped sending mid-band")
     assert acks["closed"] == Ack("r1", 0, False, "the sender went away mid-band")
@@ -296,3 +302,89 @@ def test_the_library_imports_nothing_of_the_runtime():
     loaded = json.loads(out.stdout)
     assert not [m for m in loaded if not m.startswith("wavepp.handoff") and m != "wavepp"]
     assert "wavepp.handoff.hf" in loaded
+
+
+def segment_exchange(address: Address, prefix: bytes, payload, header, then: str):
+    """Offer a segment (a Unix socket, or TCP), then: ``write`` the payload into the lent
+    memfd and say done, answer ``garbage`` instead, or ``hang up``. Returns (the size
+    lent, the ack or None)."""
+    import array
+
+    if address.kind == "unix":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(address.path)
+    else:
+        sock = socket.create_connection((address.host, address.port))
+    sock.settimeout(20)
+    with sock:
+        sock.sendall(prefix)
+        answer, ancillary, _, _ = sock.recvmsg(SEGMENT_BYTES, socket.CMSG_SPACE(16))
+        fds = array.array("i")
+        for _, _, data in ancillary:
+            fds.frombytes(data)
+        size = segment_size(answer)
+        if size == 0:  # declined: the payload on the socket
+            for tensor in payload:
+                sock.sendall(tensor.reshape(-1).view(torch.uint8).numpy())
+        else:
+            (fd,) = fds
+            offsets, _ = payload_layout(header)
+            for tensor, at in zip(payload, offsets, strict=True):
+                os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy(), at)
+            os.close(fd)
+            if then == "hang up":
+                return size, None
+            sock.sendall(DONE_MAGIC if then == "write" else b"WPHX")
+        buf = b""
+        while chunk := sock.recv(65536):
+            buf += chunk
+    return size, decode_ack(buf[ACK_PREFIX_BYTES : ACK_PREFIX_BYTES + ack_length(buf[:8])])
+
+
+@pytest.mark.parametrize("kind", ["unix", "tcp"])
+def test_a_band_offered_into_a_segment_is_lent_one_over_unix_sockets_only(kind):
+    """Over a Unix socket the receiver lends a memfd and the band's tensors are views of
+    it; over TCP (or with ``lend_segments`` off) it declines and reads the socket."""
+    ((h, p),) = bands(split=((0, 1, 2, 3),))
+    offer = encode_band_prefix(h, FLAG_SEGMENT)
+    results = {}
+    for lend in (True, False):
+        receiver = Receiver(KIMI, "float32", lend_segments=lend)
+        where = Address("tcp", host="127.0.0.1", port=0) if kind == "tcp" else None
+
+        async def client(address, receiver=receiver):
+            size, ack = await anyio.to_thread.run_sync(segment_exchange, address, offer, p, h,
+                                                       "write")  # fmt: skip
+            return size, ack, await receiver.wait("r1", 5), receiver._buffers.num_segments
+
+        results[lend] = run_with(receiver, client, where)
+    for lend, (size, ack, handoff, segments) in results.items():
+        lent = lend and kind == "unix"
+        assert (size > 0, segments) == (lent, int(lent)) and ack.ok
+        assert torch.equal(handoff.tokens, p[0].to(torch.int64))
+        for spec, tensor in zip(h.tensors[1:], p[1:], strict=True):
+            assert torch.equal(handoff.layers[spec.layer][spec.name], tensor)
+
+
+def test_a_sender_that_breaks_its_segment_exchange_costs_only_its_band():
+    """Garbage where ``WPHD`` belongs is refused; a hang-up before it is a broken band;
+    either way the claim is released, and the same band offered again is taken."""
+    ((h, p),) = bands(split=((0, 1, 2, 3),))
+    offer = encode_band_prefix(h, FLAG_SEGMENT)
+    receiver = Receiver(KIMI, "float32")
+
+    async def client(address):
+        out = {}
+        for then in ("garbage", "hang up", "write"):
+            out[then] = await anyio.to_thread.run_sync(segment_exchange, address, offer, p, h,
+                                                       then)  # fmt: skip
+            await anyio.sleep(0.05)  # the receiver has seen the hang-up
+            out[then + " held"] = receiver.held_bytes
+        return out, await receiver.wait("r1", 5)
+
+    out, handoff = run_with(receiver, client)
+    assert out["garbage"][1] == Ack("r1", 0, False,
+                                    "expected b'WPHD' after the segment's payload, got b'WPHX'")
+    assert out["hang up"][1] is None and out["garbage held"] == out["hang up held"] == 0
+    assert out["write"][1].ok and handoff.num_tokens == T
+    assert receiver.counts["bands_refused"] == receiver.counts["bands_broken"] == 1

@@ -3,12 +3,16 @@ every band ends with exactly one outcome and one release, whatever the receiver 
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
+import os
 import socket
 import tempfile
 import threading
 import time
 from functools import partial
+from pathlib import Path
 from unittest import mock
 
 import anyio
@@ -114,12 +118,14 @@ class Receiver(threading.Thread):
 
 
 def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.05, peak=None,
-             inline=False):  # fmt: skip
-    """``inline``: small bands go out from the event loop (a CPU stage's), not a thread."""
+             inline=False, segments=False, band=band_of):  # fmt: skip
+    """``inline``: small bands go out from the event loop (a CPU stage's), not a thread.
+    ``segments``: thread bands to unix: targets offer to write into a lent segment."""
     released: list[str] = []
     settings = HandoffSettings(1, 2, FP, timeout_s, budget,
-                               inline_bytes=INLINE_BYTES if inline else 0)  # fmt: skip
-    sender = HandoffSender(settings, band_of, released.append)
+                               inline_bytes=INLINE_BYTES if inline else 0,
+                               segments=segments)  # fmt: skip
+    sender = HandoffSender(settings, band, released.append)
 
     async def main():
         async with anyio.create_task_group() as tg:
@@ -600,3 +606,144 @@ def test_a_thread_band_waits_for_room_in_a_full_unix_backlog(sock_path):
         receiver.close()
     assert outcomes["a"].ok, outcomes["a"]
     assert released == ["a"] and [h.request_id for h, _ in receiver.bands] == ["a"]
+
+
+# -- lent segments (the payload written into the receiver's memfd) ----------------------
+
+
+LLAMA_FP = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+            "num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 64,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}  # fmt: skip
+
+
+def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload(sock_path):
+    """The library receiver lends a memfd; the sender writes the pool's runs (more than
+    one pwritev takes) and a copied tensor into it: the receiver's tensors hold every
+    byte, and a second band from the same process reuses the same segment."""
+    from tests.handoff_rig import ReceiverThread
+    from wavepp.exec.handoff_send import IOV_MAX
+    from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
+
+    n = IOV_MAX + 100
+    pool = torch.randn(2 * n, 1, 4)
+    table = tuple(range(0, 2 * n, 2))  # no two rows adjacent: one piece a row
+    rows = partial(pool_rows, table, 1, n)
+    runs = _row_runs(table, 1, n)
+    values = torch.randn(n, 1, 4)
+
+    def band(job):
+        return [BandTensor(0, "k", "float32", (n, 1, 4), partial(_gather, pool, rows),
+                           partial(_pool_pieces, pool, runs)),
+                BandTensor(0, "v", "float32", (n, 1, 4), lambda: values),
+                BandTensor(1, "k", "float32", (n, 1, 4), lambda: -values),
+                BandTensor(1, "v", "float32", (n, 1, 4), partial(_gather, pool, rows),
+                           partial(_pool_pieces, pool, runs))]  # fmt: skip
+
+    sent = []
+    real_sendmsg = handoff_send._sendmsg_all
+    with ReceiverThread(LLAMA_FP, "float32", Path(sock_path)) as rx, \
+            mock.patch.object(handoff_send, "_sendmsg_all",
+                              side_effect=lambda s, v: sent.append(v) or real_sendmsg(s, v)):
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=n)], segments=True,
+                                      band=band)  # fmt: skip
+        buffers = rx.receiver._buffers
+        assert buffers.num_segments == 1
+        got = {key: t.clone() for key, t in rx.receiver._pending["a"].bands[1].items()}
+        assert rx.receiver.expire(now=time.monotonic() + 1e6) == ["a"]  # its tensors dropped
+        outcomes2, _ = run_jobs([job("b", f"unix:{sock_path}", n=n)], segments=True, band=band)
+        assert buffers.num_segments == 1 and not buffers._free  # the first, lent again
+        assert rx.receiver.counts["bands_ok"] == 2
+    assert outcomes["a"].ok and outcomes2["b"].ok and released == ["a"], outcomes
+    assert outcomes["a"].num_bytes == 4 * n * 4 * 4
+    assert sent == []  # no payload went through the socket's sendmsg
+    expected = _gather(pool, rows)
+    assert torch.equal(got[(0, "k")], expected) and torch.equal(got[(1, "v")], expected)
+    assert torch.equal(got[(0, "v")], values) and torch.equal(got[(1, "k")], -values)
+
+
+class Lender(Receiver):
+    """A receiver that answers a segment offer according to ``mode``: a proper sealed
+    memfd (``ok``, ``die`` hangs up once it is lent), or something a sender must refuse."""
+
+    def _serve(self, conn: socket.socket) -> None:
+        length, flags = wire.parse_prefix(self._exactly(conn, wire.PREFIX_BYTES))
+        header = wire.decode_header(self._exactly(conn, length))
+        assert flags == wire.FLAG_SEGMENT
+        _, size = wire.payload_layout(header)
+        answer, files = wire.encode_segment(size), []
+        if self.mode == "small":  # says what it lends, and it is too small for the band
+            answer, size = wire.encode_segment(size - 64), size - 64
+        if self.mode in ("ok", "die", "size", "small", "two"):
+            files = [_sealed_memfd(size - 64 if self.mode == "size" else size)]
+            if self.mode == "two":
+                files.append(_sealed_memfd(size))
+        elif self.mode == "unsealed":
+            files = [os.memfd_create("unsealed")]
+            os.ftruncate(files[0], size)
+        elif self.mode == "file":
+            with tempfile.NamedTemporaryFile(delete=False) as f:
+                f.truncate(size)
+            files = [os.open(f.name, os.O_RDWR)]
+            os.unlink(f.name)
+        elif self.mode == "pipe":
+            read_end, write_end = os.pipe()
+            os.close(write_end)
+            files = [read_end]
+        elif self.mode == "garbage":
+            answer = b"HTTP/1.1 200 OK\r\n\r\n"
+        try:  # "none": a size with no file
+            conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                     array.array("i", files))] if files else [])  # fmt: skip
+            if self.mode == "die":
+                return
+            if self._exactly(conn, 4) != wire.DONE_MAGIC:
+                return
+            payload = os.pread(files[0], size, 0)
+        finally:
+            for fd in files:
+                os.close(fd)
+        self.bands.append((header, payload))
+        conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, True)))
+
+
+def _sealed_memfd(size: int) -> int:
+    fd = os.memfd_create("segment", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize(("mode", "reason", "detail"), [
+    ("ok", "", ""), ("die", "disconnected", "closed the connection"),
+    ("size", "bad ack", "lent a file of 2496 bytes"), ("small", "bad ack", "too small"),
+    ("two", "bad ack", "lent 2 files"),
+    ("none", "bad ack", "lent 0 files"), ("unsealed", "bad ack", "without F_SEAL_SHRINK"),
+    ("file", "bad ack", "not a memfd"), ("pipe", "bad ack", "mode 10"),
+    ("garbage", "bad ack", "answered garbage to a segment offer"),
+])  # fmt: skip
+def test_a_lent_segment_is_checked_before_a_byte_is_written(sock_path, mode, reason, detail):
+    """Only a memfd whose size is sealed, of the size the answer says and large enough, is
+    written into;
+    anything else fails that band alone ("bad ack"), releases it once, and leaves no file
+    of it open in this process."""
+    receiver = Lender(sock_path, mode)
+    receiver.start()
+    before = _open_fds()
+    try:
+        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=40)], segments=True)
+    finally:
+        receiver.close()
+    outcome = outcomes["a"]
+    assert (outcome.ok, outcome.reason) == (not reason, reason), outcome
+    assert detail in outcome.detail and released == ["a"]
+    assert _open_fds() <= before  # every passed file closed
+    if mode == "ok":
+        ((header, payload),) = receiver.bands
+        offsets, _ = wire.payload_layout(header)
+        for tensor, spec, at in zip(band_of(job("a", "", n=40)), header.tensors, offsets,
+                                    strict=True):  # fmt: skip
+            assert payload[at : at + spec.nbytes] == tensor.read().numpy().tobytes()

@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from wavepp.handoff import wire
 from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
+    ALIGN,
+    FLAG_SEGMENT,
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
     Ack,
@@ -30,10 +32,14 @@ from wavepp.handoff.wire import (
     decode_header,
     encode_ack,
     encode_band_prefix,
+    encode_segment,
     expected_tensors,
     fingerprint_from_hf_config,
     header_length,
     parse_address,
+    parse_prefix,
+    payload_layout,
+    segment_size,
 )
 from wavepp.model import config_from_hf
 from wavepp.model.linear import GatedDeltaNet, KimiDeltaAttention
@@ -101,9 +107,13 @@ def test_band_round_trip(config):
     header = band(config, stage=1, num_stages=2, layers=tuple(range(1, n)), t=9)
     prefix = encode_band_prefix(header)
     assert prefix[:4] == b"WPHB"
-    assert struct.unpack("<HHI", prefix[4:12]) == (1, 0, len(prefix) - PREFIX_BYTES)
+    assert struct.unpack("<HHI", prefix[4:12]) == (2, 0, len(prefix) - PREFIX_BYTES)
     assert header_length(prefix[:PREFIX_BYTES]) == len(prefix) - PREFIX_BYTES
     assert decode_header(prefix[PREFIX_BYTES:]) == header
+    offer = encode_band_prefix(header, FLAG_SEGMENT)
+    assert parse_prefix(offer[:PREFIX_BYTES]) == (len(prefix) - PREFIX_BYTES, FLAG_SEGMENT)
+    # a version 1 prefix (no flags) is still read
+    assert parse_prefix(b"WPHB" + struct.pack("<HHI", 1, 0, 7)) == (7, 0)
     assert band_bytes(header) == sum(s.nbytes for s in header.tensors) > 0
 
 
@@ -126,8 +136,9 @@ def test_ack_round_trip_and_long_error_cut():
     ("prefix", "match"),
     [
         (b"WPHX" + struct.pack("<HHI", 1, 0, 10), "magic"),
-        (b"WPHB" + struct.pack("<HHI", 2, 0, 10), "version 2"),
-        (b"WPHB" + struct.pack("<HHI", 1, 3, 10), "reserved"),
+        (b"WPHB" + struct.pack("<HHI", 3, 0, 10), "version 3"),
+        (b"WPHB" + struct.pack("<HHI", 1, 1, 10), "version 1 prefix has flags"),
+        (b"WPHB" + struct.pack("<HHI", 2, 6, 10), "unknown band flags 0x6"),
         (b"WPHB" + struct.pack("<HHI", 1, 0, 0), "header_len 0"),
         (b"WPHB" + struct.pack("<HHI", 1, 0, MAX_HEADER_BYTES + 1), "header_len"),
         (b"WPHB", "prefix is 4 bytes"),
@@ -136,6 +147,30 @@ def test_ack_round_trip_and_long_error_cut():
 def test_prefix_checks(prefix, match):
     with pytest.raises(WireError, match=match):
         header_length(prefix)
+
+
+def test_segment_answer_round_trip_and_checks():
+    assert segment_size(encode_segment(0)) == 0
+    assert segment_size(encode_segment(5 << 20)) == 5 << 20
+    with pytest.raises(WireError, match="magic"):
+        segment_size(b"WPHA" + struct.pack("<Q", 8))
+    with pytest.raises(WireError, match="exceeds"):
+        segment_size(b"WPHM" + struct.pack("<Q", 2**63))
+    with pytest.raises(WireError, match="is 4 bytes"):
+        segment_size(b"WPHM")
+    with pytest.raises(ValueError, match="unknown band flags"):
+        encode_band_prefix(band(LLAMA, stage=0, num_stages=1,
+                                layers=tuple(range(LLAMA["num_hidden_layers"])), t=3), 4)
+
+
+def test_payload_layout_aligns_every_tensor():
+    header = band(KIMI, stage=0, num_stages=1, layers=tuple(range(KIMI["num_hidden_layers"])),
+                  t=7)  # fmt: skip
+    offsets, size = payload_layout(header)
+    ends = [at + spec.nbytes for at, spec in zip(offsets, header.tensors, strict=True)]
+    assert all(at % ALIGN == 0 for at in offsets)
+    assert all(end <= nxt for end, nxt in zip(ends, offsets[1:], strict=False))
+    assert size % ALIGN == 0 and ends[-1] <= size < ends[-1] + ALIGN
 
 
 @pytest.mark.parametrize(

@@ -149,7 +149,7 @@ def _server(args, tmp: Path):
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node", str(args.stages),
            "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--budget",
            str(args.budget), "--concurrency", "1", "--block-size", str(BLOCK),
-           "--capacity-blocks", str(blocks)]  # fmt: skip
+           "--capacity-blocks", str(blocks), *_segments_flag(args)]  # fmt: skip
     log = tmp / "server.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
@@ -166,6 +166,10 @@ def _server(args, tmp: Path):
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _segments_flag(args) -> list[str]:
+    return [] if args.segments else ["--no-handoff-segments"]
 
 
 def _torchrun(stages: int, args: list[str]) -> None:
@@ -202,9 +206,11 @@ class LibraryBands:
     """Bands of a prompt length, from this process into the library receiver: stage s of
     ``stages`` holding an even split of the layers (stage 0 the token ids)."""
 
-    def __init__(self, config: dict, stages: int, length: int, portal=None) -> None:
+    def __init__(self, config: dict, stages: int, length: int, portal=None,
+                 segments: bool = True) -> None:  # fmt: skip
         """``portal``: an ``anyio`` blocking portal, the event loop :meth:`stage_sender_s`
-        runs the stage senders on."""
+        runs the stage senders on; ``segments``: theirs offer to write into lent
+        segments, as a stage's do by default."""
         import torch
 
         from wavepp.handoff import wire
@@ -212,6 +218,7 @@ class LibraryBands:
         fp = wire.fingerprint_from_hf_config(config, "float32")
         self.stages, self.length = stages, length
         self._portal = portal
+        self._segments = segments
         self._senders: dict = {}
         self._tasks: list = []
         self._fp = fp
@@ -299,7 +306,8 @@ class LibraryBands:
                     for (layer, name), t in self._tensors[stage].items()]  # fmt: skip
 
         settings = HandoffSettings(stage, self.stages, self._fp, timeout_s=60.0,
-                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES)  # fmt: skip
+                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES,
+                                   segments=self._segments)  # fmt: skip
         return HandoffSender(settings, band, release=lambda rid: None)
 
     def close(self) -> None:
@@ -332,7 +340,7 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
           anyio.from_thread.start_blocking_portal() as portal):  # fmt: skip
         busy.send_signal(signal.SIGSTOP)
         for length in args.lengths:
-            library = LibraryBands(config, args.stages, length, portal)
+            library = LibraryBands(config, args.stages, length, portal, args.segments)
 
             def draw(n: int = length) -> list[int]:
                 return rng.integers(3, config["vocab_size"], n).tolist()
@@ -452,7 +460,8 @@ def throughput(args, tmp: Path) -> dict:
             if mode == "on":
                 rx = f"unix:{tmp / f'rx-default-{repeat}.sock'}"
                 with _child(RECEIVER, rx, config):  # a fresh receiver a run
-                    _torchrun(4, ["--handoff-all", "--handoff-to", rx, "--json", str(out)])
+                    _torchrun(4, ["--handoff-all", "--handoff-to", rx, "--json", str(out),
+                                  *_segments_flag(args)])  # fmt: skip
                 record = json.loads(out.read_text())
                 if record["handoff"].get("done") != len(record["requests"]):
                     errors = {(r.get("handoff") or {}).get("error") for r in record["requests"]}
@@ -489,6 +498,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="alternating on/off pairs of the default job (0: skip); on "
                              "a two-core machine one run's throughput can differ from "
                              "the next by half, so a few pairs cannot tell a 5%% cost")  # fmt: skip
+    parser.add_argument("--segments", action=argparse.BooleanOptionalAction, default=True,
+                        help="the stages' bands offer to write into segments the receiver "
+                             "lends, as by default (--no-segments: every band's bytes on "
+                             "the socket; the plain rows are socket copies either way)")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -502,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="wavepp-handoff-") as tmp:
         rows = bandwidth(args, config, Path(tmp))
         record = {"machine": f"{os.cpu_count()} cores", "model": args.model,
-                  "stages": args.stages, "bandwidth": rows,
+                  "stages": args.stages, "segments": args.segments, "bandwidth": rows,
                   "note": "wire_s: a stage's sender thread, connect to ack; setup_s: the "
                           "rest of seconds (last chunk to ack handled)"}  # fmt: skip
         if args.json:  # kept should the throughput runs fail

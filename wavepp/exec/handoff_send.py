@@ -23,6 +23,11 @@ from the threads of the rest of the process (the planes'): bands stuck on receiv
 stopped reading hold threads until their timeouts, and must not stall the waves. A CPU
 stage's small bands (``inline_bytes``) go out from the event loop instead: for them the
 thread hops cost more than the bytes.
+A band from a worker thread to a Unix socket offers to write its payload into a segment
+the receiver lends (``HandoffSettings.segments``, ``docs/handoff.md``): a memfd,
+checked before a byte goes in, that the runs are written into with ``pwritev`` — one
+copy in all, where the socket takes two (the sender's into the kernel, the receiver's
+out of it).
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
 (``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
@@ -31,9 +36,13 @@ band counts as delivered when its files are in place.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import math
+import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -115,6 +124,9 @@ class HandoffSettings:
     # bands of up to this many bytes go out from the event loop, without a worker thread
     # (0: never; a CPU stage's: INLINE_BYTES; a GPU stage's rows need copies to the host)
     inline_bytes: int = 0
+    # a larger band to a unix: target offers to write its payload into a segment the
+    # receiver lends (wire.FLAG_SEGMENT): one copy of the bytes instead of two
+    segments: bool = False
 
 
 class HandoffSender:
@@ -235,10 +247,13 @@ class HandoffSender:
                      for t in tensors],
             first_token=job.first_token, top_logit=job.top_logit,
         )  # fmt: skip
-        prefix = wire.encode_band_prefix(header)
         if self._inline(tensors):
+            prefix = wire.encode_band_prefix(header)
             ack = await _exchange_inline(address, prefix, tensors, job.target, wire_s)
             return self._check_ack(job, ack, tensors)
+        offer = self.settings.segments and address.kind == "unix"
+        prefix = wire.encode_band_prefix(header, wire.FLAG_SEGMENT if offer else 0)
+        offsets = wire.payload_layout(header)[0] if offer else None
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
                              if ":" in address.host else socket.AF_INET)  # fmt: skip
         deadline = job.ended_at + self.settings.timeout_s
@@ -248,8 +263,8 @@ class HandoffSender:
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
             ack = await anyio.to_thread.run_sync(_send_band, sock, address, prefix, tensors,
-                                                 deadline, job.target, wire_s, claim,
-                                                 finished, abandon_on_cancel=True,
+                                                 offsets, deadline, job.target, wire_s,
+                                                 claim, finished, abandon_on_cancel=True,
                                                  limiter=self._threads)  # fmt: skip
         finally:
             with contextlib.suppress(OSError):
@@ -349,11 +364,13 @@ def _serial(fn: Callable[[], T]) -> T:
 
 def _send_band(
     sock: socket.socket, address: wire.Address, prefix: bytes,
-    tensors: Sequence[BandTensor], deadline: float, target: str,
+    tensors: Sequence[BandTensor], offsets: list[int] | None, deadline: float, target: str,
     wire_s: list[float], claim: threading.Lock, finished: threading.Event,
 ) -> wire.Ack | None:  # fmt: skip
     """A band's whole exchange with blocking calls (in a worker thread): connect, the
-    prefix and header, every tensor's bytes, the acknowledgement. Takes ``claim`` first:
+    prefix and header, every tensor's bytes (into a lent segment at ``offsets`` where
+    the prefix offered one and the receiver lends it), the acknowledgement. Takes
+    ``claim`` first:
     if the event loop took it (the band was given up before this thread began), returns
     None at once, touching nothing. Otherwise owns ``sock``; sets ``wire_s[0]`` to its
     seconds from connect to the ack (or to its failure) and ``finished`` when it no
@@ -363,7 +380,7 @@ def _send_band(
     started = time.perf_counter()
     compute.serial_here()  # a TP band's shards are put together here: no OpenMP team
     try:
-        return _exchange(sock, address, prefix, tensors, deadline, target)
+        return _exchange(sock, address, prefix, tensors, offsets, deadline, target)
     finally:
         wire_s[0] = time.perf_counter() - started
         finished.set()
@@ -371,7 +388,7 @@ def _send_band(
 
 def _exchange(
     sock: socket.socket, address: wire.Address, prefix: bytes,
-    tensors: Sequence[BandTensor], deadline: float, target: str,
+    tensors: Sequence[BandTensor], offsets: list[int] | None, deadline: float, target: str,
 ) -> wire.Ack:  # fmt: skip
     def left() -> float:
         remaining = deadline - time.monotonic()
@@ -406,6 +423,22 @@ def _exchange(
         sock.settimeout(None)
         try:
             views = [memoryview(prefix)]
+            if offsets is not None:  # offered to write into a segment: the answer first
+                sock.sendall(prefix)
+                sock.settimeout(left())
+                lent = _take_segment(sock, target)
+                sock.settimeout(None)
+                if isinstance(lent, wire.Ack):  # the band was refused
+                    return lent
+                if lent is not None:
+                    try:
+                        _write_segment(lent, tensors, offsets)
+                    finally:
+                        os.close(lent)
+                    sock.sendall(wire.DONE_MAGIC)
+                    sock.settimeout(left())
+                    return _read_ack(sock, target)
+                views = []  # declined: the payload follows on the socket
             for tensor in tensors:
                 if tensor.pieces is not None:  # views of the pool's runs, no copy
                     for piece in tensor.pieces():
@@ -434,6 +467,113 @@ def _exchange(
             raise BandFailed("disconnected", f"{target} closed the connection while the band "
                              f"was sent ({error or type(error).__name__})") from None  # fmt: skip
         return _read_ack(sock, target)
+
+
+MAX_FDS = 4  # files a segment answer may carry before it is refused as garbage
+SEGMENT_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")  # a lent memfd's size cannot change
+
+
+def _take_segment(sock: socket.socket, target: str) -> int | wire.Ack | None:
+    """The receiver's answer to a segment offer: the lent memfd (a descriptor this
+    thread owns), None (declined: the payload goes on the socket), or its ack (the band
+    was refused). The file is checked: a sealed memfd of the size the answer says."""
+    data, fds = bytearray(), []
+    try:
+        _recv_passing(sock, data, 4, fds, target)
+        if data == wire.SEGMENT_MAGIC:
+            _recv_passing(sock, data, wire.SEGMENT_BYTES, fds, target)
+        elif data == wire.ACK_MAGIC:
+            rest = _recv_exactly(sock, wire.ACK_PREFIX_BYTES - 4, target)
+            try:
+                ack = wire.decode_ack(_recv_exactly(sock, wire.ack_length(bytes(data) + rest),
+                                                    target))  # fmt: skip
+            except wire.WireError as error:
+                raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
+            return ack
+        else:
+            raise BandFailed("bad ack", f"{target} answered garbage to a segment offer: "
+                             f"{bytes(data)!r}")  # fmt: skip
+        try:
+            size = wire.segment_size(bytes(data))
+        except wire.WireError as error:
+            raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
+        if size == 0 and not fds:
+            return None
+        if size == 0 or len(fds) != 1:
+            raise BandFailed("bad ack", f"{target} lent {len(fds)} files for a segment of "
+                             f"{size} bytes")  # fmt: skip
+        fd = fds.pop()
+        try:
+            _check_segment(fd, size, target)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _recv_passing(sock: socket.socket, data: bytearray, n: int, fds: list[int],
+                  target: str) -> None:  # fmt: skip
+    """Read into ``data`` until it holds ``n`` bytes, every file passed alongside
+    appended to ``fds`` (the caller closes those it does not keep)."""
+    while len(data) < n:
+        chunk, ancillary, flags, _ = sock.recvmsg(n - len(data), socket.CMSG_SPACE(MAX_FDS * 4))
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                passed = array.array("i")
+                passed.frombytes(raw[: len(raw) - len(raw) % passed.itemsize])
+                fds.extend(passed)
+        if flags & socket.MSG_CTRUNC:
+            raise BandFailed("bad ack", f"{target} passed more than {MAX_FDS} files")
+        if not chunk:
+            raise BandFailed("disconnected", f"{target} closed the connection before "
+                             "answering the segment offer")  # fmt: skip
+        data += chunk
+
+
+def _check_segment(fd: int, size: int, target: str) -> None:
+    """A lent file is a memfd of ``size`` bytes whose size is sealed (so writing it can
+    reach nothing but that memory); BandFailed("bad ack") otherwise."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+        raise BandFailed("bad ack", f"{target} lent a file of {info.st_size} bytes (mode "
+                         f"{info.st_mode:o}) for a segment of {size}")  # fmt: skip
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise BandFailed("bad ack", f"{target} lent a file that is not a memfd") from None
+    missing = [name for name in SEGMENT_SEALS if not seals & getattr(fcntl, name)]
+    if missing:
+        raise BandFailed("bad ack", f"{target} lent a memfd without {', '.join(missing)}")
+
+
+def _write_segment(fd: int, tensors: Sequence[BandTensor], offsets: list[int]) -> None:
+    """Every tensor's bytes into the lent memfd at its offset: the pool's runs as they
+    are (``pwritev``, no copy before the kernel's), a copied tensor once read."""
+    size = os.fstat(fd).st_size
+    need = max((at + t.num_bytes for t, at in zip(tensors, offsets, strict=True)), default=0)
+    if need > size:
+        raise BandFailed("bad ack", f"the lent segment of {size} bytes is too small for the "
+                         f"band's {need}")  # fmt: skip
+    for tensor, at in zip(tensors, offsets, strict=True):
+        if tensor.pieces is not None:
+            views = [memoryview(v).cast("B") for v in tensor.pieces()]
+        else:
+            views = [tensor.read().reshape(-1).view(torch.uint8).numpy().data]
+        _pwrite_all(fd, views, at)
+
+
+def _pwrite_all(fd: int, views: list[memoryview], at: int) -> None:
+    queue = [v for v in views if v.nbytes]
+    first = 0
+    while first < len(queue):
+        sent = os.pwritev(fd, queue[first : first + IOV_MAX], at)
+        if not sent:
+            raise BandFailed("error", "a write into the lent segment wrote nothing")
+        at += sent
+        first = _step(queue, first, sent)
 
 
 async def _exchange_inline(

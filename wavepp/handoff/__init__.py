@@ -9,6 +9,7 @@ from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
     BAND_MAGIC,
     DTYPES,
+    FLAG_SEGMENT,
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
     WIRE_VERSION,
@@ -28,6 +29,8 @@ from wavepp.handoff.wire import (
     fingerprint_from_hf_config,
     header_length,
     parse_address,
+    parse_prefix,
+    payload_layout,
 )
 
 __all__ = [
@@ -35,6 +38,7 @@ __all__ = [
     "ACK_PREFIX_BYTES",
     "BAND_MAGIC",
     "DTYPES",
+    "FLAG_SEGMENT",
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "WIRE_VERSION",
@@ -54,4 +58,6 @@ __all__ = [
     "fingerprint_from_hf_config",
     "header_length",
     "parse_address",
+    "parse_prefix",
+    "payload_layout",
 ]

@@ -9,11 +9,13 @@ way costs that timeout, no more. Errors: ``TimeoutError`` (no progress in time),
 
 from __future__ import annotations
 
+import array
 import contextlib
 import errno
 import os
 import socket
 import stat
+import struct
 import time
 
 import anyio
@@ -86,6 +88,19 @@ class Connection:
                 with anyio.fail_after(self.timeout_s):
                     await anyio.wait_writable(self.sock)
 
+    async def send_fd(self, data: bytes, fd: int) -> None:
+        """``data`` with the file ``fd`` passed alongside (``SCM_RIGHTS``; a Unix
+        socket): the peer gets its own descriptor of the same file."""
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        while True:
+            try:
+                sent = self.sock.sendmsg([data], rights)
+                break
+            except BlockingIOError:
+                with anyio.fail_after(self.timeout_s):
+                    await anyio.wait_writable(self.sock)
+        await self.send(memoryview(data)[sent:])  # the file went with the first byte
+
     async def drain(self, n: int) -> None:
         """Read and drop up to ``n`` bytes (a refused band's payload), so that closing
         does not reset a sender still writing; stops early if the peer closes."""
@@ -108,6 +123,19 @@ class Connection:
 
     def close(self) -> None:
         close_socket(self.sock)
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The process at the other end of a Unix socket (as it was when it connected);
+    None for any other socket."""
+    if sock.family != socket.AF_UNIX:
+        return None
+    pid, _, _ = _CREDENTIALS.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+    return pid or None
+
+
+_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def close_socket(sock: socket.socket) -> None:

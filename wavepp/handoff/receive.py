@@ -6,7 +6,11 @@ prefix and the header are read and checked (bounds, internal consistency, the mo
 fingerprint field by field, each layer's tensors by name, dtype and shape, the byte
 budget, duplicates); only then is the band's buffer allocated — one per band, its
 tensors views into it, memory of released bands reused (``BandBuffers``) — and the
-payload read straight into it. The receiver answers every band with one ack — ok, or
+payload read straight into it. A sender on this host that offers to (``FLAG_SEGMENT``)
+is lent the buffer itself instead, a memfd, and writes the payload into it: one copy
+in all, none here. A segment is lent again only to the process it was first lent to
+(by its Unix socket peer's pid), so a sender that kept its file can only ever write
+into its own bands. The receiver answers every band with one ack — ok, or
 the reason — and closes. A refused band's payload is drained (up to ``max_band_bytes``)
 so the sender reads its ack instead of a reset. A peer that stops half way or sends
 garbage costs that band only: each read waits at most ``read_timeout_s``. Memory is
@@ -21,8 +25,10 @@ A complete request goes to ``on_complete`` when one is given, else it waits for
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import inspect
 import logging
+import mmap
 import os
 import sys
 import time
@@ -38,6 +44,8 @@ import torch
 from wavepp.handoff import _io
 from wavepp.handoff.wire import (
     BAND_MAGIC,
+    DONE_MAGIC,
+    FLAG_SEGMENT,
     PREFIX_BYTES,
     Ack,
     Address,
@@ -47,10 +55,12 @@ from wavepp.handoff.wire import (
     band_bytes,
     decode_header,
     encode_ack,
+    encode_segment,
     expected_tensors,
     fingerprint_from_hf_config,
-    header_length,
     parse_address,
+    parse_prefix,
+    payload_layout,
 )
 
 log = logging.getLogger("wavepp.handoff")
@@ -62,7 +72,7 @@ TORCH_DTYPES = {
     "int32": torch.int32,
 }
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
-ALIGN = 64  # bytes: where each tensor of a band starts in its buffer
+MAX_SEGMENTS = 256  # memfds held at once (lent or kept); past it, bands come on the socket
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
@@ -92,43 +102,94 @@ Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
 
 
+@attrs.define(eq=False)
+class _Memory:
+    """A band buffer: heap memory, or a segment (a memfd mapped here, ``fd`` >= 0)."""
+
+    array: np.ndarray  # uint8, all of it
+    fd: int = -1
+
+    @classmethod
+    def segment(cls, size: int) -> _Memory:
+        """A memfd of ``size`` bytes, mapped, its size sealed (a sender cannot shrink it
+        under this mapping, nor add seals)."""
+        fd = os.memfd_create("wavepp-band", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)  # fmt: skip
+            return cls(np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8), fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the mapping goes with the array
+            self.fd = -1
+
+
 class BandBuffers:
     """Memory for bands, recycled. Fresh memory costs a page fault per 4 KiB on its
     first write, which can take as long as the socket copy itself, so a buffer whose
     tensors are all gone (its ``Handoff`` dropped, every tensor of it freed) is kept,
     and the next band of up to its size and at least half of it takes it, the latest
-    returned first (the likeliest still in cache). Kept: at most ``keep_bytes``, the
-    oldest let go first, counted at each ``take`` and ``tidy``.
+    returned first (the likeliest still in cache). Segments (memfds lent to senders) are
+    kept the same way, each for the peer it was lent to. Kept: at most ``keep_bytes``,
+    the oldest let go first, counted at each ``take`` and ``tidy``.
     Not thread-safe but for the return of a buffer, which may happen on any thread."""
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(self, keep_bytes: int, max_segments: int = MAX_SEGMENTS) -> None:
         self.keep_bytes = keep_bytes
-        self._free: list[np.ndarray] = []
+        self.max_segments = max_segments
+        self.num_segments = 0  # memfds open: lent, in use or kept
+        self._free: list[tuple[int | None, _Memory]] = []  # (peer, memory), oldest first
         self._free_bytes = 0
-        self._returned: deque[np.ndarray] = deque()  # appended by finalizers, any thread
+        self._returned: deque[tuple[int | None, _Memory]] = deque()  # by finalizers
 
     def take(self, size: int) -> torch.Tensor:
         """``size`` bytes (uint8, contents undefined), back here once unreferenced."""
+        taken = self._take(size, None)
+        assert taken is not None  # heap memory is never refused
+        return taken[0]
+
+    def lend(self, size: int, peer: int) -> tuple[torch.Tensor, _Memory] | None:
+        """As :meth:`take`, in a segment for the process ``peer`` (a memfd, with its
+        ``fd``); None when ``max_segments`` are open."""
+        return self._take(size, peer)
+
+    def _take(self, size: int, peer: int | None) -> tuple[torch.Tensor, _Memory] | None:
         self.tidy()
         for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
-            if size <= self._free[i].nbytes <= 2 * size:
-                buffer = self._free.pop(i)
-                self._free_bytes -= buffer.nbytes
+            owner, memory = self._free[i]
+            if owner == peer and size <= memory.array.nbytes <= 2 * size:
+                del self._free[i]
+                self._free_bytes -= memory.array.nbytes
                 break
         else:
-            buffer = np.empty(size, dtype=np.uint8)
-        view = buffer[:size]  # the tensors' owner: collected when the last goes
-        weakref.finalize(view, self._returned.append, buffer).atexit = False
-        return torch.from_numpy(view)
+            if peer is None:
+                memory = _Memory(np.empty(size, dtype=np.uint8))
+            elif self.num_segments >= self.max_segments:
+                return None
+            else:
+                memory = _Memory.segment(size)
+                self.num_segments += 1
+        view = memory.array[:size]  # the tensors' owner: collected when the last goes
+        weakref.finalize(view, self._returned.append, (peer, memory)).atexit = False
+        return torch.from_numpy(view), memory
 
     def tidy(self) -> None:
         """Keep the buffers returned since, within ``keep_bytes``."""
         while self._returned:
-            buffer = self._returned.popleft()
-            self._free.append(buffer)
-            self._free_bytes += buffer.nbytes
+            item = self._returned.popleft()
+            self._free.append(item)
+            self._free_bytes += item[1].array.nbytes
         while self._free_bytes > self.keep_bytes:
-            self._free_bytes -= self._free.pop(0).nbytes
+            _, memory = self._free.pop(0)
+            self._free_bytes -= memory.array.nbytes
+            if memory.fd >= 0:
+                memory.close()
+                self.num_segments -= 1
 
 
 @attrs.define
@@ -150,7 +211,9 @@ class Receiver:
     """Receives bands for one model (its Hugging Face ``config.json`` dict and the
     attention tensors' ``dtype``). ``handlers`` maps other 4-byte magics to coroutines
     that serve such connections on the same address (the decode worker's requests).
-    Up to ``keep_free_bytes`` of released band buffers are kept for reuse."""
+    Up to ``keep_free_bytes`` of released band buffers are kept for reuse.
+    ``lend_segments``: accept senders' offers to write bands into lent memfds (Unix
+    sockets only; otherwise every band's payload comes on the socket)."""
 
     def __init__(
         self,
@@ -164,6 +227,7 @@ class Receiver:
         max_requests: int = 4096,
         max_connections: int = 256,
         keep_free_bytes: int = 256 << 20,
+        lend_segments: bool = True,
         on_complete: OnComplete | None = None,
         handlers: Mapping[bytes, Handler] | None = None,
     ) -> None:
@@ -175,6 +239,7 @@ class Receiver:
         self.max_held_bytes = max_held_bytes if max_held_bytes is not None else 4 * max_band_bytes
         self.read_timeout_s, self.request_timeout_s = read_timeout_s, request_timeout_s
         self.max_requests = max_requests
+        self.lend_segments = lend_segments
         self.on_complete = on_complete
         self.handlers = dict(handlers or {})
         self.counts: Counter[str] = Counter()  # bands_ok, bands_refused, bands_broken, ...
@@ -243,12 +308,15 @@ class Receiver:
     async def _band(self, conn: _io.Connection) -> None:
         header: BandHeader | None = None
         try:
-            length = header_length(BAND_MAGIC + await conn.read_exactly(PREFIX_BYTES - 4))
+            length, flags = parse_prefix(BAND_MAGIC + await conn.read_exactly(PREFIX_BYTES - 4))
             header = decode_header(await conn.read_exactly(length))
             self.check(header)
             entry = self._claim(header)
             try:
-                tensors = await self._read_payload(conn, header)
+                if flags & FLAG_SEGMENT:
+                    tensors = await self._lend(conn, header)
+                else:
+                    tensors = await self._read_payload(conn, header)
                 complete = self._store(entry, header, tensors)
             except BaseException:
                 self._release(entry, header)
@@ -366,41 +434,56 @@ class Receiver:
             del self._pending[header.request_id]
 
     async def _read_payload(self, conn: _io.Connection, header: BandHeader):
-        """The band's tensors: views into one buffer (each at a multiple of ``ALIGN``
-        bytes), filled straight from the socket — one read per run of tensors that lie
-        back to back in it (most bands: one read; a read costs the event loop more than
-        a small tensor's copy)."""
-        offsets, size = [], 0
+        """The band's tensors: views into one buffer (``payload_layout``), filled straight
+        from the socket — one read per run of tensors that lie back to back in it (most
+        bands: one read; a read costs the event loop more than a small tensor's copy)."""
+        offsets, size = payload_layout(header)
         runs: list[list[int]] = []  # [start, end) of the buffer, read in order
-        for spec in header.tensors:
-            offsets.append(size)
+        for spec, at in zip(header.tensors, offsets, strict=True):
             if spec.nbytes:
-                if runs and runs[-1][1] == size:
+                if runs and runs[-1][1] == at:
                     runs[-1][1] += spec.nbytes
                 else:
-                    runs.append([size, size + spec.nbytes])
-            size += -(-spec.nbytes // ALIGN) * ALIGN
+                    runs.append([at, at + spec.nbytes])
         buffer = self._buffers.take(size)  # checked: within the budget
-        flat = buffer.numpy()  # views through numpy cost a third of torch's
-        tensors: dict[tuple[int, str], torch.Tensor] = {}
-        for spec, at in zip(header.tensors, offsets, strict=True):
-            key, raw = (spec.layer, spec.name), flat[at : at + spec.nbytes]
-            if spec.dtype in NUMPY_DTYPES:
-                tensors[key] = torch.from_numpy(raw.view(NUMPY_DTYPES[spec.dtype])
-                                                .reshape(spec.shape))  # fmt: skip
-            else:  # bfloat16: no numpy dtype
-                tensors[key] = torch.from_numpy(raw).view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
-        whole = memoryview(flat)
+        tensors = _views(buffer, header, offsets)
+        whole = memoryview(buffer.numpy())
         for start, end in runs:
             await conn.read_into(whole[start:end])
-        del whole, flat
+        del whole
+        self._check_tokens(tensors)
+        return tensors
+
+    async def _lend(self, conn: _io.Connection, header: BandHeader):
+        """A band offered into a segment: lend one (the sender writes the payload into
+        it, then says ``DONE_MAGIC``) or, over Unix sockets' reach or ``max_segments``,
+        decline (size 0) and read the payload from the socket."""
+        offsets, size = payload_layout(header)
+        peer = _io.peer_pid(conn.sock) if self.lend_segments and size else None
+        taken = self._buffers.lend(size, peer) if peer is not None else None
+        if taken is None:
+            await conn.send(encode_segment(0))
+            return await self._read_payload(conn, header)
+        buffer, memory = taken
+        tensors = _views(buffer, header, offsets)
+        await conn.send_fd(encode_segment(memory.array.nbytes), memory.fd)
+        done = await conn.read_exactly(len(DONE_MAGIC))
+        if done != DONE_MAGIC:
+            raise WireError(f"expected {DONE_MAGIC!r} after the segment's payload, got {done!r}")
+        # the sender can still write into the segment: the token ids are checked on a copy
+        tokens = tensors.get((-1, "tokens"))
+        if tokens is not None:
+            tensors[(-1, "tokens")] = tokens.clone()
+        self._check_tokens(tensors)
+        return tensors
+
+    def _check_tokens(self, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
         tokens = tensors.get((-1, "tokens"))
         if tokens is not None and tokens.numel():
             low, high = int(tokens.min()), int(tokens.max())
             if low < 0 or high >= self.fingerprint.vocab_size:
                 raise WireError(f"token ids span {low}..{high}, outside the vocabulary of "
                                 f"{self.fingerprint.vocab_size}")  # fmt: skip
-        return tensors
 
     def _store(self, entry: _Pending, header: BandHeader, tensors) -> Handoff | None:
         """Keep a band that arrived whole; the request's Handoff once all P are in."""
@@ -516,6 +599,20 @@ class Receiver:
             await anyio.sleep(min(1.0, self.request_timeout_s / 4))
             self.expire()
             self._buffers.tidy()
+
+
+def _views(buffer: torch.Tensor, header: BandHeader,
+           offsets: list[int]) -> dict[tuple[int, str], torch.Tensor]:  # fmt: skip
+    """The band's tensors as views of ``buffer`` (uint8) at ``offsets``."""
+    flat = buffer.numpy()  # views through numpy cost a third of torch's
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    for spec, at in zip(header.tensors, offsets, strict=True):
+        key, raw = (spec.layer, spec.name), flat[at : at + spec.nbytes]
+        if spec.dtype in NUMPY_DTYPES:
+            tensors[key] = torch.from_numpy(raw.view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape))
+        else:  # bfloat16: no numpy dtype
+            tensors[key] = torch.from_numpy(raw).view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+    return tensors
 
 
 async def _linger(conn: _io.Connection, num_bytes: int) -> None:

@@ -8,9 +8,15 @@ problem. ``docs/handoff.md`` is the contract in prose.
 
 One band (one connection per band)::
 
-    b"WPHB" | u16 LE version (1) | u16 LE reserved (0) | u32 LE header_len | header | payload
+    b"WPHB" | u16 LE version (2) | u16 LE flags | u32 LE header_len | header | payload
 
-The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``).
+The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``). A
+band whose flags hold ``FLAG_SEGMENT`` (a Unix socket only) offers to write its payload
+into memory the receiver lends: before the payload, the receiver answers
+``b"WPHM" | u64 LE size``, with a memfd of ``size`` bytes passed alongside (0 and no
+file: the payload follows on the socket as usual); the sender writes the payload into
+it at :func:`payload_layout`'s offsets and sends ``b"WPHD"``. Version 1 (flags 0) is
+still accepted.
 """
 
 from __future__ import annotations
@@ -24,11 +30,19 @@ from typing import Annotated
 import attrs
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+VERSIONS = (1, 2)  # accepted; version 1 has no flags (the field is 0)
 BAND_MAGIC = b"WPHB"
 ACK_MAGIC = b"WPHA"
-PREFIX_BYTES = 12  # magic, version, reserved, header_len
+SEGMENT_MAGIC = b"WPHM"  # the receiver's answer to a segment offer
+DONE_MAGIC = b"WPHD"  # the sender: the payload is in the segment
+FLAG_SEGMENT = 1  # the sender offers to write the payload into a lent segment
+FLAGS = FLAG_SEGMENT  # every flag this side knows
+PREFIX_BYTES = 12  # magic, version, flags, header_len
 ACK_PREFIX_BYTES = 8  # magic, ack_len
+SEGMENT_BYTES = 12  # magic, size
+ALIGN = 64  # bytes: where each tensor of a lent segment (and a receiver's buffer) starts
+MAX_SEGMENT_BYTES = 1 << 40
 MAX_HEADER_BYTES = 1 << 20
 MAX_ACK_BYTES = 1 << 16
 MAX_ERROR_CHARS = 4096
@@ -44,6 +58,7 @@ LAYER_KINDS = "AML"  # A: GQA/MHA K/V, M: MLA latent, L: recurrent state
 
 _PREFIX = struct.Struct("<4sHHI")
 _ACK_PREFIX = struct.Struct("<4sI")
+_SEGMENT = struct.Struct("<4sQ")
 
 
 class WireError(ValueError):
@@ -115,30 +130,72 @@ _ENCODER = msgspec.msgpack.Encoder()
 # -- bands ---------------------------------------------------------------------------
 
 
-def encode_band_prefix(header: BandHeader) -> bytes:
-    """Magic, version, reserved, header_len and the msgpack header: what precedes the
+def encode_band_prefix(header: BandHeader, flags: int = 0) -> bytes:
+    """Magic, version, flags, header_len and the msgpack header: what precedes the
     payload. Raises ``WireError`` for a header the receiver would refuse."""
+    if flags & ~FLAGS:
+        raise ValueError(f"unknown band flags {flags:#x}")
     raw = _ENCODER.encode(header)
     decode_header(raw)  # the sender's own check: never send what a receiver refuses
-    return _PREFIX.pack(BAND_MAGIC, WIRE_VERSION, 0, len(raw)) + raw
+    return _PREFIX.pack(BAND_MAGIC, WIRE_VERSION, flags, len(raw)) + raw
+
+
+def parse_prefix(prefix: bytes) -> tuple[int, int]:
+    """(header_len, flags) from a band's first ``PREFIX_BYTES`` bytes, checked."""
+    if len(prefix) != PREFIX_BYTES:
+        raise WireError(f"band prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
+    magic, version, flags, length = _PREFIX.unpack(prefix)
+    if magic != BAND_MAGIC:
+        raise WireError(f"bad band magic {magic!r}, expected {BAND_MAGIC!r}")
+    if version not in VERSIONS:
+        raise WireError(f"wire version {version} is not supported (this side speaks "
+                        f"{', '.join(map(str, VERSIONS))})")  # fmt: skip
+    if version == 1 and flags:
+        raise WireError(f"version 1 prefix has flags {flags:#x} (its reserved field): expected 0")
+    if flags & ~FLAGS:
+        raise WireError(f"unknown band flags {flags:#x} (this side knows {FLAGS:#x})")
+    if not 1 <= length <= MAX_HEADER_BYTES:
+        raise WireError(f"header_len {length} outside 1..{MAX_HEADER_BYTES}")
+    return length, flags
 
 
 def header_length(prefix: bytes) -> int:
     """header_len from a band's first ``PREFIX_BYTES`` bytes, checked."""
-    if len(prefix) != PREFIX_BYTES:
-        raise WireError(f"band prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
-    magic, version, reserved, length = _PREFIX.unpack(prefix)
-    if magic != BAND_MAGIC:
-        raise WireError(f"bad band magic {magic!r}, expected {BAND_MAGIC!r}")
-    if version != WIRE_VERSION:
-        raise WireError(
-            f"wire version {version} is not supported (this side speaks {WIRE_VERSION})"
-        )
-    if reserved != 0:
-        raise WireError(f"reserved prefix field is {reserved}, expected 0")
-    if not 1 <= length <= MAX_HEADER_BYTES:
-        raise WireError(f"header_len {length} outside 1..{MAX_HEADER_BYTES}")
-    return length
+    return parse_prefix(prefix)[0]
+
+
+def payload_layout(header: BandHeader) -> tuple[list[int], int]:
+    """Where each tensor of the band starts in a lent segment (and in a receiver's band
+    buffer): at the next multiple of ``ALIGN`` bytes after the one before, in header
+    order; and the bytes that takes in all."""
+    offsets, size = [], 0
+    for spec in header.tensors:
+        offsets.append(size)
+        size += -(-spec.nbytes // ALIGN) * ALIGN
+    return offsets, size
+
+
+# -- lent segments -------------------------------------------------------------------
+
+
+def encode_segment(size: int) -> bytes:
+    """The receiver's answer to a segment offer: the lent memfd's size (0: none lent,
+    the payload follows on the socket)."""
+    if not 0 <= size <= MAX_SEGMENT_BYTES:
+        raise WireError(f"segment of {size} bytes outside 0..{MAX_SEGMENT_BYTES}")
+    return _SEGMENT.pack(SEGMENT_MAGIC, size)
+
+
+def segment_size(raw: bytes) -> int:
+    """The size from a segment answer's ``SEGMENT_BYTES`` bytes, checked."""
+    if len(raw) != SEGMENT_BYTES:
+        raise WireError(f"segment answer is {len(raw)} bytes, expected {SEGMENT_BYTES}")
+    magic, size = _SEGMENT.unpack(raw)
+    if magic != SEGMENT_MAGIC:
+        raise WireError(f"bad segment magic {magic!r}, expected {SEGMENT_MAGIC!r}")
+    if size > MAX_SEGMENT_BYTES:
+        raise WireError(f"segment of {size} bytes exceeds {MAX_SEGMENT_BYTES}")
+    return size
 
 
 def decode_header(raw: bytes) -> BandHeader:
