@@ -49,7 +49,7 @@ else:
         fd = os.memfd_create("segment", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        conn.sendmsg([wire.encode_segment(size)],
+        conn.sendmsg([wire.encode_segment(size, 7)],
                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
     else:  # the header and half the payload
         if flags & wire.FLAG_SEGMENT:

@@ -20,7 +20,15 @@ def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
     busy_copies = [2.0, 4.0, 1.0]  # beside a busy core: 50, 25 and 100 B/s
     busy_bands = [[(100, 4.0), (200, 1.0)], [(100, 2.0), (200, 2.0)], [(100, 1.0), (200, 4.0)]]
     alone = [[(100, 0.5), (200, 2.0)], [(100, 1.0), (200, 2.0)], [(100, 2.0), (200, 2.0)]]
-    row = _row(4096, 2, handoffs, copies, 100, plain_bands, busy_copies, busy_bands, alone)
+    # the same bands into the receiver that declines segments: half the speed
+    over_socket = [{"stages": [dict(band, wire_s=2 * band["wire_s"],
+                                    seconds=band["seconds"] + band["wire_s"])
+                               for band in h["stages"]]} for h in handoffs]  # fmt: skip
+    alone_socket = [[(100, 2 * a[0][1]), (200, 2 * a[1][1])] for a in alone]
+    row = _row(4096, 2, {"handoff": handoffs, "copy": copies, "plain": plain_bands,
+                         "copy busy": busy_copies, "plain busy": busy_bands, "alone": alone,
+                         "handoff socket": over_socket, "alone socket": alone_socket},
+               100)  # fmt: skip
     assert row["plain_copy"]["gb_s"]["median"] == pytest.approx(100e-9)
     s0, s1 = row["stages"]
     assert s0["gb_s"] == pytest.approx({"median": 50e-9, "min": 25e-9, "max": 100e-9})
@@ -40,6 +48,10 @@ def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
     assert s1["stage_sender_alone"]["gb_s"]["median"] == pytest.approx(100e-9)
     # the cache is whole when the later of the two acknowledgements comes
     assert row["latency_s"] == pytest.approx({"median": 4.1, "min": 1.3, "max": 4.3})
+    # the rows over the socket: against the same idle copy
+    assert s0["socket"]["ratio"] == pytest.approx({"median": 0.25, "min": 0.125, "max": 0.5})
+    assert s0["stage_sender_alone_socket"]["ratio"]["median"] == pytest.approx(0.5)
+    assert row["latency_socket_s"]["median"] == pytest.approx(8.1)
 
 
 def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_path):
@@ -55,7 +67,7 @@ def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_pat
 
     config = model_hf_config("tiny-llama", BUILTIN["tiny-llama"])
     path = tmp_path / "rx.sock"
-    with (_child(RECEIVER, f"unix:{path}", json.dumps(config)),
+    with (_child(RECEIVER, f"unix:{path}", json.dumps(config), "lend"),
           anyio.from_thread.start_blocking_portal() as portal):  # fmt: skip
         bands = LibraryBands(config, 2, 4096, portal)  # 8 MiB a band: a worker thread
         for k in range(2):  # the second time through the same senders

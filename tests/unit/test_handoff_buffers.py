@@ -69,3 +69,17 @@ def test_a_kept_segment_let_go_closes_its_file():
     assert buffers.num_segments == 0 and memory.fd == -1
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_a_spoiled_segment_is_closed_once_free_never_lent_again():
+    """A segment whose sender never said it was done may still be written into."""
+    buffers = BandBuffers(keep_bytes=1 << 20)
+    tensor, memory = buffers.lend(4096, peer=7)
+    memory.spoiled = True
+    del tensor
+    buffers.tidy()
+    assert buffers.num_segments == 0 and memory.fd == -1
+    clean, kept = buffers.lend(4096, peer=7)
+    del clean
+    buffers.tidy()
+    assert buffers.num_segments == 1 and kept.fd >= 0  # a done segment is kept for reuse

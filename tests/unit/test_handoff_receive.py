@@ -368,7 +368,8 @@ def test_a_band_offered_into_a_segment_is_lent_one_over_unix_sockets_only(kind):
 
 def test_a_sender_that_breaks_its_segment_exchange_costs_only_its_band():
     """Garbage where ``WPHD`` belongs is refused; a hang-up before it is a broken band;
-    either way the claim is released, and the same band offered again is taken."""
+    either way the claim is released, the segment is closed rather than lent again (its
+    sender may still write into it), and the same band offered again is taken."""
     ((h, p),) = bands(split=((0, 1, 2, 3),))
     offer = encode_band_prefix(h, FLAG_SEGMENT)
     receiver = Receiver(KIMI, "float32")
@@ -380,11 +381,15 @@ def test_a_sender_that_breaks_its_segment_exchange_costs_only_its_band():
                                                        then)  # fmt: skip
             await anyio.sleep(0.05)  # the receiver has seen the hang-up
             out[then + " held"] = receiver.held_bytes
+            receiver._buffers.tidy()
+            out[then + " segments"] = receiver._buffers.num_segments
         return out, await receiver.wait("r1", 5)
 
     out, handoff = run_with(receiver, client)
     assert out["garbage"][1] == Ack("r1", 0, False,
                                     "expected b'WPHD' after the segment's payload, got b'WPHX'")
     assert out["hang up"][1] is None and out["garbage held"] == out["hang up held"] == 0
+    assert out["garbage segments"] == out["hang up segments"] == 0
+    assert out["write segments"] == 1  # taken: its tensors are the handoff's
     assert out["write"][1].ok and handoff.num_tokens == T
     assert receiver.counts["bands_refused"] == receiver.counts["bands_broken"] == 1

@@ -7,6 +7,7 @@ import array
 import contextlib
 import fcntl
 import os
+import secrets
 import socket
 import tempfile
 import threading
@@ -617,9 +618,9 @@ LLAMA_FP = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
 
 
 def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload(sock_path):
-    """The library receiver lends a memfd; the sender writes the pool's runs (more than
-    one pwritev takes) and a copied tensor into it: the receiver's tensors hold every
-    byte, and a second band from the same process reuses the same segment."""
+    """The library receiver lends a memfd; the sender copies the pool's runs (one a row,
+    over a thousand) and copied tensors into it: the receiver's tensors hold every byte,
+    and a second band from the same process is lent the same segment."""
     from tests.handoff_rig import ReceiverThread
     from wavepp.exec.handoff_send import IOV_MAX
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
@@ -670,9 +671,9 @@ class Lender(Receiver):
         header = wire.decode_header(self._exactly(conn, length))
         assert flags == wire.FLAG_SEGMENT
         _, size = wire.payload_layout(header)
-        answer, files = wire.encode_segment(size), []
+        answer, files = wire.encode_segment(size, secrets.randbits(64)), []
         if self.mode == "small":  # says what it lends, and it is too small for the band
-            answer, size = wire.encode_segment(size - 64), size - 64
+            answer, size = wire.encode_segment(size - 64, secrets.randbits(64)), size - 64
         if self.mode in ("ok", "die", "size", "small", "two"):
             files = [_sealed_memfd(size - 64 if self.mode == "size" else size)]
             if self.mode == "two":
@@ -747,3 +748,32 @@ def test_a_lent_segment_is_checked_before_a_byte_is_written(sock_path, mode, rea
         for tensor, spec, at in zip(band_of(job("a", "", n=40)), header.tensors, offsets,
                                     strict=True):  # fmt: skip
             assert payload[at : at + spec.nbytes] == tensor.read().numpy().tobytes()
+
+
+def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go():
+    from wavepp.exec.handoff_send import BandFailed, SegmentMaps
+
+    maps = SegmentMaps(keep_bytes=8192)
+    a, b = _sealed_memfd(8192), _sealed_memfd(8192)
+    try:
+        first = maps.take(("unix:/rx", 1), a)
+        first[:3] = [7, 8, 9]
+        assert os.pread(a, 3, 0) == b"\x07\x08\x09"  # the file's own memory
+        del first
+        maps.give_back(("unix:/rx", 1))
+        again = maps.take(("unix:/rx", 1), b)  # the same id: the kept mapping, not b's
+        assert again[:3].tolist() == [7, 8, 9]
+        del again
+        with pytest.raises(BandFailed, match="again with 4096 bytes, not 8192"):
+            maps.take(("unix:/rx", 1), c := _sealed_memfd(4096))
+        os.close(c)
+        held = maps.take(("unix:/rx", 2), b)  # in use: kept whatever the bound says
+        maps.give_back(("unix:/rx", 1))
+        assert len(maps) == 2
+        maps.take(("unix:/rx", 3), a)
+        maps.give_back(("unix:/rx", 3))  # unused: 1 and 3 (16 KiB) over 8 KiB
+        assert len(maps) == 2 and held.nbytes == 8192  # the oldest unused went
+        del held
+    finally:
+        os.close(a)
+        os.close(b)

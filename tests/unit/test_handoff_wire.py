@@ -151,11 +151,11 @@ def test_prefix_checks(prefix, match):
 
 def test_segment_answer_round_trip_and_checks():
     assert segment_size(encode_segment(0)) == 0
-    assert segment_size(encode_segment(5 << 20)) == 5 << 20
+    assert wire.parse_segment(encode_segment(5 << 20, 2**64 - 1)) == (5 << 20, 2**64 - 1)
     with pytest.raises(WireError, match="magic"):
-        segment_size(b"WPHA" + struct.pack("<Q", 8))
+        segment_size(b"WPHA" + struct.pack("<QQ", 8, 1))
     with pytest.raises(WireError, match="exceeds"):
-        segment_size(b"WPHM" + struct.pack("<Q", 2**63))
+        segment_size(b"WPHM" + struct.pack("<QQ", 2**63, 1))
     with pytest.raises(WireError, match="is 4 bytes"):
         segment_size(b"WPHM")
     with pytest.raises(ValueError, match="unknown band flags"):

@@ -5,7 +5,10 @@ Three measurements, each a ratio or a time from this invocation's own runs:
 - **bandwidth**: the server (``wavepp.serve.launch``, ``--stages`` stages, one request at
   a time) prefills fresh prompts of each length (default 4,096 and 32,768 tokens) and
   hands each to ``wavepp.handoff``'s ``Receiver`` in a process of its own (checking every
-  band, reading it into freshly allocated tensors). Each stage's band bytes over its
+  band; a band sent from a stage's worker thread is written into a segment the receiver
+  lends). Every other sample hands off instead to a second receiver that declines
+  segments: the same stages' bands **over the socket**, read into its recycled buffers,
+  for the transports' comparison within one run. Each stage's band bytes over its
   **wire time** — the stage's sender thread, from connect to the acknowledgement
   received (``wire_s`` in the record; ``seconds``, from the last chunk on that stage to
   the acknowledgement handled, adds the queueing and setup) — against a **plain copy**
@@ -23,14 +26,15 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   its gap to the plain copy is the receiver's cost. A fourth, **the stage's sender
   alone**, sends the same bands with a stage's own ``HandoffSender`` (the rows as views,
   here one a tensor where a stage has one a run of blocks; a large band from a worker
-  thread) from this process, with no pipeline running: its gap to the handoff is what
-  sending from inside the running pipeline costs. Both plain
+  thread) from this process, with no pipeline running, into each receiver: its gap to
+  the handoff is what sending from inside the running pipeline costs. Both plain
   rows are also timed **beside a busy core**: a helper process
   computing on one thread (torch matmuls), resumed 50 ms before the sample and stopped
   after it — the machine as stage 0's sender finds it at P = 2, its band leaving while
-  stage 1 computes the prompt's last chunk. The six are interleaved, one of each per
-  sample, in turn; every figure is the median over ``--samples`` with its min–max, and
-  the idle plain copy's median per length is the denominator of every ratio;
+  stage 1 computes the prompt's last chunk. The eight (``SAMPLE_KINDS``) are
+  interleaved, one of each per sample, in turn; every figure is the median over
+  ``--samples`` with its min–max, and the idle plain copy's median per length is the
+  denominator of every ratio;
 - **latency**: from the request's last chunk (on the last stage) to the receiver
   holding every band (the last stage's ``ended_at`` to the latest ``ended_at +
   seconds``);
@@ -68,7 +72,8 @@ import json, sys, anyio
 from wavepp.handoff.receive import Receiver
 
 async def main():
-    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None)
+    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None,
+                  lend_segments=sys.argv[3] == "lend")
     async with anyio.create_task_group() as tg:
         await tg.start(rx.serve, sys.argv[1])
         print("ready", flush=True)
@@ -149,7 +154,7 @@ def _server(args, tmp: Path):
     cmd = [sys.executable, "-m", "wavepp.serve.launch", "--nproc-per-node", str(args.stages),
            "--host", "127.0.0.1", "--port", "0", "--model", args.model, "--budget",
            str(args.budget), "--concurrency", "1", "--block-size", str(BLOCK),
-           "--capacity-blocks", str(blocks), *_segments_flag(args)]  # fmt: skip
+           "--capacity-blocks", str(blocks)]  # fmt: skip
     log = tmp / "server.log"
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
@@ -166,10 +171,6 @@ def _server(args, tmp: Path):
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _segments_flag(args) -> list[str]:
-    return [] if args.segments else ["--no-handoff-segments"]
 
 
 def _torchrun(stages: int, args: list[str]) -> None:
@@ -206,11 +207,9 @@ class LibraryBands:
     """Bands of a prompt length, from this process into the library receiver: stage s of
     ``stages`` holding an even split of the layers (stage 0 the token ids)."""
 
-    def __init__(self, config: dict, stages: int, length: int, portal=None,
-                 segments: bool = True) -> None:  # fmt: skip
+    def __init__(self, config: dict, stages: int, length: int, portal=None) -> None:
         """``portal``: an ``anyio`` blocking portal, the event loop :meth:`stage_sender_s`
-        runs the stage senders on; ``segments``: theirs offer to write into lent
-        segments, as a stage's do by default."""
+        runs the stage senders on."""
         import torch
 
         from wavepp.handoff import wire
@@ -218,7 +217,6 @@ class LibraryBands:
         fp = wire.fingerprint_from_hf_config(config, "float32")
         self.stages, self.length = stages, length
         self._portal = portal
-        self._segments = segments
         self._senders: dict = {}
         self._tasks: list = []
         self._fp = fp
@@ -307,7 +305,7 @@ class LibraryBands:
 
         settings = HandoffSettings(stage, self.stages, self._fp, timeout_s=60.0,
                                    budget_bytes=1 << 40, inline_bytes=INLINE_BYTES,
-                                   segments=self._segments)  # fmt: skip
+                                   segments=True)  # fmt: skip
         return HandoffSender(settings, band, release=lambda rid: None)
 
     def close(self) -> None:
@@ -332,63 +330,66 @@ def bandwidth(args, config: dict, tmp: Path) -> list[dict]:
 
     rows = []
     rng = np.random.default_rng(0)
-    rx_path, copy_path = tmp / "rx.sock", tmp / "copy.sock"
-    rx = f"unix:{rx_path}"
-    with (_child(RECEIVER, rx, json.dumps(config)), _child(COPY_RECEIVER, str(copy_path)),
-          _child(BUSY) as busy, _server(args, tmp) as url,
-          httpx.Client(base_url=url, timeout=600) as client,
+    rx_path, socket_path = tmp / "rx.sock", tmp / "rx-socket.sock"
+    copy_path = tmp / "copy.sock"
+    rx, rx_socket = f"unix:{rx_path}", f"unix:{socket_path}"
+    with (_child(RECEIVER, rx, json.dumps(config), "lend"),
+          _child(RECEIVER, rx_socket, json.dumps(config), "decline"),
+          _child(COPY_RECEIVER, str(copy_path)), _child(BUSY) as busy,
+          _server(args, tmp) as url, httpx.Client(base_url=url, timeout=600) as client,
           anyio.from_thread.start_blocking_portal() as portal):  # fmt: skip
         busy.send_signal(signal.SIGSTOP)
         for length in args.lengths:
-            library = LibraryBands(config, args.stages, length, portal, args.segments)
+            library = LibraryBands(config, args.stages, length, portal)
 
             def draw(n: int = length) -> list[int]:
                 return rng.integers(3, config["vocab_size"], n).tolist()
 
             warm = _handoff_sample(client, rx, draw())  # warm-up, not counted
+            _handoff_sample(client, rx_socket, draw())
             data = bytearray(b"\x01") * max(s["bytes"] for s in warm["stages"])
             plain_copy_s(copy_path, data)
             for stage in range(args.stages):
                 library.send_s(rx_path, f"warm-{length}-{stage}", stage)
                 library.stage_sender_s(rx_path, f"warm-s-{length}", stage)
-            handoffs = []
-            copies: dict[bool, list[float]] = {False: [], True: []}  # by: beside a busy core
-            plain_bands: dict[bool, list[list[tuple[int, float]]]] = {False: [], True: []}
-            alone: list[list[tuple[int, float]]] = []  # the stage's sender, no pipeline
-            kinds = [("handoff", False), ("copy", False), ("plain bands", False),
-                     ("copy", True), ("plain bands", True), ("stage sender", False)]  # fmt: skip
+                library.stage_sender_s(socket_path, f"warm-s-{length}", stage)
+            got: dict[str, list] = {kind: [] for kind, _ in SAMPLE_KINDS}
+
+            def one(kind: str, k: int, library=library, data=data, length=length) -> object:
+                if kind in ("handoff", "handoff socket"):
+                    return _handoff_sample(client, rx if kind == "handoff" else rx_socket,
+                                           draw())  # fmt: skip
+                if kind in ("copy", "copy busy"):
+                    return plain_copy_s(copy_path, data)
+                if kind in ("plain", "plain busy"):
+                    return [library.send_s(rx_path, f"p{length}-{k}-{kind}", stage)
+                            for stage in range(args.stages)]  # fmt: skip
+                path = rx_path if kind == "alone" else socket_path
+                return [library.stage_sender_s(path, f"s{length}-{k}", stage)
+                        for stage in range(args.stages)]  # fmt: skip
+
             for k in range(args.samples):
                 # one of each per sample, the kind that goes first moving on one a sample
-                turn = k % len(kinds)
-                for kind, loaded in kinds[turn:] + kinds[:turn]:
+                turn = k % len(SAMPLE_KINDS)
+                for kind, loaded in SAMPLE_KINDS[turn:] + SAMPLE_KINDS[:turn]:
                     with _busy(busy) if loaded else contextlib.nullcontext():
-                        if kind == "handoff":
-                            handoffs.append(_handoff_sample(client, rx, draw()))
-                        elif kind == "copy":
-                            copies[loaded].append(plain_copy_s(copy_path, data))
-                        elif kind == "plain bands":
-                            plain_bands[loaded].append(
-                                [library.send_s(rx_path, f"p{length}-{k}-{loaded:d}", stage)
-                                 for stage in range(args.stages)])  # fmt: skip
-                        else:
-                            alone.append([library.stage_sender_s(rx_path, f"s{length}-{k}", stage)
-                                          for stage in range(args.stages)])  # fmt: skip
-            rows.append(_row(length, args.stages, handoffs, copies[False], len(data),
-                             plain_bands[False], copies[True], plain_bands[True],
-                             alone))  # fmt: skip
+                        got[kind].append(one(kind, k))
+            rows.append(_row(length, args.stages, got, len(data)))
             library.close()
             _print_row(rows[-1])
     return rows
 
 
-def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
-         copy_bytes: int, plain_bands: list[list[tuple[int, float]]],
-         busy_copies: list[float], busy_plain_bands: list[list[tuple[int, float]]],
-         alone: list[list[tuple[int, float]]]) -> dict:  # fmt: skip
-    """One length's figures; ``busy_*``: the plain rows timed beside a busy core;
-    ``alone``: the stage's sender with no pipeline beside it. Every ratio divides by the
-    idle plain copy's median."""
-    plain = statistics.median(copies)
+# what one sample of a length takes, each once, and whether beside a busy core
+SAMPLE_KINDS = [("handoff", False), ("copy", False), ("plain", False), ("copy busy", True),
+                ("plain busy", True), ("alone", False), ("handoff socket", False),
+                ("alone socket", False)]  # fmt: skip
+
+
+def _row(length: int, stages: int, got: dict[str, list], copy_bytes: int) -> dict:
+    """One length's figures from its samples by kind (``SAMPLE_KINDS``). Every ratio
+    divides by the idle plain copy's median."""
+    plain = statistics.median(got["copy"])
     plain_gb_s = copy_bytes / plain / 1e9
 
     def against_copy(samples: list[tuple[int, float]]) -> dict:
@@ -396,52 +397,57 @@ def _row(length: int, stages: int, handoffs: list[dict], copies: list[float],
         return {"bytes": samples[0][0], "gb_s": _spread(gb_s),
                 "ratio": {k: v / plain_gb_s for k, v in _spread(gb_s).items()}}  # fmt: skip
 
-    latencies = []
-    for h in handoffs:
-        last = h["stages"][-1]["ended_at"]
-        latencies.append(max(s["ended_at"] + s["seconds"] for s in h["stages"]) - last)
+    def latency(handoffs: list[dict]) -> dict:
+        return _spread([max(s["ended_at"] + s["seconds"] for s in h["stages"])
+                        - h["stages"][-1]["ended_at"] for h in handoffs])  # fmt: skip
+
+    def in_pipeline(bands: list[dict]) -> dict:
+        return {**against_copy([(b["bytes"], b["wire_s"]) for b in bands]),
+                "wire_s": _spread([b["wire_s"] for b in bands]),
+                "setup_s": _spread([b["seconds"] - b["wire_s"] for b in bands]),
+                "seconds": _spread([b["seconds"] for b in bands])}  # fmt: skip
+
     row = {
-        "tokens": length, "samples": len(handoffs), "latency_s": _spread(latencies),
-        "plain_copy": {"bytes": copy_bytes, "seconds": _spread(copies),
-                       "gb_s": _spread([copy_bytes / s / 1e9 for s in copies])},
-        "plain_copy_busy_core": against_copy([(copy_bytes, s) for s in busy_copies]),
+        "tokens": length, "samples": len(got["handoff"]),
+        "latency_s": latency(got["handoff"]),
+        "latency_socket_s": latency(got["handoff socket"]),
+        "plain_copy": {"bytes": copy_bytes, "seconds": _spread(got["copy"]),
+                       "gb_s": _spread([copy_bytes / s / 1e9 for s in got["copy"]])},
+        "plain_copy_busy_core": against_copy([(copy_bytes, s) for s in got["copy busy"]]),
         "stages": [],
     }  # fmt: skip
     for stage in range(stages):
-        bands = [h["stages"][stage] for h in handoffs]
-        num_bytes = bands[0]["bytes"]
-        gb_s = [b["bytes"] / b["wire_s"] / 1e9 for b in bands]
         row["stages"].append({
-            "stage": stage, "bytes": num_bytes,
-            "wire_s": _spread([b["wire_s"] for b in bands]),
-            "setup_s": _spread([b["seconds"] - b["wire_s"] for b in bands]),
-            "seconds": _spread([b["seconds"] for b in bands]),
-            "gb_s": _spread(gb_s),
-            "ratio": {k: v / plain_gb_s for k, v in _spread(gb_s).items()},
-            "plain_sender_library_receiver": against_copy([p[stage] for p in plain_bands]),
+            "stage": stage,
+            **in_pipeline([h["stages"][stage] for h in got["handoff"]]),
+            "socket": in_pipeline([h["stages"][stage] for h in got["handoff socket"]]),
+            "plain_sender_library_receiver": against_copy([p[stage] for p in got["plain"]]),
             "plain_sender_library_receiver_busy_core": against_copy(
-                [p[stage] for p in busy_plain_bands]),
-            "stage_sender_alone": against_copy([a[stage] for a in alone]),
+                [p[stage] for p in got["plain busy"]]),
+            "stage_sender_alone": against_copy([a[stage] for a in got["alone"]]),
+            "stage_sender_alone_socket": against_copy([a[stage] for a in got["alone socket"]]),
         })  # fmt: skip
     return row
 
 
 def _print_row(row: dict) -> None:
     lat, plain = row["latency_s"], row["plain_copy"]["gb_s"]
+    lat_socket = row["latency_socket_s"]
     print(f"{row['tokens']:>7,} tokens, {row['samples']} samples: cache held "
           f"{lat['median'] * 1e3:.1f} ms ({lat['min'] * 1e3:.1f}-{lat['max'] * 1e3:.1f}) after "
-          f"the last chunk; plain copy {plain['median']:.2f} GB/s "
-          f"({plain['min']:.2f}-{plain['max']:.2f}); beside a busy core "
-          f"{_spell(row['plain_copy_busy_core']['ratio'])} of it", flush=True)  # fmt: skip
+          f"the last chunk ({lat_socket['median'] * 1e3:.1f} ms over the socket); plain copy "
+          f"{plain['median']:.2f} GB/s ({plain['min']:.2f}-{plain['max']:.2f}); beside a busy "
+          f"core {_spell(row['plain_copy_busy_core']['ratio'])} of it", flush=True)  # fmt: skip
     for s in row["stages"]:
         lib = s["plain_sender_library_receiver"]["ratio"]
         busy = s["plain_sender_library_receiver_busy_core"]["ratio"]
-        alone = s["stage_sender_alone"]["ratio"]
         print(f"  stage {s['stage']}: {s['bytes'] / 2**20:.1f} MiB at {s['gb_s']['median']:.2f} "
-              f"GB/s on the wire = {_spell(s['ratio'])} the plain copy; setup "
-              f"{s['setup_s']['median'] * 1e3:.1f} ms; its sender alone {_spell(alone)}; "
-              f"plain sender into the library receiver {_spell(lib)}, beside a busy core "
-              f"{_spell(busy)}", flush=True)  # fmt: skip
+              f"GB/s on the wire = {_spell(s['ratio'])} the plain copy (over the socket "
+              f"{_spell(s['socket']['ratio'])}); setup {s['setup_s']['median'] * 1e3:.1f} ms; "
+              f"its sender alone {_spell(s['stage_sender_alone']['ratio'])} (over the socket "
+              f"{_spell(s['stage_sender_alone_socket']['ratio'])}); plain sender into the "
+              f"library receiver {_spell(lib)}, beside a busy core {_spell(busy)}",
+              flush=True)  # fmt: skip
 
 
 def _spell(ratio: dict) -> str:
@@ -459,9 +465,8 @@ def throughput(args, tmp: Path) -> dict:
             out = tmp / f"default-{mode}-{repeat}.json"
             if mode == "on":
                 rx = f"unix:{tmp / f'rx-default-{repeat}.sock'}"
-                with _child(RECEIVER, rx, config):  # a fresh receiver a run
-                    _torchrun(4, ["--handoff-all", "--handoff-to", rx, "--json", str(out),
-                                  *_segments_flag(args)])  # fmt: skip
+                with _child(RECEIVER, rx, config, "lend"):  # a fresh receiver a run
+                    _torchrun(4, ["--handoff-all", "--handoff-to", rx, "--json", str(out)])
                 record = json.loads(out.read_text())
                 if record["handoff"].get("done") != len(record["requests"]):
                     errors = {(r.get("handoff") or {}).get("error") for r in record["requests"]}
@@ -498,10 +503,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="alternating on/off pairs of the default job (0: skip); on "
                              "a two-core machine one run's throughput can differ from "
                              "the next by half, so a few pairs cannot tell a 5%% cost")  # fmt: skip
-    parser.add_argument("--segments", action=argparse.BooleanOptionalAction, default=True,
-                        help="the stages' bands offer to write into segments the receiver "
-                             "lends, as by default (--no-segments: every band's bytes on "
-                             "the socket; the plain rows are socket copies either way)")
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="wavepp-handoff-") as tmp:
         rows = bandwidth(args, config, Path(tmp))
         record = {"machine": f"{os.cpu_count()} cores", "model": args.model,
-                  "stages": args.stages, "segments": args.segments, "bandwidth": rows,
+                  "stages": args.stages, "bandwidth": rows,
                   "note": "wire_s: a stage's sender thread, connect to ack; setup_s: the "
                           "rest of seconds (last chunk to ack handled)"}  # fmt: skip
         if args.json:  # kept should the throughput runs fail

@@ -25,9 +25,10 @@ stage's small bands (``inline_bytes``) go out from the event loop instead: for t
 thread hops cost more than the bytes.
 A band from a worker thread to a Unix socket offers to write its payload into a segment
 the receiver lends (``HandoffSettings.segments``, ``docs/handoff.md``): a memfd,
-checked before a byte goes in, that the runs are written into with ``pwritev`` — one
-copy in all, where the socket takes two (the sender's into the kernel, the receiver's
-out of it).
+checked before a byte goes in, mapped here and the runs copied into it — one copy in
+all, where the socket takes two (the sender's into the kernel, the receiver's out of
+it). A receiver lends a stage the same segment again once its last band is taken, so
+the mapping is kept (``SegmentMaps``) and its pages are not faulted in again.
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
 (``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
@@ -40,6 +41,7 @@ import array
 import contextlib
 import fcntl
 import math
+import mmap
 import os
 import socket
 import stat
@@ -150,6 +152,7 @@ class HandoffSender:
         # (anyio's default limiter, shared by the whole process)
         self._threads = anyio.CapacityLimiter(BAND_THREADS)
         self._budget_freed = anyio.Event()
+        self._maps = SegmentMaps(settings.budget_bytes)  # lent segments, kept mapped
         self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
         self.num_pending = 0  # jobs submitted and not settled
         # called (on the event loop) after each band settles: the runtime sends the
@@ -262,8 +265,9 @@ class HandoffSender:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
+            lend = None if offsets is None else (self._maps, offsets)
             ack = await anyio.to_thread.run_sync(_send_band, sock, address, prefix, tensors,
-                                                 offsets, deadline, job.target, wire_s,
+                                                 lend, deadline, job.target, wire_s,
                                                  claim, finished, abandon_on_cancel=True,
                                                  limiter=self._threads)  # fmt: skip
         finally:
@@ -362,15 +366,18 @@ def _serial(fn: Callable[[], T]) -> T:
     return fn()
 
 
+Lend = tuple["SegmentMaps", list[int]]  # where lent segments stay mapped; tensor offsets
+
+
 def _send_band(
     sock: socket.socket, address: wire.Address, prefix: bytes,
-    tensors: Sequence[BandTensor], offsets: list[int] | None, deadline: float, target: str,
+    tensors: Sequence[BandTensor], lend: Lend | None, deadline: float, target: str,
     wire_s: list[float], claim: threading.Lock, finished: threading.Event,
 ) -> wire.Ack | None:  # fmt: skip
     """A band's whole exchange with blocking calls (in a worker thread): connect, the
-    prefix and header, every tensor's bytes (into a lent segment at ``offsets`` where
-    the prefix offered one and the receiver lends it), the acknowledgement. Takes
-    ``claim`` first:
+    prefix and header, every tensor's bytes (into a lent segment, at its offset in
+    ``lend``, where the prefix offered one and the receiver lends it), the
+    acknowledgement. Takes ``claim`` first:
     if the event loop took it (the band was given up before this thread began), returns
     None at once, touching nothing. Otherwise owns ``sock``; sets ``wire_s[0]`` to its
     seconds from connect to the ack (or to its failure) and ``finished`` when it no
@@ -380,7 +387,7 @@ def _send_band(
     started = time.perf_counter()
     compute.serial_here()  # a TP band's shards are put together here: no OpenMP team
     try:
-        return _exchange(sock, address, prefix, tensors, offsets, deadline, target)
+        return _exchange(sock, address, prefix, tensors, lend, deadline, target)
     finally:
         wire_s[0] = time.perf_counter() - started
         finished.set()
@@ -388,7 +395,7 @@ def _send_band(
 
 def _exchange(
     sock: socket.socket, address: wire.Address, prefix: bytes,
-    tensors: Sequence[BandTensor], offsets: list[int] | None, deadline: float, target: str,
+    tensors: Sequence[BandTensor], lend: Lend | None, deadline: float, target: str,
 ) -> wire.Ack:  # fmt: skip
     def left() -> float:
         remaining = deadline - time.monotonic()
@@ -423,7 +430,8 @@ def _exchange(
         sock.settimeout(None)
         try:
             views = [memoryview(prefix)]
-            if offsets is not None:  # offered to write into a segment: the answer first
+            if lend is not None:  # offered to write into a segment: the answer first
+                maps, offsets = lend
                 sock.sendall(prefix)
                 sock.settimeout(left())
                 lent = _take_segment(sock, target)
@@ -431,10 +439,16 @@ def _exchange(
                 if isinstance(lent, wire.Ack):  # the band was refused
                     return lent
                 if lent is not None:
+                    fd, segment_id = lent
                     try:
-                        _write_segment(lent, tensors, offsets)
+                        memory = maps.take((target, segment_id), fd)
                     finally:
-                        os.close(lent)
+                        os.close(fd)
+                    try:
+                        _write_segment(memory, tensors, offsets)
+                    finally:
+                        del memory
+                        maps.give_back((target, segment_id))
                     sock.sendall(wire.DONE_MAGIC)
                     sock.settimeout(left())
                     return _read_ack(sock, target)
@@ -473,10 +487,11 @@ MAX_FDS = 4  # files a segment answer may carry before it is refused as garbage
 SEGMENT_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")  # a lent memfd's size cannot change
 
 
-def _take_segment(sock: socket.socket, target: str) -> int | wire.Ack | None:
+def _take_segment(sock: socket.socket, target: str) -> tuple[int, int] | wire.Ack | None:
     """The receiver's answer to a segment offer: the lent memfd (a descriptor this
-    thread owns), None (declined: the payload goes on the socket), or its ack (the band
-    was refused). The file is checked: a sealed memfd of the size the answer says."""
+    thread owns) and the segment's id, None (declined: the payload goes on the socket),
+    or its ack (the band was refused). The file is checked: a sealed memfd of the size
+    the answer says."""
     data, fds = bytearray(), []
     try:
         _recv_passing(sock, data, 4, fds, target)
@@ -494,7 +509,7 @@ def _take_segment(sock: socket.socket, target: str) -> int | wire.Ack | None:
             raise BandFailed("bad ack", f"{target} answered garbage to a segment offer: "
                              f"{bytes(data)!r}")  # fmt: skip
         try:
-            size = wire.segment_size(bytes(data))
+            size, segment_id = wire.parse_segment(bytes(data))
         except wire.WireError as error:
             raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
         if size == 0 and not fds:
@@ -508,7 +523,7 @@ def _take_segment(sock: socket.socket, target: str) -> int | wire.Ack | None:
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, segment_id
     finally:
         for fd in fds:
             os.close(fd)
@@ -549,31 +564,77 @@ def _check_segment(fd: int, size: int, target: str) -> None:
         raise BandFailed("bad ack", f"{target} lent a memfd without {', '.join(missing)}")
 
 
-def _write_segment(fd: int, tensors: Sequence[BandTensor], offsets: list[int]) -> None:
-    """Every tensor's bytes into the lent memfd at its offset: the pool's runs as they
-    are (``pwritev``, no copy before the kernel's), a copied tensor once read."""
-    size = os.fstat(fd).st_size
+def _write_segment(memory: np.ndarray, tensors: Sequence[BandTensor],
+                   offsets: list[int]) -> None:  # fmt: skip
+    """Every tensor's bytes into the lent segment (mapped: ``memory``) at its offset: the
+    pool's runs as they are, a copied tensor once read."""
     need = max((at + t.num_bytes for t, at in zip(tensors, offsets, strict=True)), default=0)
-    if need > size:
-        raise BandFailed("bad ack", f"the lent segment of {size} bytes is too small for the "
-                         f"band's {need}")  # fmt: skip
+    if need > memory.nbytes:
+        raise BandFailed("bad ack", f"the lent segment of {memory.nbytes} bytes is too small "
+                         f"for the band's {need}")  # fmt: skip
     for tensor, at in zip(tensors, offsets, strict=True):
         if tensor.pieces is not None:
-            views = [memoryview(v).cast("B") for v in tensor.pieces()]
+            views = tensor.pieces()
         else:
             views = [tensor.read().reshape(-1).view(torch.uint8).numpy().data]
-        _pwrite_all(fd, views, at)
+        for view in views:
+            piece = np.frombuffer(view, dtype=np.uint8)
+            memory[at : at + piece.nbytes] = piece  # a memcpy, without the GIL
+            at += piece.nbytes
 
 
-def _pwrite_all(fd: int, views: list[memoryview], at: int) -> None:
-    queue = [v for v in views if v.nbytes]
-    first = 0
-    while first < len(queue):
-        sent = os.pwritev(fd, queue[first : first + IOV_MAX], at)
-        if not sent:
-            raise BandFailed("error", "a write into the lent segment wrote nothing")
-        at += sent
-        first = _step(queue, first, sent)
+class SegmentMaps:
+    """Segments lent to this process, kept mapped between bands. A receiver lends a
+    stage the segment its last band used once that band is taken, so a kept mapping
+    spares a ``mmap`` and a page fault per 4 KiB on every band. Keyed by (target, the
+    segment's id): the receiver never gives two segments one id. A mapping in use is
+    never unmapped; unused ones are kept up to ``keep_bytes``, the oldest let go first.
+    Safe to write: a mapping is only made of a memfd whose size is sealed, so it cannot
+    shrink under it. Thread-safe."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._maps: dict[tuple[str, int], list] = {}  # key -> [mmap, users], oldest first
+
+    def take(self, key: tuple[str, int], fd: int) -> np.ndarray:
+        """The segment's memory (uint8), mapped from ``fd`` (a checked memfd) unless
+        kept; hand it back with :meth:`give_back`."""
+        size = os.fstat(fd).st_size
+        with self._lock:
+            entry = self._maps.pop(key, None)
+            if entry is None:
+                entry = [mmap.mmap(fd, size), 0]  # MAP_SHARED, read and write
+            elif len(entry[0]) != size:  # a sealed segment's size cannot change
+                self._maps[key] = entry
+                raise BandFailed("bad ack", f"{key[0]} lent segment {key[1]} again with "
+                                 f"{size} bytes, not {len(entry[0])}")  # fmt: skip
+            entry[1] += 1
+            self._maps[key] = entry  # the latest used last
+            return np.frombuffer(entry[0], dtype=np.uint8)
+
+    def give_back(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is not None:
+                entry[1] -= 1
+            kept = sum(len(m) for m, users in self._maps.values() if not users)
+            for other, (mapped, users) in list(self._maps.items()):
+                if kept <= self.keep_bytes:
+                    break
+                if not users:
+                    kept -= len(mapped)
+                    del self._maps[other]
+                    _unmap(mapped)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+def _unmap(mapped: mmap.mmap) -> None:
+    """Close a mapping; one an array still views goes with the last such array."""
+    with contextlib.suppress(BufferError):
+        mapped.close()
 
 
 async def _exchange_inline(

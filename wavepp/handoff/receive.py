@@ -10,12 +10,13 @@ payload read straight into it. A sender on this host that offers to (``FLAG_SEGM
 is lent the buffer itself instead, a memfd, and writes the payload into it: one copy
 in all, none here. A segment is lent again only to the process it was first lent to
 (by its Unix socket peer's pid), so a sender that kept its file can only ever write
-into its own bands. The receiver answers every band with one ack — ok, or
-the reason — and closes. A refused band's payload is drained (up to ``max_band_bytes``)
-so the sender reads its ack instead of a reset. A peer that stops half way or sends
-garbage costs that band only: each read waits at most ``read_timeout_s``. Memory is
-bounded: bytes held (incomplete and uncollected requests) stay under
-``max_held_bytes``, and a request not complete — or not taken — within
+into its own bands, and only once that sender said it was done writing (a band given
+up half way may still be written into: its segment is closed). The receiver answers
+every band with one ack — ok, or the reason — and closes. A refused band's payload is
+drained (up to ``max_band_bytes``) so the sender reads its ack instead of a reset. A
+peer that stops half way or sends garbage costs that band only: each read waits at most
+``read_timeout_s``. Memory is bounded: bytes held (incomplete and uncollected requests)
+stay under ``max_held_bytes``, and a request not complete — or not taken — within
 ``request_timeout_s`` is dropped.
 
 A complete request goes to ``on_complete`` when one is given, else it waits for
@@ -30,6 +31,7 @@ import inspect
 import logging
 import mmap
 import os
+import secrets
 import sys
 import time
 import weakref
@@ -108,6 +110,10 @@ class _Memory:
 
     array: np.ndarray  # uint8, all of it
     fd: int = -1
+    segment_id: int = 0  # a segment's name to its sender: random, never reused
+    # a segment whose sender did not say it was done: it may still be writing into it,
+    # so it is closed once free, never lent again
+    spoiled: bool = False
 
     @classmethod
     def segment(cls, size: int) -> _Memory:
@@ -118,7 +124,8 @@ class _Memory:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)  # fmt: skip
-            return cls(np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8), fd)
+            return cls(np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8), fd,
+                       secrets.randbits(64))
         except BaseException:
             os.close(fd)
             raise
@@ -182,6 +189,10 @@ class BandBuffers:
         """Keep the buffers returned since, within ``keep_bytes``."""
         while self._returned:
             item = self._returned.popleft()
+            if item[1].spoiled:
+                item[1].close()
+                self.num_segments -= 1
+                continue
             self._free.append(item)
             self._free_bytes += item[1].array.nbytes
         while self._free_bytes > self.keep_bytes:
@@ -466,10 +477,12 @@ class Receiver:
             return await self._read_payload(conn, header)
         buffer, memory = taken
         tensors = _views(buffer, header, offsets)
-        await conn.send_fd(encode_segment(memory.array.nbytes), memory.fd)
+        memory.spoiled = True  # until the sender says it is done writing
+        await conn.send_fd(encode_segment(memory.array.nbytes, memory.segment_id), memory.fd)
         done = await conn.read_exactly(len(DONE_MAGIC))
         if done != DONE_MAGIC:
             raise WireError(f"expected {DONE_MAGIC!r} after the segment's payload, got {done!r}")
+        memory.spoiled = False
         # the sender can still write into the segment: the token ids are checked on a copy
         tokens = tensors.get((-1, "tokens"))
         if tokens is not None:

@@ -13,10 +13,10 @@ One band (one connection per band)::
 The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``). A
 band whose flags hold ``FLAG_SEGMENT`` (a Unix socket only) offers to write its payload
 into memory the receiver lends: before the payload, the receiver answers
-``b"WPHM" | u64 LE size``, with a memfd of ``size`` bytes passed alongside (0 and no
-file: the payload follows on the socket as usual); the sender writes the payload into
-it at :func:`payload_layout`'s offsets and sends ``b"WPHD"``. Version 1 (flags 0) is
-still accepted.
+``b"WPHM" | u64 LE size | u64 LE segment id``, with a memfd of ``size`` bytes passed
+alongside (size 0 and no file: the payload follows on the socket as usual); the sender
+writes the payload into it at :func:`payload_layout`'s offsets and sends ``b"WPHD"``.
+Version 1 (flags 0) is still accepted.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ FLAG_SEGMENT = 1  # the sender offers to write the payload into a lent segment
 FLAGS = FLAG_SEGMENT  # every flag this side knows
 PREFIX_BYTES = 12  # magic, version, flags, header_len
 ACK_PREFIX_BYTES = 8  # magic, ack_len
-SEGMENT_BYTES = 12  # magic, size
+SEGMENT_BYTES = 20  # magic, size, segment id
 ALIGN = 64  # bytes: where each tensor of a lent segment (and a receiver's buffer) starts
 MAX_SEGMENT_BYTES = 1 << 40
 MAX_HEADER_BYTES = 1 << 20
@@ -58,7 +58,7 @@ LAYER_KINDS = "AML"  # A: GQA/MHA K/V, M: MLA latent, L: recurrent state
 
 _PREFIX = struct.Struct("<4sHHI")
 _ACK_PREFIX = struct.Struct("<4sI")
-_SEGMENT = struct.Struct("<4sQ")
+_SEGMENT = struct.Struct("<4sQQ")
 
 
 class WireError(ValueError):
@@ -178,24 +178,31 @@ def payload_layout(header: BandHeader) -> tuple[list[int], int]:
 # -- lent segments -------------------------------------------------------------------
 
 
-def encode_segment(size: int) -> bytes:
+def encode_segment(size: int, segment_id: int = 0) -> bytes:
     """The receiver's answer to a segment offer: the lent memfd's size (0: none lent,
-    the payload follows on the socket)."""
+    the payload follows on the socket) and its id — the receiver's name for that memory,
+    never given to another segment, so that a sender may keep it mapped for when the
+    same segment is lent again."""
     if not 0 <= size <= MAX_SEGMENT_BYTES:
         raise WireError(f"segment of {size} bytes outside 0..{MAX_SEGMENT_BYTES}")
-    return _SEGMENT.pack(SEGMENT_MAGIC, size)
+    return _SEGMENT.pack(SEGMENT_MAGIC, size, segment_id)
 
 
-def segment_size(raw: bytes) -> int:
-    """The size from a segment answer's ``SEGMENT_BYTES`` bytes, checked."""
+def parse_segment(raw: bytes) -> tuple[int, int]:
+    """(size, segment id) from a segment answer's ``SEGMENT_BYTES`` bytes, checked."""
     if len(raw) != SEGMENT_BYTES:
         raise WireError(f"segment answer is {len(raw)} bytes, expected {SEGMENT_BYTES}")
-    magic, size = _SEGMENT.unpack(raw)
+    magic, size, segment_id = _SEGMENT.unpack(raw)
     if magic != SEGMENT_MAGIC:
         raise WireError(f"bad segment magic {magic!r}, expected {SEGMENT_MAGIC!r}")
     if size > MAX_SEGMENT_BYTES:
         raise WireError(f"segment of {size} bytes exceeds {MAX_SEGMENT_BYTES}")
-    return size
+    return size, segment_id
+
+
+def segment_size(raw: bytes) -> int:
+    """The size from a segment answer, checked."""
+    return parse_segment(raw)[0]
 
 
 def decode_header(raw: bytes) -> BandHeader:
