@@ -54,10 +54,14 @@ def test_a_segment_is_lent_again_only_to_its_peer_and_their_number_is_bounded():
     del first
     other, _ = buffers.lend(8192, peer=202)  # another process: never the first's segment
     assert _address(other) != where and buffers.num_segments == 2
-    assert buffers.lend(8192, peer=303) is None  # two open: the band goes on the socket
     again, _ = buffers.lend(6000, peer=101)  # its own, back
     assert _address(again) == where and buffers.num_segments == 2
+    assert buffers.lend(8192, peer=303) is None  # two in use: the band goes on the socket
     assert _address(buffers.take(8192)) not in (where, _address(other))  # heap: apart
+    del again
+    third, kept = buffers.lend(8192, peer=303)  # at the bound: the free one is closed
+    assert buffers.num_segments == 2 and memory.fd == -1 and kept.fd >= 0
+    del third
 
 
 def test_a_kept_segment_let_go_closes_its_file():

@@ -107,10 +107,11 @@ def test_band_round_trip(config):
     header = band(config, stage=1, num_stages=2, layers=tuple(range(1, n)), t=9)
     prefix = encode_band_prefix(header)
     assert prefix[:4] == b"WPHB"
-    assert struct.unpack("<HHI", prefix[4:12]) == (2, 0, len(prefix) - PREFIX_BYTES)
+    assert struct.unpack("<HHI", prefix[4:12]) == (1, 0, len(prefix) - PREFIX_BYTES)
     assert header_length(prefix[:PREFIX_BYTES]) == len(prefix) - PREFIX_BYTES
     assert decode_header(prefix[PREFIX_BYTES:]) == header
-    offer = encode_band_prefix(header, FLAG_SEGMENT)
+    offer = encode_band_prefix(header, FLAG_SEGMENT)  # flags: version 2
+    assert struct.unpack("<HH", offer[4:8]) == (2, FLAG_SEGMENT)
     assert parse_prefix(offer[:PREFIX_BYTES]) == (len(prefix) - PREFIX_BYTES, FLAG_SEGMENT)
     # a version 1 prefix (no flags) is still read
     assert parse_prefix(b"WPHB" + struct.pack("<HHI", 1, 0, 7)) == (7, 0)

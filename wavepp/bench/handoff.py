@@ -6,12 +6,13 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   a time) prefills fresh prompts of each length (default 4,096 and 32,768 tokens) and
   hands each to ``wavepp.handoff``'s ``Receiver`` in a process of its own (checking every
   band; a band sent from a stage's worker thread is written into a segment the receiver
-  lends). Every other sample hands off instead to a second receiver that declines
-  segments: the same stages' bands **over the socket**, read into its recycled buffers,
-  for the transports' comparison within one run. Each stage's band bytes over its
-  **wire time** — the stage's sender thread, from connect to the acknowledgement
-  received (``wire_s`` in the record; ``seconds``, from the last chunk on that stage to
-  the acknowledgement handled, adds the queueing and setup) — against a **plain copy**
+  lends). Every sample also hands a fresh prompt to a second receiver that declines
+  segments: the same stages' bands **over the socket** (after the offer and its refusal,
+  one round trip), read into its recycled buffers: the transports compared in one run.
+  Each stage's band bytes over its **wire time** — the stage's sender thread, from
+  connect to the acknowledgement received (``wire_s`` in the record; ``seconds``, from
+  the last chunk on that stage to the acknowledgement handled, adds the queueing and
+  setup) — against a **plain copy**
   timed the same way: this process connects to a receiver process of its own (with the
   send buffer the stage's sender asks for, ``SOCKET_BUFFER``: the copy ran ~10% faster
   with it than with the kernel's default), writes the

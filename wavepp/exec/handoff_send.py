@@ -484,6 +484,7 @@ def _exchange(
 
 
 MAX_FDS = 4  # files a segment answer may carry before it is refused as garbage
+MAX_KEPT_MAPS = 8  # lent segments kept mapped unused, at most
 SEGMENT_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")  # a lent memfd's size cannot change
 
 
@@ -534,7 +535,8 @@ def _recv_passing(sock: socket.socket, data: bytearray, n: int, fds: list[int],
     """Read into ``data`` until it holds ``n`` bytes, every file passed alongside
     appended to ``fds`` (the caller closes those it does not keep)."""
     while len(data) < n:
-        chunk, ancillary, flags, _ = sock.recvmsg(n - len(data), socket.CMSG_SPACE(MAX_FDS * 4))
+        chunk, ancillary, flags, _ = sock.recvmsg(n - len(data), socket.CMSG_SPACE(MAX_FDS * 4),
+                                                  socket.MSG_CMSG_CLOEXEC)  # fmt: skip
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 passed = array.array("i")
@@ -588,7 +590,9 @@ class SegmentMaps:
     stage the segment its last band used once that band is taken, so a kept mapping
     spares a ``mmap`` and a page fault per 4 KiB on every band. Keyed by (target, the
     segment's id): the receiver never gives two segments one id. A mapping in use is
-    never unmapped; unused ones are kept up to ``keep_bytes``, the oldest let go first.
+    never unmapped; unused ones are kept up to ``keep_bytes`` and ``MAX_KEPT_MAPS`` (each
+    holds a descriptor, and the memory of a segment the receiver has let go), the oldest
+    let go first.
     Safe to write: a mapping is only made of a memfd whose size is sealed, so it cannot
     shrink under it. Thread-safe."""
 
@@ -604,7 +608,11 @@ class SegmentMaps:
         with self._lock:
             entry = self._maps.pop(key, None)
             if entry is None:
-                entry = [mmap.mmap(fd, size), 0]  # MAP_SHARED, read and write
+                try:
+                    entry = [mmap.mmap(fd, size), 0]  # MAP_SHARED, read and write
+                except (OSError, ValueError) as error:
+                    raise BandFailed("bad ack", f"{key[0]} lent a segment that cannot be "
+                                     f"mapped for writing: {error}") from None  # fmt: skip
             elif len(entry[0]) != size:  # a sealed segment's size cannot change
                 self._maps[key] = entry
                 raise BandFailed("bad ack", f"{key[0]} lent segment {key[1]} again with "
@@ -618,14 +626,15 @@ class SegmentMaps:
             entry = self._maps.get(key)
             if entry is not None:
                 entry[1] -= 1
-            kept = sum(len(m) for m, users in self._maps.values() if not users)
-            for other, (mapped, users) in list(self._maps.items()):
-                if kept <= self.keep_bytes:
+            unused = [(k, m) for k, (m, users) in self._maps.items() if not users]
+            kept = sum(len(m) for _, m in unused)
+            for other, mapped in unused:  # the oldest first
+                if kept <= self.keep_bytes and len(unused) <= MAX_KEPT_MAPS:
                     break
-                if not users:
-                    kept -= len(mapped)
-                    del self._maps[other]
-                    _unmap(mapped)
+                kept -= len(mapped)
+                unused = unused[1:]
+                del self._maps[other]
+                _unmap(mapped)
 
     def __len__(self) -> int:
         return len(self._maps)

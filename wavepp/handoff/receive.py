@@ -9,9 +9,10 @@ tensors views into it, memory of released bands reused (``BandBuffers``) — and
 payload read straight into it. A sender on this host that offers to (``FLAG_SEGMENT``)
 is lent the buffer itself instead, a memfd, and writes the payload into it: one copy
 in all, none here. A segment is lent again only to the process it was first lent to
-(by its Unix socket peer's pid), so a sender that kept its file can only ever write
-into its own bands, and only once that sender said it was done writing (a band given
-up half way may still be written into: its segment is closed). The receiver answers
+(by its Unix socket peer's pid), so a sender that kept its file can write into the
+bands its pid sends, not another sender's, and only once that sender said it was done
+writing (a band given up half way may still be written into: its segment is closed).
+The receiver answers
 every band with one ack — ok, or the reason — and closes. A refused band's payload is
 drained (up to ``max_band_bytes``) so the sender reads its ack instead of a reset. A
 peer that stops half way or sends garbage costs that band only: each read waits at most
@@ -74,7 +75,7 @@ TORCH_DTYPES = {
     "int32": torch.int32,
 }
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
-MAX_SEGMENTS = 256  # memfds held at once (lent or kept); past it, bands come on the socket
+MAX_SEGMENTS = 64  # segments open at once (two descriptors each: the memfd, its mapping's)
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
@@ -114,25 +115,29 @@ class _Memory:
     # a segment whose sender did not say it was done: it may still be writing into it,
     # so it is closed once free, never lent again
     spoiled: bool = False
+    _closer: weakref.finalize | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def segment(cls, size: int) -> _Memory:
         """A memfd of ``size`` bytes, mapped, its size sealed (a sender cannot shrink it
-        under this mapping, nor add seals)."""
+        under this mapping, nor add seals). Its descriptor is closed by :meth:`close`, or
+        when the object is collected (a receiver gone while a Handoff outlived it)."""
         fd = os.memfd_create("wavepp-band", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)  # fmt: skip
-            return cls(np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8), fd,
-                       secrets.randbits(64))
+            memory = cls(np.frombuffer(mmap.mmap(fd, size), dtype=np.uint8), fd,
+                         secrets.randbits(64))
         except BaseException:
             os.close(fd)
             raise
+        memory._closer = weakref.finalize(memory, os.close, fd)
+        return memory
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # the mapping goes with the array
+        if self._closer is not None:
+            self._closer()  # once; the mapping goes with the array
             self.fd = -1
 
 
@@ -176,14 +181,32 @@ class BandBuffers:
         else:
             if peer is None:
                 memory = _Memory(np.empty(size, dtype=np.uint8))
-            elif self.num_segments >= self.max_segments:
-                return None
+            elif self.num_segments >= self.max_segments and not self._let_go_segment():
+                return None  # every segment is in use
             else:
                 memory = _Memory.segment(size)
                 self.num_segments += 1
         view = memory.array[:size]  # the tensors' owner: collected when the last goes
         weakref.finalize(view, self._returned.append, (peer, memory)).atexit = False
         return torch.from_numpy(view), memory
+
+    def _let_go_segment(self) -> bool:
+        """Close the oldest free segment (whichever peer it was for); False if none."""
+        for i, (_, memory) in enumerate(self._free):
+            if memory.fd >= 0:
+                del self._free[i]
+                self._free_bytes -= memory.array.nbytes
+                memory.close()
+                self.num_segments -= 1
+                return True
+        return False
+
+    def close(self) -> None:
+        """Let every free buffer go (a segment in use closes when its tensors go)."""
+        self.tidy()
+        while self._let_go_segment():
+            pass
+        self._free, self._free_bytes = [], 0
 
     def tidy(self) -> None:
         """Keep the buffers returned since, within ``keep_bytes``."""
@@ -283,6 +306,7 @@ class Receiver:
                     tg.start_soon(self._connection, sock)
         finally:
             _io.close_socket(listener)
+            self._buffers.close()
             if bound.kind == "unix":
                 _unlink_quietly(bound.path)
 
@@ -470,8 +494,13 @@ class Receiver:
         it, then says ``DONE_MAGIC``) or, over Unix sockets' reach or ``max_segments``,
         decline (size 0) and read the payload from the socket."""
         offsets, size = payload_layout(header)
-        peer = _io.peer_pid(conn.sock) if self.lend_segments and size else None
-        taken = self._buffers.lend(size, peer) if peer is not None else None
+        taken = None
+        if self.lend_segments and size:
+            try:
+                peer = _io.peer_pid(conn.sock)
+                taken = self._buffers.lend(size, peer) if peer is not None else None
+            except OSError as error:  # this side's failure (no memory, no descriptors)
+                log.warning("no segment lent for a band of %d bytes: %r", size, error)
         if taken is None:
             await conn.send(encode_segment(0))
             return await self._read_payload(conn, header)

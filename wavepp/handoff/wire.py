@@ -8,7 +8,8 @@ problem. ``docs/handoff.md`` is the contract in prose.
 
 One band (one connection per band)::
 
-    b"WPHB" | u16 LE version (2) | u16 LE flags | u32 LE header_len | header | payload
+    b"WPHB" | u16 LE version (2; 1 without flags) | u16 LE flags | u32 LE header_len |
+    header | payload
 
 The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``). A
 band whose flags hold ``FLAG_SEGMENT`` (a Unix socket only) offers to write its payload
@@ -137,7 +138,8 @@ def encode_band_prefix(header: BandHeader, flags: int = 0) -> bytes:
         raise ValueError(f"unknown band flags {flags:#x}")
     raw = _ENCODER.encode(header)
     decode_header(raw)  # the sender's own check: never send what a receiver refuses
-    return _PREFIX.pack(BAND_MAGIC, WIRE_VERSION, flags, len(raw)) + raw
+    # without flags, version 1: what a receiver from before segments reads too
+    return _PREFIX.pack(BAND_MAGIC, WIRE_VERSION if flags else 1, flags, len(raw)) + raw
 
 
 def parse_prefix(prefix: bytes) -> tuple[int, int]:
