@@ -102,10 +102,11 @@ def test_sigint_to_torchrun_writes_the_partial_record(tmp_path):
             if proc.poll() is None:
                 proc.kill()
     lines = wavepp_lines(log_path.read_text())
-    assert sum("interrupted by SIGINT" in line for line in lines) == 2, lines
+    said = "\n".join(lines)  # whole, where a list in the message would be cut short
+    assert sum("interrupted by SIGINT" in line for line in lines) == 2, said
     assert sum("interrupted after" in line and "of 4000 requests" in line
-               for line in lines) == 1, lines  # fmt: skip
-    assert not any("failed:" in line for line in lines), lines
+               for line in lines) == 1, said  # fmt: skip
+    assert not any("failed:" in line for line in lines), said
     record = json.loads(out.read_text())
     assert record["interrupted"] == "SIGINT"
     assert record["unfinished_requests"] > 0

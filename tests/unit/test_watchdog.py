@@ -38,6 +38,20 @@ def test_a_peer_that_finished_is_not_reported_as_gone(store):
     assert "rank 2 failed: its model failed to load" in ranks[1].peer_report()
 
 
+def test_a_peer_that_beat_since_the_last_look_is_not_reported_as_gone(store):
+    """The report reads the peers afresh: a peer whose beat moved since this rank's own
+    heartbeat thread last looked (that thread starved on a loaded host) is alive, however
+    long ago the last look was."""
+    ranks = [Watchdog(r, 2, lambda _: None, interval_s=0.05) for r in range(2)]
+    ranks[1]._write("3|waiting for a wave")
+    ranks[0]._check(time.monotonic())
+    time.sleep(0.2)  # past two intervals since rank 0 looked
+    ranks[1]._write("4|waiting for a wave")
+    assert ranks[0].peer_report() == ""
+    time.sleep(0.2)  # and now it has been quiet for two intervals
+    assert "rank 1 stopped beating" in ranks[0].peer_report()
+
+
 def test_finish_returns_once_the_heartbeat_thread_has_stopped(store):
     """A heartbeat thread still inside a store call when the interpreter shuts down
     aborts the rank as that call returns (SIGABRT, after a run that went well), so

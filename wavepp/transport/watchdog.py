@@ -193,6 +193,10 @@ class Watchdog:
                 continue
             if counter == "failed":
                 failed.append(f"{self.name(rank)} failed: {status}")
+            elif rank in self._seen and self._seen[rank][0] != counter:
+                # it beat since this rank's heartbeat thread last looked (a thread starved
+                # on a loaded host looks late): alive
+                self._seen[rank] = (counter, now)
             elif rank in self._seen and now - self._seen[rank][1] > 2 * self.interval_s:
                 quiet = now - self._seen[rank][1]
                 silent.append((quiet, f"{self.name(rank)} stopped beating {quiet:.1f} s ago "
