@@ -44,8 +44,17 @@ def test_the_free_list_keeps_at_most_keep_bytes_newest_first_and_sizes_that_fit(
     assert _address(buffers.take(4096)) not in (where_b, _address(small))  # fresh memory
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_a_segment_is_lent_again_only_to_its_peer_and_their_number_is_bounded():
-    buffers = BandBuffers(keep_bytes=1 << 20, max_segments=2)
+    clock = Clock()
+    buffers = BandBuffers(keep_bytes=1 << 20, max_segments=2, idle_s=30.0, clock=clock)
     first, memory = buffers.lend(8192, peer=101)
     assert memory.fd >= 0 and first.numel() == 8192
     first[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)  # mapped, writable
@@ -59,18 +68,34 @@ def test_a_segment_is_lent_again_only_to_its_peer_and_their_number_is_bounded():
     assert buffers.lend(8192, peer=303) is None  # two in use: the band goes on the socket
     assert _address(buffers.take(8192)) not in (where, _address(other))  # heap: apart
     del again
-    third, kept = buffers.lend(8192, peer=303)  # at the bound: the free one is closed
+    # at the bound, a kept segment is not closed for another peer's band ...
+    assert buffers.lend(8192, peer=303) is None and memory.fd >= 0
+    clock.now = 29.0
+    assert buffers.lend(8192, peer=303) is None
+    clock.now = 30.0  # ... until it has been free for idle_s
+    third, kept = buffers.lend(8192, peer=303)
     assert buffers.num_segments == 2 and memory.fd == -1 and kept.fd >= 0
     del third
 
 
-def test_a_kept_segment_let_go_closes_its_file():
-    buffers = BandBuffers(keep_bytes=0)
-    tensor, memory = buffers.lend(4096, peer=7)
+def test_segments_open_stay_within_segment_bytes_and_a_kept_one_let_go_closes_its_file():
+    clock = Clock()
+    buffers = BandBuffers(keep_bytes=0, segment_bytes=12288, clock=clock)
+    tensor, memory = buffers.lend(8192, peer=7)
     fd = memory.fd
-    del tensor
-    buffers.tidy()  # over keep_bytes: let go
-    assert buffers.num_segments == 0 and memory.fd == -1
+    assert buffers.lend(8192, peer=8) is None  # 16 KiB open would be over segment_bytes
+    small, _ = buffers.lend(4096, peer=8)  # 12 KiB is not
+    assert buffers.open_segment_bytes == 12288
+    del tensor, small
+    buffers.tidy()  # keep_bytes bounds heap memory only: both kept
+    assert buffers.num_segments == 2
+    again, same = buffers.lend(8000, peer=7)
+    assert same is memory
+    del again
+    buffers.tidy()  # free since now (a receiver tidies every second)
+    clock.now = 30.0
+    buffers.tidy()  # free for idle_s: let go
+    assert buffers.num_segments == 0 and buffers.open_segment_bytes == 0 and memory.fd == -1
     with pytest.raises(OSError):
         os.fstat(fd)
 

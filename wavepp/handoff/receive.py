@@ -76,6 +76,8 @@ TORCH_DTYPES = {
 }
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 MAX_SEGMENTS = 64  # segments open at once (two descriptors each: the memfd, its mapping's)
+SEGMENT_BYTES = 1 << 30  # their bytes at most (lent, in use or kept)
+SEGMENT_IDLE_S = 30.0  # a kept segment free this long is closed
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
@@ -146,17 +148,31 @@ class BandBuffers:
     first write, which can take as long as the socket copy itself, so a buffer whose
     tensors are all gone (its ``Handoff`` dropped, every tensor of it freed) is kept,
     and the next band of up to its size and at least half of it takes it, the latest
-    returned first (the likeliest still in cache). Segments (memfds lent to senders) are
-    kept the same way, each for the peer it was lent to. Kept: at most ``keep_bytes``,
-    the oldest let go first, counted at each ``take`` and ``tidy``.
+    returned first (the likeliest still in cache). Heap buffers: any band may take one;
+    kept up to ``keep_bytes``, the oldest let go first, counted at each ``take`` and
+    ``tidy``.
+
+    Segments (memfds lent to senders) are kept the same way, each for the peer it was
+    lent to, and bounded apart: at most ``segment_bytes`` and ``max_segments`` open (lent,
+    in use or kept). A band that would take more is not lent one (``lend`` says None: it
+    comes over the socket), rather than a kept segment being closed for it — a fresh
+    segment costs its sender a page fault per 4 KiB, more than the socket copy, so
+    segments that took turns being closed would make every band slower, not some
+    faster. A kept segment is closed once it has been free for ``idle_s`` (its peer
+    sends bands of other sizes now, or is gone).
     Not thread-safe but for the return of a buffer, which may happen on any thread."""
 
-    def __init__(self, keep_bytes: int, max_segments: int = MAX_SEGMENTS) -> None:
+    def __init__(self, keep_bytes: int, segment_bytes: int = SEGMENT_BYTES,
+                 max_segments: int = MAX_SEGMENTS, idle_s: float = SEGMENT_IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.keep_bytes = keep_bytes
-        self.max_segments = max_segments
+        self.segment_bytes, self.max_segments = segment_bytes, max_segments
+        self.idle_s, self._clock = idle_s, clock
         self.num_segments = 0  # memfds open: lent, in use or kept
-        self._free: list[tuple[int | None, _Memory]] = []  # (peer, memory), oldest first
-        self._free_bytes = 0
+        self.open_segment_bytes = 0  # their bytes
+        # (peer, memory, since when free), oldest first; peer None: heap memory
+        self._free: list[tuple[int | None, _Memory, float]] = []
+        self._free_bytes = 0  # heap memory kept
         self._returned: deque[tuple[int | None, _Memory]] = deque()  # by finalizers
 
     def take(self, size: int) -> torch.Tensor:
@@ -167,63 +183,72 @@ class BandBuffers:
 
     def lend(self, size: int, peer: int) -> tuple[torch.Tensor, _Memory] | None:
         """As :meth:`take`, in a segment for the process ``peer`` (a memfd, with its
-        ``fd``); None when ``max_segments`` are open."""
+        ``fd``); None when no kept segment of ``peer``'s fits and a new one would open
+        more than ``segment_bytes`` or ``max_segments``."""
         return self._take(size, peer)
 
     def _take(self, size: int, peer: int | None) -> tuple[torch.Tensor, _Memory] | None:
         self.tidy()
         for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
-            owner, memory = self._free[i]
+            owner, memory, _ = self._free[i]
             if owner == peer and size <= memory.array.nbytes <= 2 * size:
                 del self._free[i]
-                self._free_bytes -= memory.array.nbytes
+                if memory.fd < 0:
+                    self._free_bytes -= memory.array.nbytes
                 break
         else:
             if peer is None:
                 memory = _Memory(np.empty(size, dtype=np.uint8))
-            elif self.num_segments >= self.max_segments and not self._let_go_segment():
-                return None  # every segment is in use
+            elif (self.num_segments >= self.max_segments
+                  or self.open_segment_bytes + size > self.segment_bytes):  # fmt: skip
+                return None
             else:
                 memory = _Memory.segment(size)
                 self.num_segments += 1
+                self.open_segment_bytes += size
         view = memory.array[:size]  # the tensors' owner: collected when the last goes
         weakref.finalize(view, self._returned.append, (peer, memory)).atexit = False
         return torch.from_numpy(view), memory
 
-    def _let_go_segment(self) -> bool:
-        """Close the oldest free segment (whichever peer it was for); False if none."""
-        for i, (_, memory) in enumerate(self._free):
-            if memory.fd >= 0:
-                del self._free[i]
-                self._free_bytes -= memory.array.nbytes
-                memory.close()
-                self.num_segments -= 1
-                return True
-        return False
+    def _close_segment(self, memory: _Memory) -> None:
+        self.num_segments -= 1
+        self.open_segment_bytes -= memory.array.nbytes
+        memory.close()
 
     def close(self) -> None:
         """Let every free buffer go (a segment in use closes when its tensors go)."""
         self.tidy()
-        while self._let_go_segment():
-            pass
+        for _, memory, _ in self._free:
+            if memory.fd >= 0:
+                self._close_segment(memory)
         self._free, self._free_bytes = [], 0
 
     def tidy(self) -> None:
-        """Keep the buffers returned since, within ``keep_bytes``."""
+        """Keep the buffers returned since: heap memory within ``keep_bytes``, segments
+        free for less than ``idle_s``."""
+        now = self._clock()
         while self._returned:
-            item = self._returned.popleft()
-            if item[1].spoiled:
-                item[1].close()
-                self.num_segments -= 1
+            peer, memory = self._returned.popleft()
+            if memory.spoiled:
+                self._close_segment(memory)
                 continue
-            self._free.append(item)
-            self._free_bytes += item[1].array.nbytes
-        while self._free_bytes > self.keep_bytes:
-            _, memory = self._free.pop(0)
-            self._free_bytes -= memory.array.nbytes
-            if memory.fd >= 0:
-                memory.close()
-                self.num_segments -= 1
+            self._free.append((peer, memory, now))
+            if memory.fd < 0:
+                self._free_bytes += memory.array.nbytes
+        kept = []
+        for entry in self._free:
+            memory, since = entry[1], entry[2]
+            if memory.fd >= 0 and now - since >= self.idle_s:
+                self._close_segment(memory)
+            else:
+                kept.append(entry)
+        self._free = []
+        for entry in kept:  # the oldest first
+            nbytes = entry[1].array.nbytes
+            if entry[1].fd < 0 and self._free_bytes > self.keep_bytes:
+                self._free_bytes -= nbytes  # let go
+            else:
+                self._free.append(entry)
 
 
 @attrs.define
@@ -247,7 +272,9 @@ class Receiver:
     that serve such connections on the same address (the decode worker's requests).
     Up to ``keep_free_bytes`` of released band buffers are kept for reuse.
     ``lend_segments``: accept senders' offers to write bands into lent memfds (Unix
-    sockets only; otherwise every band's payload comes on the socket)."""
+    sockets only; otherwise every band's payload comes on the socket), up to
+    ``segment_bytes`` of them open at once (``BandBuffers``: a band over it comes on the
+    socket)."""
 
     def __init__(
         self,
@@ -262,6 +289,7 @@ class Receiver:
         max_connections: int = 256,
         keep_free_bytes: int = 256 << 20,
         lend_segments: bool = True,
+        segment_bytes: int = SEGMENT_BYTES,
         on_complete: OnComplete | None = None,
         handlers: Mapping[bytes, Handler] | None = None,
     ) -> None:
@@ -283,7 +311,7 @@ class Receiver:
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> "" (taken) or why it failed
         self._events: dict[str, anyio.Event] = {}
         self._slots = anyio.Semaphore(max_connections)
-        self._buffers = BandBuffers(keep_free_bytes)
+        self._buffers = BandBuffers(keep_free_bytes, segment_bytes)
 
     # -- serving -----------------------------------------------------------------
 
@@ -491,8 +519,8 @@ class Receiver:
 
     async def _lend(self, conn: _io.Connection, header: BandHeader):
         """A band offered into a segment: lend one (the sender writes the payload into
-        it, then says ``DONE_MAGIC``) or, over Unix sockets' reach or ``max_segments``,
-        decline (size 0) and read the payload from the socket."""
+        it, then says ``DONE_MAGIC``) or — beyond a Unix socket, or when ``BandBuffers``
+        has none to lend — decline (size 0) and read the payload from the socket."""
         offsets, size = payload_layout(header)
         taken = None
         if self.lend_segments and size:
