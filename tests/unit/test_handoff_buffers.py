@@ -80,7 +80,7 @@ def test_a_segment_is_lent_again_only_to_its_peer_and_their_number_is_bounded():
 
 def test_segments_open_stay_within_segment_bytes_and_a_kept_one_let_go_closes_its_file():
     clock = Clock()
-    buffers = BandBuffers(keep_bytes=0, segment_bytes=12288, clock=clock)
+    buffers = BandBuffers(keep_bytes=0, segment_bytes=12288, idle_s=30.0, clock=clock)
     tensor, memory = buffers.lend(8192, peer=7)
     fd = memory.fd
     assert buffers.lend(8192, peer=8) is None  # 16 KiB open would be over segment_bytes

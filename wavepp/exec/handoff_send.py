@@ -153,6 +153,7 @@ class HandoffSender:
         self._threads = anyio.CapacityLimiter(BAND_THREADS)
         self._budget_freed = anyio.Event()
         self._maps = SegmentMaps(settings.budget_bytes)  # lent segments, kept mapped
+        self._no_offers: set[str] = set()  # targets that refused a segment offer's version
         self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
         self.num_pending = 0  # jobs submitted and not settled
         # called (on the event loop) after each band settles: the runtime sends the
@@ -179,6 +180,7 @@ class HandoffSender:
     async def run(self) -> None:
         """Serve jobs until cancelled (the run is over)."""
         async with anyio.create_task_group() as tg, self._jobs:
+            tg.start_soon(self._tidy_maps)
             async for job in self._jobs:
                 if job.request_id in self._cancelled:
                     self._cancelled.discard(job.request_id)
@@ -187,6 +189,11 @@ class HandoffSender:
                 scope = anyio.CancelScope()
                 self._scopes[job.request_id] = scope
                 tg.start_soon(self._one, job, scope)
+
+    async def _tidy_maps(self) -> None:
+        while True:
+            await anyio.sleep(MAP_TIDY_S)
+            self._maps.tidy()
 
     async def _one(self, job: BandJob, scope: anyio.CancelScope) -> None:
         reason, detail, sent = "", "", 0
@@ -254,7 +261,21 @@ class HandoffSender:
             prefix = wire.encode_band_prefix(header)
             ack = await _exchange_inline(address, prefix, tensors, job.target, wire_s)
             return self._check_ack(job, ack, tensors)
-        offer = self.settings.segments and address.kind == "unix"
+        offer = (self.settings.segments and address.kind == "unix"
+                 and job.target not in self._no_offers)  # fmt: skip
+        ack = await self._over_socket(job, address, header, tensors, wire_s, offer)
+        if offer and _version_refused(ack):
+            # a receiver from before segments refuses the offer's wire version: the
+            # band again, plain (as every later one to that target)
+            self._no_offers.add(job.target)
+            ack = await self._over_socket(job, address, header, tensors, wire_s, False)
+        return self._check_ack(job, ack, tensors)
+
+    async def _over_socket(self, job: BandJob, address: wire.Address, header: wire.BandHeader,
+                           tensors: Sequence[BandTensor], wire_s: list[float],
+                           offer: bool) -> wire.Ack:  # fmt: skip
+        """The band's exchange from a worker thread; with ``offer``, into a segment the
+        receiver lends, if it does."""
         prefix = wire.encode_band_prefix(header, wire.FLAG_SEGMENT if offer else 0)
         offsets = wire.payload_layout(header)[0] if offer else None
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
@@ -285,7 +306,7 @@ class HandoffSender:
                 with anyio.CancelScope(shield=True):
                     while not finished.is_set():
                         await anyio.sleep(FINISH_POLL_S)
-        return self._check_ack(job, ack, tensors)
+        return ack
 
     def _inline(self, tensors: Sequence[BandTensor]) -> bool:
         """A small band whose bytes are views of the pool (or small copies, such as
@@ -441,17 +462,19 @@ def _exchange(
                 if lent is not None:
                     fd, segment_id = lent
                     try:
-                        memory = maps.take((target, segment_id), fd)
+                        key, memory = maps.take(target, segment_id, fd)
                     finally:
                         os.close(fd)
+                    ack = None
                     try:
                         _write_segment(memory, tensors, offsets)
+                        sock.sendall(wire.DONE_MAGIC)
+                        sock.settimeout(left())
+                        ack = _read_ack(sock, target)
                     finally:
-                        del memory
-                        maps.give_back((target, segment_id))
-                    sock.sendall(wire.DONE_MAGIC)
-                    sock.settimeout(left())
-                    return _read_ack(sock, target)
+                        memory = None
+                        maps.give_back(key, keep=ack is not None and ack.ok)
+                    return ack
                 views = []  # declined: the payload follows on the socket
             for tensor in tensors:
                 if tensor.pieces is not None:  # views of the pool's runs, no copy
@@ -483,8 +506,15 @@ def _exchange(
         return _read_ack(sock, target)
 
 
+def _version_refused(ack: wire.Ack) -> bool:
+    """The ack of a receiver that could not read the band's prefix for its version."""
+    return not ack.ok and ack.stage < 0 and ack.error.startswith("wire version")
+
+
 MAX_FDS = 4  # files a segment answer may carry before it is refused as garbage
 MAX_KEPT_MAPS = 8  # lent segments kept mapped unused, at most
+MAP_IDLE_S = 300.0  # and each for this long since its last band
+MAP_TIDY_S = 5.0  # how often a stage looks for idle ones
 SEGMENT_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")  # a lent memfd's size cannot change
 
 
@@ -563,7 +593,7 @@ def _check_segment(fd: int, size: int, target: str) -> None:
         raise BandFailed("bad ack", f"{target} lent a file that is not a memfd") from None
     missing = [name for name in SEGMENT_SEALS if not seals & getattr(fcntl, name)]
     if missing:
-        raise BandFailed("bad ack", f"{target} lent a memfd without {', '.join(missing)}")
+        raise BandFailed("bad ack", f"{target} lent a file without {', '.join(missing)}")
 
 
 def _write_segment(memory: np.ndarray, tensors: Sequence[BandTensor],
@@ -588,53 +618,67 @@ def _write_segment(memory: np.ndarray, tensors: Sequence[BandTensor],
 class SegmentMaps:
     """Segments lent to this process, kept mapped between bands. A receiver lends a
     stage the segment its last band used once that band is taken, so a kept mapping
-    spares a ``mmap`` and a page fault per 4 KiB on every band. Keyed by (target, the
-    segment's id): the receiver never gives two segments one id. A mapping in use is
-    never unmapped; unused ones are kept up to ``keep_bytes`` and ``MAX_KEPT_MAPS`` (each
-    holds a descriptor, and the memory of a segment the receiver has let go), the oldest
-    let go first.
+    spares a ``mmap`` and a page fault per 4 KiB on every band. Keyed by the target, the
+    segment's id and the file itself (device and inode): a receiver that gave one id to
+    another file gets that file mapped, not its bytes written into the old one. A mapping
+    in use is never unmapped; unused ones are kept up to ``keep_bytes`` and
+    ``MAX_KEPT_MAPS`` (each holds a descriptor, and the memory of the segment even once
+    the receiver has let it go), the oldest let go first, and none unused for ``idle_s``
+    (the receiver closes a segment free for 5 minutes: ``wavepp.handoff.receive``). A band
+    that failed lets its mapping go.
     Safe to write: a mapping is only made of a memfd whose size is sealed, so it cannot
     shrink under it. Thread-safe."""
 
-    def __init__(self, keep_bytes: int) -> None:
-        self.keep_bytes = keep_bytes
+    def __init__(self, keep_bytes: int, idle_s: float = MAP_IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.keep_bytes, self.idle_s, self._clock = keep_bytes, idle_s, clock
         self._lock = threading.Lock()
-        self._maps: dict[tuple[str, int], list] = {}  # key -> [mmap, users], oldest first
+        # key -> [mmap, users, last handed back], the latest used last
+        self._maps: dict[tuple, list] = {}
 
-    def take(self, key: tuple[str, int], fd: int) -> np.ndarray:
+    def take(self, target: str, segment_id: int, fd: int) -> tuple[tuple, np.ndarray]:
         """The segment's memory (uint8), mapped from ``fd`` (a checked memfd) unless
-        kept; hand it back with :meth:`give_back`."""
-        size = os.fstat(fd).st_size
+        kept, with its key; hand the key back with :meth:`give_back`."""
+        info = os.fstat(fd)
+        key = (target, segment_id, info.st_dev, info.st_ino)
         with self._lock:
             entry = self._maps.pop(key, None)
             if entry is None:
                 try:
-                    entry = [mmap.mmap(fd, size), 0]  # MAP_SHARED, read and write
+                    entry = [mmap.mmap(fd, info.st_size), 0, 0.0]  # MAP_SHARED, read/write
                 except (OSError, ValueError) as error:
-                    raise BandFailed("bad ack", f"{key[0]} lent a segment that cannot be "
+                    raise BandFailed("bad ack", f"{target} lent a segment that cannot be "
                                      f"mapped for writing: {error}") from None  # fmt: skip
-            elif len(entry[0]) != size:  # a sealed segment's size cannot change
-                self._maps[key] = entry
-                raise BandFailed("bad ack", f"{key[0]} lent segment {key[1]} again with "
-                                 f"{size} bytes, not {len(entry[0])}")  # fmt: skip
             entry[1] += 1
-            self._maps[key] = entry  # the latest used last
-            return np.frombuffer(entry[0], dtype=np.uint8)
+            self._maps[key] = entry
+            return key, np.frombuffer(entry[0], dtype=np.uint8)
 
-    def give_back(self, key: tuple[str, int]) -> None:
+    def give_back(self, key: tuple, keep: bool = True) -> None:
+        """Done with the memory :meth:`take` gave; ``keep=False``: let the mapping go once
+        unused (its band failed)."""
         with self._lock:
             entry = self._maps.get(key)
             if entry is not None:
                 entry[1] -= 1
-            unused = [(k, m) for k, (m, users) in self._maps.items() if not users]
-            kept = sum(len(m) for _, m in unused)
-            for other, mapped in unused:  # the oldest first
-                if kept <= self.keep_bytes and len(unused) <= MAX_KEPT_MAPS:
-                    break
-                kept -= len(mapped)
-                unused = unused[1:]
-                del self._maps[other]
-                _unmap(mapped)
+                entry[2] = self._clock()
+                if not keep and not entry[1]:
+                    del self._maps[key]
+                    _unmap(entry[0])
+        self.tidy()
+
+    def tidy(self) -> None:
+        """Let go of unused mappings over the bounds, and of those idle for ``idle_s``."""
+        now = self._clock()
+        with self._lock:
+            unused = [(k, e) for k, e in self._maps.items() if not e[1]]  # the oldest first
+            kept = sum(len(e[0]) for _, e in unused)
+            for n, (key, entry) in enumerate(unused):
+                if (kept <= self.keep_bytes and len(unused) - n <= MAX_KEPT_MAPS
+                        and now - entry[2] < self.idle_s):  # fmt: skip
+                    continue
+                kept -= len(entry[0])
+                del self._maps[key]
+                _unmap(entry[0])
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -77,7 +77,7 @@ TORCH_DTYPES = {
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 MAX_SEGMENTS = 64  # segments open at once (two descriptors each: the memfd, its mapping's)
 SEGMENT_BYTES = 1 << 30  # their bytes at most (lent, in use or kept)
-SEGMENT_IDLE_S = 30.0  # a kept segment free this long is closed
+SEGMENT_IDLE_S = 300.0  # a kept segment free this long is closed
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
