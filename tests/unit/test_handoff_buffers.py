@@ -112,3 +112,16 @@ def test_a_spoiled_segment_is_closed_once_free_never_lent_again():
     del clean
     buffers.tidy()
     assert buffers.num_segments == 1 and kept.fd >= 0  # a done segment is kept for reuse
+
+
+def test_a_segment_in_use_when_the_buffers_close_is_closed_once_free():
+    """A receiver that stopped serving: its bands' tensors may outlive it, and their
+    segments close with them, not with the process."""
+    buffers = BandBuffers(keep_bytes=1 << 20)
+    tensor, memory = buffers.lend(4096, peer=7)
+    kept, other = buffers.lend(4096, peer=8)
+    del kept
+    buffers.close()
+    assert other.fd == -1 and memory.fd >= 0 and buffers.num_segments == 1
+    del tensor
+    assert memory.fd == -1 and buffers.num_segments == 0

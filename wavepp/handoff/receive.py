@@ -174,6 +174,7 @@ class BandBuffers:
         self._free: list[tuple[int | None, _Memory, float]] = []
         self._free_bytes = 0  # heap memory kept
         self._returned: deque[tuple[int | None, _Memory]] = deque()  # by finalizers
+        self.closed = False  # by close(): a segment returned after it is closed at once
 
     def take(self, size: int) -> torch.Tensor:
         """``size`` bytes (uint8, contents undefined), back here once unreferenced."""
@@ -207,8 +208,15 @@ class BandBuffers:
                 self.num_segments += 1
                 self.open_segment_bytes += size
         view = memory.array[:size]  # the tensors' owner: collected when the last goes
-        weakref.finalize(view, self._returned.append, (peer, memory)).atexit = False
+        weakref.finalize(view, self._give_back, (peer, memory)).atexit = False
         return torch.from_numpy(view), memory
+
+    def _give_back(self, item: tuple[int | None, _Memory]) -> None:
+        """A buffer no tensor views any more (a finalizer: on any thread)."""
+        if self.closed and item[1].fd >= 0:  # no band will take it
+            self._close_segment(item[1])
+        else:
+            self._returned.append(item)
 
     def _close_segment(self, memory: _Memory) -> None:
         self.num_segments -= 1
@@ -216,7 +224,9 @@ class BandBuffers:
         memory.close()
 
     def close(self) -> None:
-        """Let every free buffer go (a segment in use closes when its tensors go)."""
+        """Let every free buffer go; a segment in use closes when its tensors go (until
+        ``closed`` is set False again)."""
+        self.closed = True
         self.tidy()
         for _, memory, _ in self._free:
             if memory.fd >= 0:
@@ -320,6 +330,7 @@ class Receiver:
         address (a tcp port 0 becomes the real port)."""
         where = parse_address(address) if isinstance(address, str) else address
         listener, bound = _io.listen(where)
+        self._buffers.closed = False
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._expire_loop)
