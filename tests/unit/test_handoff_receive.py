@@ -29,8 +29,8 @@ from wavepp.handoff.wire import (
     encode_band_prefix,
     expected_tensors,
     fingerprint_from_hf_config,
+    parse_segment,
     payload_layout,
-    segment_size,
 )
 
 KIMI = {
@@ -322,7 +322,7 @@ def segment_exchange(address: Address, prefix: bytes, payload, header, then: str
         fds = array.array("i")
         for _, _, data in ancillary:
             fds.frombytes(data)
-        size = segment_size(answer)
+        size, _ = parse_segment(answer)
         if size == 0:  # declined: the payload on the socket
             for tensor in payload:
                 sock.sendall(tensor.reshape(-1).view(torch.uint8).numpy())

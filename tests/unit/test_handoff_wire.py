@@ -39,7 +39,6 @@ from wavepp.handoff.wire import (
     parse_address,
     parse_prefix,
     payload_layout,
-    segment_size,
 )
 from wavepp.model import config_from_hf
 from wavepp.model.linear import GatedDeltaNet, KimiDeltaAttention
@@ -151,14 +150,14 @@ def test_prefix_checks(prefix, match):
 
 
 def test_segment_answer_round_trip_and_checks():
-    assert segment_size(encode_segment(0)) == 0
+    assert wire.parse_segment(encode_segment(0)) == (0, 0)
     assert wire.parse_segment(encode_segment(5 << 20, 2**64 - 1)) == (5 << 20, 2**64 - 1)
     with pytest.raises(WireError, match="magic"):
-        segment_size(b"WPHA" + struct.pack("<QQ", 8, 1))
+        wire.parse_segment(b"WPHA" + struct.pack("<QQ", 8, 1))
     with pytest.raises(WireError, match="exceeds"):
-        segment_size(b"WPHM" + struct.pack("<QQ", 2**63, 1))
+        wire.parse_segment(b"WPHM" + struct.pack("<QQ", 2**63, 1))
     with pytest.raises(WireError, match="is 4 bytes"):
-        segment_size(b"WPHM")
+        wire.parse_segment(b"WPHM")
     with pytest.raises(ValueError, match="unknown band flags"):
         encode_band_prefix(band(LLAMA, stage=0, num_stages=1,
                                 layers=tuple(range(LLAMA["num_hidden_layers"])), t=3), 4)

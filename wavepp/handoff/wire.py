@@ -202,11 +202,6 @@ def parse_segment(raw: bytes) -> tuple[int, int]:
     return size, segment_id
 
 
-def segment_size(raw: bytes) -> int:
-    """The size from a segment answer, checked."""
-    return parse_segment(raw)[0]
-
-
 def decode_header(raw: bytes) -> BandHeader:
     """A ``BandHeader`` from its msgpack bytes, checked for internal consistency."""
     if len(raw) > MAX_HEADER_BYTES:
