@@ -168,12 +168,13 @@ async def connect(address: Address, timeout_s: float) -> Connection:
             # (EAGAIN): tried again shortly. TCP connects in the background.
             while (code := sock.connect_ex(target)) == errno.EAGAIN and family == socket.AF_UNIX:
                 await anyio.sleep(UNIX_RETRY_S)
-            if code not in (0, errno.EINPROGRESS):
+            if code == errno.EINPROGRESS:  # connected (or refused) once writable
+                await anyio.wait_writable(sock)
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise ConnectionError(f"{address}: {os.strerror(error)}")
+            elif code != 0:
                 sock.connect(target)  # raises the real error
-            await anyio.wait_writable(sock)
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if error:
-                raise ConnectionError(f"{address}: {os.strerror(error)}")
         except BaseException:
             close_socket(sock)
             raise
