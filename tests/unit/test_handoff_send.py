@@ -785,6 +785,28 @@ def test_a_receiver_from_before_segments_gets_the_band_plain_and_is_not_offered_
     assert receiver.refused == 1  # the first band's offer; the second is sent plain
 
 
+def test_a_segment_this_stage_cannot_map_for_want_of_memory_is_its_own_error(monkeypatch):
+    """A mapping refused for this process's own shortage (ENOMEM, open files) fails the
+    band as this stage's error, not as the receiver's bad answer."""
+    import errno
+    import mmap as mmap_module
+
+    from wavepp.exec.handoff_send import BandFailed, SegmentMaps
+
+    def short(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap_module, "mmap", short)
+    maps, fd = SegmentMaps(keep_bytes=8192), _sealed_memfd(8192)
+    try:
+        with pytest.raises(BandFailed) as failed:
+            maps.take("unix:/rx", 1, fd)
+        assert failed.value.reason == "error" and "this stage cannot map" in failed.value.detail
+        assert len(maps) == 0
+    finally:
+        os.close(fd)
+
+
 def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go():
     from wavepp.exec.handoff_send import SegmentMaps
 

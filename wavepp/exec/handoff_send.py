@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import fcntl
 import math
 import mmap
@@ -516,6 +517,8 @@ MAX_KEPT_MAPS = 8  # lent segments kept mapped unused, at most
 MAP_IDLE_S = 300.0  # and each for this long since its last band
 MAP_TIDY_S = 5.0  # how often a stage looks for idle ones
 SEGMENT_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")  # a lent memfd's size cannot change
+# a mapping that fails for these is this process's shortage, not the receiver's fault
+OWN_LIMITS = (errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN)
 
 
 def _take_segment(sock: socket.socket, target: str) -> tuple[int, int] | wire.Ack | None:
@@ -572,8 +575,9 @@ def _recv_passing(sock: socket.socket, data: bytearray, n: int, fds: list[int],
                 passed = array.array("i")
                 passed.frombytes(raw[: len(raw) - len(raw) % passed.itemsize])
                 fds.extend(passed)
-        if flags & socket.MSG_CTRUNC:
-            raise BandFailed("bad ack", f"{target} passed more than {MAX_FDS} files")
+        if flags & socket.MSG_CTRUNC:  # too many files, or none could be taken here
+            raise BandFailed("bad ack", f"{target} passed more than {MAX_FDS} files, or this "
+                             "stage is at its limit of open files")  # fmt: skip
         if not chunk:
             raise BandFailed("disconnected", f"{target} closed the connection before "
                              "answering the segment offer")  # fmt: skip
@@ -647,6 +651,9 @@ class SegmentMaps:
                 try:
                     entry = [mmap.mmap(fd, info.st_size), 0, 0.0]  # MAP_SHARED, read/write
                 except (OSError, ValueError) as error:
+                    if getattr(error, "errno", None) in OWN_LIMITS:  # this side's shortage
+                        raise BandFailed("error", f"this stage cannot map the segment "
+                                         f"{target} lent: {error}") from None  # fmt: skip
                     raise BandFailed("bad ack", f"{target} lent a segment that cannot be "
                                      f"mapped for writing: {error}") from None  # fmt: skip
             entry[1] += 1
