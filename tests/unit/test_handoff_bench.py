@@ -76,3 +76,34 @@ def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_pat
                 sent, wire_s = bands.stage_sender_s(path, f"staged-{k}", stage)
                 assert sent == plain > 0 and wire_s > 0
         bands.close()
+
+
+def test_the_throughput_interval_follows_the_pairs_not_the_runs():
+    """A paired bootstrap: when every pair's ratio is the same the interval is that
+    ratio however much the machine's speed moved between pairs; when the ratios spread,
+    the interval holds the ratio of the means and is the same from call to call."""
+    from wavepp.bench._stats import ratio_of_means_interval
+
+    off = [10.0, 30.0, 20.0, 50.0, 15.0]
+    low, high = ratio_of_means_interval([0.9 * x for x in off], off)
+    assert low == pytest.approx(0.9) and high == pytest.approx(0.9)
+    on = [9.0, 33.0, 16.0, 45.0, 15.0]
+    low, high = ratio_of_means_interval(on, off)
+    assert low < sum(on) / sum(off) < high
+    assert low > 0.8 and high < 1.1  # within the pairs' own ratios (0.8-1.1)
+    assert (low, high) == ratio_of_means_interval(on, off)
+    with pytest.raises(ValueError, match="two or more pairs"):
+        ratio_of_means_interval([1.0], [1.0])
+    with pytest.raises(ValueError):
+        ratio_of_means_interval([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "", "--repeats", "0"], ["--lengths", "4k"],
+                                  ["--repeats", "-1"], ["--lengths", "1"]])
+def test_the_benchmark_refuses_what_it_cannot_measure(argv, capsys):
+    from wavepp.bench.handoff import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    assert "--lengths" in capsys.readouterr().err

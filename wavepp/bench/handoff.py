@@ -42,7 +42,8 @@ Three measurements, each a ratio or a time from this invocation's own runs:
 - **throughput**: the default job (``wavepp.main`` with no options but ``--json``)
   with every request handing its cache to the receiver process (``--handoff-all``)
   against the same job without, ``--repeats`` alternating pairs: the median of the
-  pairs' ratios, and the mean throughput on over the mean off.
+  pairs' ratios, and the mean throughput on over the mean off with its 95% interval (a
+  paired bootstrap: ``wavepp.bench._stats.ratio_of_means_interval``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wavepp.bench._stats import emit
+from wavepp.bench._stats import emit, ratio_of_means_interval
 
 RECEIVER = """
 import json, sys, anyio
@@ -483,17 +484,22 @@ def throughput(args, tmp: Path) -> dict:
     ratios = [on / off for on, off in zip(runs["on"], runs["off"], strict=True)]
     of_means = statistics.mean(runs["on"]) / statistics.mean(runs["off"])
     spread = _spread(ratios)
+    interval = ratio_of_means_interval(runs["on"], runs["off"]) if len(ratios) > 1 else None
+    within = "" if interval is None else f" (95% interval {interval[0]:.3f}-{interval[1]:.3f})"
     print(f"on / off, {len(ratios)} pairs: median {spread['median']:.3f} ({spread['min']:.3f}-"
-          f"{spread['max']:.3f}); mean on / mean off {of_means:.3f}", flush=True)  # fmt: skip
+          f"{spread['max']:.3f}); mean on / mean off {of_means:.3f}{within}",
+          flush=True)  # fmt: skip
     return {"tok_s_off": runs["off"], "tok_s_on": runs["on"], "ratios": ratios,
-            "ratio": spread, "ratio_of_means": of_means}  # fmt: skip
+            "ratio": spread, "ratio_of_means": of_means,
+            "ratio_of_means_95": None if interval is None else list(interval)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m wavepp.bench.handoff",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("--lengths", default="4096,32768",
-                        help="prompt lengths of the bandwidth and latency runs")  # fmt: skip
+                        help="prompt lengths of the bandwidth and latency runs (empty: "
+                             "skip them)")  # fmt: skip
     parser.add_argument("--model", default="tiny-llama",
                         help="model of the bandwidth runs (a built-in name)")  # fmt: skip
     parser.add_argument("--stages", type=int, default=2, help="stages of the bandwidth runs")
@@ -503,10 +509,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=8,
                         help="alternating on/off pairs of the default job (0: skip); on "
                              "a two-core machine one run's throughput can differ from "
-                             "the next by half, so a few pairs cannot tell a 5%% cost")  # fmt: skip
+                             "the next by half, so a few pairs cannot tell a 5%% cost: "
+                             "the 95%% interval of the ratio says how far to trust it")  # fmt: skip
     parser.add_argument("--json", help="write the record here")
     args = parser.parse_args(argv)
-    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    try:
+        args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--lengths {args.lengths!r}: prompt lengths, comma-separated")
+    if any(n < 2 for n in args.lengths) or args.repeats < 0 or args.samples < 1:
+        parser.error("--lengths: 2 tokens or more each; --repeats: 0 or more; "
+                     "--samples: 1 or more")  # fmt: skip
+    if not args.lengths and not args.repeats:
+        parser.error("nothing to measure: --lengths is empty and --repeats is 0")
     from wavepp.model import BUILTIN
     from wavepp.runtime.handoff import model_hf_config
 
@@ -515,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     config = model_hf_config(args.model, BUILTIN[args.model])
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="wavepp-handoff-") as tmp:
-        rows = bandwidth(args, config, Path(tmp))
+        rows = bandwidth(args, config, Path(tmp)) if args.lengths else []
         record = {"machine": f"{os.cpu_count()} cores", "model": args.model,
                   "stages": args.stages, "bandwidth": rows,
                   "note": "wire_s: a stage's sender thread, connect to ack; setup_s: the "
