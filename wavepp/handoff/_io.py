@@ -125,14 +125,31 @@ class Connection:
         close_socket(self.sock)
 
 
-def peer_pid(sock: socket.socket) -> int | None:
-    """The process at the other end of a Unix socket (as it was when it connected);
-    None for any other socket."""
+def peer_process(sock: socket.socket) -> tuple[int, int] | None:
+    """The process at the other end of a Unix socket (as it was when it connected): its
+    pid and its start time (clock ticks after boot, ``/proc/<pid>/stat``), which tell it
+    from a later process given the same pid. None for any other socket, or when the peer
+    is already gone (or its start time cannot be read)."""
     if sock.family != socket.AF_UNIX:
         return None
     pid, _, _ = _CREDENTIALS.unpack(
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    return pid or None
+    if not pid:
+        return None
+    started = process_start(pid)
+    return None if started is None else (pid, started)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot); None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read(4096)
+        # the fields after the command name (which may hold spaces and parentheses);
+        # the start time is the 22nd field, the 20th after the name
+        return int(text[text.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid

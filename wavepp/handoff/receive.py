@@ -9,8 +9,8 @@ tensors views into it, memory of released bands reused (``BandBuffers``) — and
 payload read straight into it. A sender on this host that offers to (``FLAG_SEGMENT``)
 is lent the buffer itself instead, a memfd, and writes the payload into it: one copy
 in all, none here. A segment is lent again only to the process it was first lent to
-(by its Unix socket peer's pid), so a sender that kept its file can write into the
-bands its pid sends, not another sender's, and only once that sender said it was done
+(by its Unix socket peer's pid and start time), so a sender that kept its file can write
+into the bands it sends, not another sender's, and only once that sender said it was done
 writing (a band given up half way may still be written into: its segment is closed).
 The receiver answers
 every band with one ack — ok, or the reason — and closes. A refused band's payload is
@@ -37,7 +37,7 @@ import sys
 import time
 import weakref
 from collections import Counter, OrderedDict, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 
 import anyio
 import attrs
@@ -171,9 +171,9 @@ class BandBuffers:
         self.num_segments = 0  # memfds open: lent, in use or kept
         self.open_segment_bytes = 0  # their bytes
         # (peer, memory, since when free), oldest first; peer None: heap memory
-        self._free: list[tuple[int | None, _Memory, float]] = []
+        self._free: list[tuple[Hashable | None, _Memory, float]] = []
         self._free_bytes = 0  # heap memory kept
-        self._returned: deque[tuple[int | None, _Memory]] = deque()  # by finalizers
+        self._returned: deque[tuple[Hashable | None, _Memory]] = deque()  # by finalizers
         self.closed = False  # by close(): a segment returned after it is closed at once
 
     def take(self, size: int) -> torch.Tensor:
@@ -182,13 +182,13 @@ class BandBuffers:
         assert taken is not None  # heap memory is never refused
         return taken[0]
 
-    def lend(self, size: int, peer: int) -> tuple[torch.Tensor, _Memory] | None:
+    def lend(self, size: int, peer: Hashable) -> tuple[torch.Tensor, _Memory] | None:
         """As :meth:`take`, in a segment for the process ``peer`` (a memfd, with its
         ``fd``); None when no kept segment of ``peer``'s fits and a new one would open
         more than ``segment_bytes`` or ``max_segments``."""
         return self._take(size, peer)
 
-    def _take(self, size: int, peer: int | None) -> tuple[torch.Tensor, _Memory] | None:
+    def _take(self, size: int, peer: Hashable | None) -> tuple[torch.Tensor, _Memory] | None:
         self.tidy()
         for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
             owner, memory, _ = self._free[i]
@@ -211,7 +211,7 @@ class BandBuffers:
         weakref.finalize(view, self._give_back, (peer, memory)).atexit = False
         return torch.from_numpy(view), memory
 
-    def _give_back(self, item: tuple[int | None, _Memory]) -> None:
+    def _give_back(self, item: tuple[Hashable | None, _Memory]) -> None:
         """A buffer no tensor views any more (a finalizer: on any thread)."""
         if self.closed and item[1].fd >= 0:  # no band will take it
             self._close_segment(item[1])
@@ -536,7 +536,7 @@ class Receiver:
         taken = None
         if self.lend_segments and size:
             try:
-                peer = _io.peer_pid(conn.sock)
+                peer = _io.peer_process(conn.sock)
                 taken = self._buffers.lend(size, peer) if peer is not None else None
             except OSError as error:  # this side's failure (no memory, no descriptors)
                 log.warning("no segment lent for a band of %d bytes: %r", size, error)
