@@ -98,12 +98,15 @@ def test_the_throughput_interval_follows_the_pairs_not_the_runs():
         ratio_of_means_interval([1.0, 2.0], [1.0])
 
 
-@pytest.mark.parametrize("argv", [["--lengths", "", "--repeats", "0"], ["--lengths", "4k"],
-                                  ["--repeats", "-1"], ["--lengths", "1"]])
-def test_the_benchmark_refuses_what_it_cannot_measure(argv, capsys):
+@pytest.mark.parametrize(("argv", "names"), [
+    (["--lengths", "", "--repeats", "0"], "nothing to measure"),
+    (["--lengths", "4k"], "--lengths '4k'"), (["--lengths", "1"], "--lengths [1]"),
+    (["--repeats", "-1"], "--repeats -1"), (["--samples", "0"], "--samples 0"),
+])  # fmt: skip
+def test_the_benchmark_refuses_what_it_cannot_measure(argv, names, capsys):
     from wavepp.bench.handoff import main
 
     with pytest.raises(SystemExit) as stopped:
         main(argv)
     assert stopped.value.code == 2
-    assert "--lengths" in capsys.readouterr().err
+    assert names in capsys.readouterr().err

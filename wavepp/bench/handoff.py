@@ -517,9 +517,12 @@ def main(argv: list[str] | None = None) -> None:
         args.lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     except ValueError:
         parser.error(f"--lengths {args.lengths!r}: prompt lengths, comma-separated")
-    if any(n < 2 for n in args.lengths) or args.repeats < 0 or args.samples < 1:
-        parser.error("--lengths: 2 tokens or more each; --repeats: 0 or more; "
-                     "--samples: 1 or more")  # fmt: skip
+    if any(n < 2 for n in args.lengths):
+        parser.error(f"--lengths {args.lengths}: 2 tokens or more each")
+    if args.repeats < 0:
+        parser.error(f"--repeats {args.repeats}: 0 or more")
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: 1 or more")
     if not args.lengths and not args.repeats:
         parser.error("nothing to measure: --lengths is empty and --repeats is 0")
     from wavepp.model import BUILTIN
