@@ -621,7 +621,8 @@ LLAMA_FP = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
 def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload(sock_path):
     """The library receiver lends a memfd; the sender copies the pool's runs (one a row,
     over a thousand) and copied tensors into it: the receiver's tensors hold every byte,
-    and a second band from the same process is lent the same segment."""
+    and a second band from the same process is lent the same segment. Each band also
+    gets a segment reserved for the stage's next band."""
     from tests.handoff_rig import ReceiverThread
     from wavepp.exec.handoff_send import IOV_MAX
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
@@ -649,12 +650,15 @@ def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload
         outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=n)], segments=True,
                                       band=band)  # fmt: skip
         buffers = rx.receiver._buffers
-        assert buffers.num_segments == 1
+        assert buffers.num_segments == 2  # a's, and one reserved for the next band
         got = {key: t.clone() for key, t in rx.receiver._pending["a"].bands[1].items()}
-        assert rx.receiver.expire(now=time.monotonic() + 1e6) == ["a"]  # its tensors dropped
+        # a's tensors dropped, and the reservation (this sender is gone: nothing used it)
+        assert rx.receiver.expire(now=time.monotonic() + 1e6) == ["a"]
         outcomes2, _ = run_jobs([job("b", f"unix:{sock_path}", n=n)], segments=True, band=band)
-        assert buffers.num_segments == 1 and not buffers._free  # the first, lent again
+        # the first, lent again; the expired reservation closed; a new one for b's sender
+        assert buffers.num_segments == 2 and not buffers._free
         assert rx.receiver.counts["bands_ok"] == 2
+        assert rx.receiver.counts["segments_reserved"] == 2
     assert outcomes["a"].ok and outcomes2["b"].ok and released == ["a"], outcomes
     assert outcomes["a"].num_bytes == 4 * n * 4 * 4
     assert sent == []  # no payload went through the socket's sendmsg
@@ -670,7 +674,7 @@ class Lender(Receiver):
     def _serve(self, conn: socket.socket) -> None:
         length, flags = wire.parse_prefix(self._exactly(conn, wire.PREFIX_BYTES))
         header = wire.decode_header(self._exactly(conn, length))
-        assert flags == wire.FLAG_SEGMENT
+        assert flags & wire.FLAG_SEGMENT  # a reservation asked for is not answered
         _, size = wire.payload_layout(header)
         answer, files = wire.encode_segment(size, secrets.randbits(64)), []
         if self.mode == "small":  # says what it lends, and it is too small for the band
@@ -726,7 +730,7 @@ def _open_fds() -> int:
     ("none", "bad ack", "lent 0 files"), ("unsealed", "bad ack", "without F_SEAL_SHRINK"),
     # a file on a tmpfs takes seals: refused for its missing ones, elsewhere as no memfd
     ("file", "bad ack", "lent a file"), ("pipe", "bad ack", "mode 10"),
-    ("garbage", "bad ack", "answered garbage to a segment offer"),
+    ("garbage", "bad ack", "answered garbage: b'HTTP'"),
 ])  # fmt: skip
 def test_a_lent_segment_is_checked_before_a_byte_is_written(sock_path, mode, reason, detail):
     """Only a memfd whose size is sealed, of the size the answer says and large enough, is
@@ -782,7 +786,8 @@ def test_a_receiver_from_before_segments_gets_the_band_plain_and_is_not_offered_
         receiver.close()
     assert all(outcome.ok for outcome in outcomes.values()), outcomes
     assert sorted(released) == ["a", "b"] and len(receiver.bands) == 2
-    assert receiver.refused == 1  # the first band's offer; the second is sent plain
+    # the first band's offers (version 3, then 2); the second is sent plain
+    assert receiver.refused == 2
 
 
 def test_a_segment_this_stage_cannot_map_for_want_of_memory_is_its_own_error(monkeypatch):
@@ -846,3 +851,175 @@ def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go
     finally:
         os.close(a)
         os.close(b)
+
+
+# -- reservations (wire version 3): the next band's segment, lent with the band before --
+
+
+def run_in_turn(steps, *, band=band_of) -> dict:
+    """One segment-offering sender; ``steps`` in order, each a job (sent, and settled
+    before the next step) or a callable (run between bands). The outcomes by id."""
+    settings = HandoffSettings(1, 2, FP, 30.0, 1 << 30, segments=True)
+    sender = HandoffSender(settings, band, lambda rid: None)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sender.run)
+            for step in steps:
+                if callable(step):
+                    step()
+                    continue
+                sender.submit(step)
+                await _until(lambda: not sender.num_pending)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return {o.request_id: o for o in sender.take_outcomes()}
+
+
+def _received(rx, rid: str) -> dict:
+    return {key: t.clone() for key, t in rx.receiver._pending[rid].bands[1].items()}
+
+
+def _expected(n: int) -> dict:
+    return {(t.layer, t.name): t.read() for t in band_of(job("x", "", n=n))}
+
+
+def test_a_stages_next_band_goes_into_the_segment_reserved_for_it(sock_path):
+    """The first band is offered a segment (an answer to wait for before writing); each
+    band asks for a segment for the next, which is then written into with no answer
+    to wait for: one wait per band, the ack's. Every band arrives whole."""
+    from tests.handoff_rig import ReceiverThread
+
+    waits = []
+    real = handoff_send._take_segment
+    with ReceiverThread(LLAMA_FP, "float32", Path(sock_path)) as rx, \
+            mock.patch.object(handoff_send, "_take_segment",
+                              side_effect=lambda *a: waits.append(a) or real(*a)):
+        outcomes = run_in_turn([job(rid, f"unix:{sock_path}", n=40) for rid in "abc"])
+        got = {rid: _received(rx, rid) for rid in "abc"}
+        counts = rx.receiver.counts
+    assert all(o.ok for o in outcomes.values()) and len(outcomes) == 3, outcomes
+    assert len(waits) == 1  # the first band's offer only
+    assert (counts["segments_reserved"], counts["reservations_used"]) == (3, 2)
+    for rid in "abc":
+        assert set(got[rid]) == set(_expected(40))
+        assert all(torch.equal(got[rid][k], v) for k, v in _expected(40).items())
+
+
+def test_a_reservation_a_restarted_receiver_never_made_sends_the_band_on_the_socket(sock_path):
+    """The stage holds a segment the receiver before reserved; the one now at that path
+    does not know it: it answers size 0 and the band's bytes come over the socket."""
+    from tests.handoff_rig import ReceiverThread
+
+    first = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
+    second = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
+    first.__enter__()
+    try:
+        outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40),
+                                lambda: first.__exit__(None, None, None),
+                                second.__enter__, job("b", f"unix:{sock_path}", n=40)])
+        got = _received(second, "b")
+        counts = second.receiver.counts
+    finally:
+        second.__exit__(None, None, None)
+    assert outcomes["a"].ok and outcomes["b"].ok, outcomes
+    assert counts["reservations_missed"] == 1 and counts["bands_ok"] == 1
+    assert all(torch.equal(got[k], v) for k, v in _expected(40).items())
+
+
+class V2Receiver(Lender):
+    """A receiver from before reservations: wire versions 1 and 2 only."""
+
+    refused = 0
+
+    def _serve(self, conn: socket.socket) -> None:
+        prefix = conn.recv(wire.PREFIX_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
+        version = int.from_bytes(prefix[4:6], "little")
+        if version > 2:
+            self.refused += 1
+            conn.sendall(wire.encode_ack(wire.Ack("", -1, False, f"wire version {version} "
+                                                  "is not supported (this side speaks 1, 2)")))
+            return
+        super()._serve(conn)
+
+
+def test_a_receiver_from_before_reservations_is_offered_segments_as_version_2(sock_path):
+    receiver = V2Receiver(sock_path, "ok")
+    receiver.start()
+    try:
+        outcomes = run_in_turn([job(rid, f"unix:{sock_path}", n=40) for rid in "ab"])
+    finally:
+        receiver.close()
+    assert all(o.ok for o in outcomes.values()) and len(outcomes) == 2, outcomes
+    assert receiver.refused == 1  # the first band's version 3; then 2, for both
+    assert [h.request_id for h, _ in receiver.bands] == ["a", "b"]
+
+
+@pytest.mark.parametrize("mode", ["unsealed", "two"])
+def test_a_reservation_that_is_not_a_sealed_memfd_fails_the_band_and_leaves_nothing_open(
+        sock_path, mode):  # fmt: skip
+    """A reservation is checked as a lent segment is: anything but one sealed memfd of
+    the size it says fails the band ("bad ack"), and no file of it stays open."""
+    before = _open_fds()
+    receiver = BadReserver(sock_path, mode)
+    receiver.start()
+    try:
+        outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40)])
+    finally:
+        receiver.close()
+    assert (outcomes["a"].ok, outcomes["a"].reason) == (False, "bad ack"), outcomes
+    gc.collect()
+    assert _open_fds() <= before
+
+
+class BadReserver(Lender):
+    """Lends a proper segment for the band, then answers the reservation wrongly."""
+
+    def _serve(self, conn: socket.socket) -> None:
+        length, flags = wire.parse_prefix(self._exactly(conn, wire.PREFIX_BYTES))
+        assert flags == wire.FLAG_SEGMENT | wire.FLAG_RESERVE
+        header = wire.decode_header(self._exactly(conn, length))
+        _, size = wire.payload_layout(header)
+        lent = _sealed_memfd(size)
+        if self.mode == "unsealed":
+            files = [os.memfd_create("unsealed")]
+            os.ftruncate(files[0], size)
+        else:
+            files = [_sealed_memfd(size), _sealed_memfd(size)]
+        try:
+            rights = socket.SOL_SOCKET, socket.SCM_RIGHTS
+            conn.sendmsg([wire.encode_segment(size, 1)], [(*rights, array.array("i", [lent]))])
+            conn.sendmsg([wire.encode_segment(size, 2, wire.RESERVE_MAGIC)],
+                         [(*rights, array.array("i", files))])  # fmt: skip
+            if self._exactly(conn, 4) == wire.DONE_MAGIC:
+                conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, True)))
+        finally:
+            for fd in [lent, *files]:
+                os.close(fd)
+
+
+def test_segment_maps_hold_reservations_until_taken_or_stale():
+    from wavepp.exec.handoff_send import MAX_RESERVED_MAPS, RESERVED_USE_S, SegmentMaps
+
+    now = [0.0]
+    maps = SegmentMaps(keep_bytes=0, clock=lambda: now[0])
+    small, large = _sealed_memfd(4096), _sealed_memfd(16384)
+    try:
+        assert maps.reserve("unix:/rx", 1, large) and maps.reserve("unix:/rx", 2, small)
+        assert maps.take_reserved("unix:/other", 100) is None  # another target's: none
+        key, segment_id = maps.take_reserved("unix:/rx", 100)  # the smallest that fits
+        assert segment_id == 2 and maps.memory(key).nbytes == 4096
+        assert maps.take_reserved("unix:/rx", 8192)[1] == 1
+        assert maps.take_reserved("unix:/rx", 1) is None  # each taken once
+        maps.give_back(key)
+        assert len(maps) == 1  # keep_bytes 0: the unused mapping let go; the other in use
+        now[0] = 1.0
+        for n in range(MAX_RESERVED_MAPS + 1):
+            assert maps.reserve("unix:/rx", 10 + n, small) == (n < MAX_RESERVED_MAPS)
+        now[0] = 1.0 + RESERVED_USE_S  # too old to use: let go, unmapped
+        assert maps.take_reserved("unix:/rx", 1) is None
+        assert len(maps) == 1
+    finally:
+        os.close(small)
+        os.close(large)

@@ -114,6 +114,15 @@ def test_band_round_trip(config):
     assert parse_prefix(offer[:PREFIX_BYTES]) == (len(prefix) - PREFIX_BYTES, FLAG_SEGMENT)
     # a version 1 prefix (no flags) is still read
     assert parse_prefix(b"WPHB" + struct.pack("<HHI", 1, 0, 7)) == (7, 0)
+    # version 3: a reservation asked for, or a reserved segment named after the header
+    ask = encode_band_prefix(header, FLAG_SEGMENT | wire.FLAG_RESERVE)
+    assert struct.unpack("<HH", ask[4:8]) == (3, FLAG_SEGMENT | wire.FLAG_RESERVE)
+    assert ask[PREFIX_BYTES:] == prefix[PREFIX_BYTES:]
+    named = encode_band_prefix(header, wire.FLAG_RESERVED | wire.FLAG_RESERVE, 2**64 - 2)
+    length, flags = parse_prefix(named[:PREFIX_BYTES])
+    assert (length, flags) == (len(prefix) - PREFIX_BYTES, wire.FLAG_RESERVED | wire.FLAG_RESERVE)
+    assert decode_header(named[PREFIX_BYTES : PREFIX_BYTES + length]) == header
+    assert wire.parse_segment_id(named[PREFIX_BYTES + length :]) == 2**64 - 2
     assert band_bytes(header) == sum(s.nbytes for s in header.tensors) > 0
 
 
@@ -136,9 +145,12 @@ def test_ack_round_trip_and_long_error_cut():
     ("prefix", "match"),
     [
         (b"WPHX" + struct.pack("<HHI", 1, 0, 10), "magic"),
-        (b"WPHB" + struct.pack("<HHI", 3, 0, 10), "version 3"),
+        (b"WPHB" + struct.pack("<HHI", 4, 0, 10), "version 4"),
         (b"WPHB" + struct.pack("<HHI", 1, 1, 10), "version 1 prefix has flags"),
-        (b"WPHB" + struct.pack("<HHI", 2, 6, 10), "unknown band flags 0x6"),
+        (b"WPHB" + struct.pack("<HHI", 2, 3, 10), "version 2 prefix has flags 0x3"),
+        (b"WPHB" + struct.pack("<HHI", 3, 8, 10), "unknown band flags 0x8"),
+        (b"WPHB" + struct.pack("<HHI", 3, 5, 10), "at most one"),
+        (b"WPHB" + struct.pack("<HHI", 3, 2, 10), "FLAG_RESERVE without"),
         (b"WPHB" + struct.pack("<HHI", 1, 0, 0), "header_len 0"),
         (b"WPHB" + struct.pack("<HHI", 1, 0, MAX_HEADER_BYTES + 1), "header_len"),
         (b"WPHB", "prefix is 4 bytes"),
@@ -158,9 +170,21 @@ def test_segment_answer_round_trip_and_checks():
         wire.parse_segment(b"WPHM" + struct.pack("<QQ", 2**63, 1))
     with pytest.raises(WireError, match="is 4 bytes"):
         wire.parse_segment(b"WPHM")
+    whole = band(LLAMA, stage=0, num_stages=1, layers=tuple(range(LLAMA["num_hidden_layers"])),
+                 t=3)  # fmt: skip
     with pytest.raises(ValueError, match="unknown band flags"):
-        encode_band_prefix(band(LLAMA, stage=0, num_stages=1,
-                                layers=tuple(range(LLAMA["num_hidden_layers"])), t=3), 4)
+        encode_band_prefix(whole, 8)
+    with pytest.raises(ValueError, match="a segment id goes with FLAG_RESERVED"):
+        encode_band_prefix(whole, wire.FLAG_RESERVED)
+    with pytest.raises(ValueError, match="a segment id goes with FLAG_RESERVED"):
+        encode_band_prefix(whole, FLAG_SEGMENT, 7)
+    # a reservation is a segment answer with its own magic
+    raw = encode_segment(4096, 9, wire.RESERVE_MAGIC)
+    assert wire.parse_segment(raw, wire.RESERVE_MAGIC) == (4096, 9)
+    with pytest.raises(WireError, match="magic"):
+        wire.parse_segment(raw)
+    with pytest.raises(WireError, match="is 3 bytes"):
+        wire.parse_segment_id(b"abc")
 
 
 def test_payload_layout_aligns_every_tensor():

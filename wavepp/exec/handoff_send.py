@@ -28,7 +28,10 @@ the receiver lends (``HandoffSettings.segments``, ``docs/handoff.md``): a memfd,
 checked before a byte goes in, mapped here and the runs copied into it — one copy in
 all, where the socket takes two (the sender's into the kernel, the receiver's out of
 it). A receiver lends a stage the same segment again once its last band is taken, so
-the mapping is kept (``SegmentMaps``) and its pages are not faulted in again.
+the mapping is kept (``SegmentMaps``) and its pages are not faulted in again. Each such
+band also asks the receiver to reserve a segment for the stage's next band (wire
+version 3): a band with a reservation in hand writes into it as it connects, with no
+answer to wait for before the bytes go in — one round trip per band, not two.
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
 (``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
@@ -155,6 +158,7 @@ class HandoffSender:
         self._budget_freed = anyio.Event()
         self._maps = SegmentMaps(settings.budget_bytes)  # lent segments, kept mapped
         self._no_offers: set[str] = set()  # targets that refused a segment offer's version
+        self._no_reserve: set[str] = set()  # ...and those that refused version 3's
         self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
         self.num_pending = 0  # jobs submitted and not settled
         # called (on the event loop) after each band settles: the runtime sends the
@@ -262,23 +266,40 @@ class HandoffSender:
             prefix = wire.encode_band_prefix(header)
             ack = await _exchange_inline(address, prefix, tensors, job.target, wire_s)
             return self._check_ack(job, ack, tensors)
-        offer = (self.settings.segments and address.kind == "unix"
-                 and job.target not in self._no_offers)  # fmt: skip
-        ack = await self._over_socket(job, address, header, tensors, wire_s, offer)
-        if offer and _version_refused(ack):
-            # a receiver from before segments refuses the offer's wire version: the
-            # band again, plain (as every later one to that target)
-            self._no_offers.add(job.target)
-            ack = await self._over_socket(job, address, header, tensors, wire_s, False)
+        target = job.target
+        offer = self.settings.segments and address.kind == "unix" and target not in self._no_offers
+        reserve = offer and target not in self._no_reserve
+        ack = await self._over_socket(job, address, header, tensors, wire_s, offer, reserve)
+        while offer and _version_refused(ack):
+            # a receiver from before reservations (or before segments) refuses the wire
+            # version: the band again as the older version reads it (as every later one
+            # to that target)
+            if reserve:
+                self._no_reserve.add(target)
+                reserve = False
+            else:
+                self._no_offers.add(target)
+                offer = False
+            ack = await self._over_socket(job, address, header, tensors, wire_s, offer, reserve)
         return self._check_ack(job, ack, tensors)
 
     async def _over_socket(self, job: BandJob, address: wire.Address, header: wire.BandHeader,
                            tensors: Sequence[BandTensor], wire_s: list[float],
-                           offer: bool) -> wire.Ack:  # fmt: skip
+                           offer: bool, reserve: bool) -> wire.Ack:  # fmt: skip
         """The band's exchange from a worker thread; with ``offer``, into a segment the
-        receiver lends, if it does."""
-        prefix = wire.encode_band_prefix(header, wire.FLAG_SEGMENT if offer else 0)
-        offsets = wire.payload_layout(header)[0] if offer else None
+        receiver lends, if it does; with ``reserve`` too, into the segment reserved for
+        this band if one is in hand, and asking for one for the next."""
+        plan = None
+        if offer:
+            offsets, size = wire.payload_layout(header)
+            plan = SegmentPlan(self._maps, offsets, reserve,
+                               self._maps.take_reserved(job.target, size) if reserve else None)
+        flags = wire.FLAG_RESERVE if reserve else 0  # reserve: only with offer
+        if plan is not None and plan.reserved is not None:
+            prefix = wire.encode_band_prefix(header, flags | wire.FLAG_RESERVED,
+                                             plan.reserved[1])  # fmt: skip
+        else:
+            prefix = wire.encode_band_prefix(header, flags | (wire.FLAG_SEGMENT if offer else 0))
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
                              if ":" in address.host else socket.AF_INET)  # fmt: skip
         deadline = job.ended_at + self.settings.timeout_s
@@ -287,9 +308,8 @@ class HandoffSender:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
-            lend = None if offsets is None else (self._maps, offsets)
             ack = await anyio.to_thread.run_sync(_send_band, sock, address, prefix, tensors,
-                                                 lend, deadline, job.target, wire_s,
+                                                 plan, deadline, job.target, wire_s,
                                                  claim, finished, abandon_on_cancel=True,
                                                  limiter=self._threads)  # fmt: skip
         finally:
@@ -299,6 +319,8 @@ class HandoffSender:
                 # cancelled or timed out before the thread began (waiting for a thread,
                 # or queued): it never will touch the band; the socket is ours to close
                 sock.close()
+                if plan is not None and plan.reserved is not None:
+                    self._maps.give_back(plan.reserved[0], keep=False)
             else:
                 # the thread began: the blocks stay held until it has stopped reading
                 # them (the shut socket ends it at once; a connect still waiting ends by
@@ -388,36 +410,49 @@ def _serial(fn: Callable[[], T]) -> T:
     return fn()
 
 
-Lend = tuple["SegmentMaps", list[int]]  # where lent segments stay mapped; tensor offsets
+@attrs.define(eq=False)
+class SegmentPlan:
+    """How a band to a Unix socket goes into segments: made on the event loop, then
+    the band's worker thread's."""
+
+    maps: SegmentMaps  # where lent segments stay mapped
+    offsets: list[int]  # each tensor's place in a segment (wire.payload_layout)
+    # FLAG_RESERVE: a reservation for the next band comes before the ack (until it has)
+    awaiting: bool
+    # (SegmentMaps key, segment id): the segment reserved for this band (FLAG_RESERVED);
+    # whoever uses or drops it sets None
+    reserved: tuple[tuple, int] | None
 
 
 def _send_band(
     sock: socket.socket, address: wire.Address, prefix: bytes,
-    tensors: Sequence[BandTensor], lend: Lend | None, deadline: float, target: str,
+    tensors: Sequence[BandTensor], plan: SegmentPlan | None, deadline: float, target: str,
     wire_s: list[float], claim: threading.Lock, finished: threading.Event,
 ) -> wire.Ack | None:  # fmt: skip
     """A band's whole exchange with blocking calls (in a worker thread): connect, the
-    prefix and header, every tensor's bytes (into a lent segment, at its offset in
-    ``lend``, where the prefix offered one and the receiver lends it), the
-    acknowledgement. Takes ``claim`` first:
+    prefix and header, every tensor's bytes (into a segment, at its offset in ``plan``:
+    the one reserved for this band, or one the receiver lends when the prefix offered),
+    the acknowledgement. Takes ``claim`` first:
     if the event loop took it (the band was given up before this thread began), returns
-    None at once, touching nothing. Otherwise owns ``sock``; sets ``wire_s[0]`` to its
-    seconds from connect to the ack (or to its failure) and ``finished`` when it no
-    longer touches the band's tensors."""
+    None at once, touching nothing. Otherwise owns ``sock`` and the plan's reserved
+    segment; sets ``wire_s[0]`` to its seconds from connect to the ack (or to its
+    failure) and ``finished`` when it no longer touches the band's tensors."""
     if not claim.acquire(blocking=False):
         return None
     started = time.perf_counter()
     compute.serial_here()  # a TP band's shards are put together here: no OpenMP team
     try:
-        return _exchange(sock, address, prefix, tensors, lend, deadline, target)
+        return _exchange(sock, address, prefix, tensors, plan, deadline, target)
     finally:
+        if plan is not None and plan.reserved is not None:  # failed before using it
+            plan.maps.give_back(plan.reserved[0], keep=False)
         wire_s[0] = time.perf_counter() - started
         finished.set()
 
 
 def _exchange(
     sock: socket.socket, address: wire.Address, prefix: bytes,
-    tensors: Sequence[BandTensor], lend: Lend | None, deadline: float, target: str,
+    tensors: Sequence[BandTensor], plan: SegmentPlan | None, deadline: float, target: str,
 ) -> wire.Ack:  # fmt: skip
     def left() -> float:
         remaining = deadline - time.monotonic()
@@ -452,8 +487,16 @@ def _exchange(
         sock.settimeout(None)
         try:
             views = [memoryview(prefix)]
-            if lend is not None:  # offered to write into a segment: the answer first
-                maps, offsets = lend
+            if plan is not None and plan.reserved is not None:
+                # written while the receiver reads the header: no answer to wait for
+                sock.sendall(prefix)
+                key, plan.reserved = plan.reserved[0], None
+                ack = _into_segment(sock, plan, key, tensors, target, left, reserved=True)
+                if ack is not None:
+                    return ack
+                sock.settimeout(None)
+                views = []  # the receiver did not hold it: the payload follows on the socket
+            elif plan is not None:  # offered to write into a segment: the answer first
                 sock.sendall(prefix)
                 sock.settimeout(left())
                 lent = _take_segment(sock, target)
@@ -463,19 +506,10 @@ def _exchange(
                 if lent is not None:
                     fd, segment_id = lent
                     try:
-                        key, memory = maps.take(target, segment_id, fd)
+                        key, _ = plan.maps.take(target, segment_id, fd)
                     finally:
                         os.close(fd)
-                    ack = None
-                    try:
-                        _write_segment(memory, tensors, offsets)
-                        sock.sendall(wire.DONE_MAGIC)
-                        sock.settimeout(left())
-                        ack = _read_ack(sock, target)
-                    finally:
-                        memory = None
-                        maps.give_back(key, keep=ack is not None and ack.ok)
-                    return ack
+                    return _into_segment(sock, plan, key, tensors, target, left)
                 views = []  # declined: the payload follows on the socket
             for tensor in tensors:
                 if tensor.pieces is not None:  # views of the pool's runs, no copy
@@ -499,12 +533,61 @@ def _exchange(
             ack = None
             with contextlib.suppress(OSError, BandFailed, TimeoutError):
                 sock.settimeout(min(1.0, left()))
-                ack = _read_ack(sock, target)
+                ack = _final_answer(sock, target, plan)
             if ack is not None and not ack.ok:
                 raise BandFailed("refused", ack.error) from None
             raise BandFailed("disconnected", f"{target} closed the connection while the band "
                              f"was sent ({error or type(error).__name__})") from None  # fmt: skip
+        sock.settimeout(left())
+        return _final_answer(sock, target, plan)
+
+
+def _into_segment(sock: socket.socket, plan: SegmentPlan, key: tuple,
+                  tensors: Sequence[BandTensor], target: str, left: Callable[[], float],
+                  reserved: bool = False) -> wire.Ack | None:  # fmt: skip
+    """Write the band into the segment ``key`` names, say so (``DONE_MAGIC``) and
+    return the receiver's ack; None where the segment was ``reserved`` and the receiver
+    answers that it no longer holds it (the payload then goes on the socket). The
+    segment is handed back, its mapping kept only if the band was taken."""
+    ack = None
+    try:
+        _write_segment(plan.maps.memory(key), tensors, plan.offsets)
+        sock.sendall(wire.DONE_MAGIC)
+        sock.settimeout(left())
+        ack = _final_answer(sock, target, plan, reserved)
+        return ack
+    finally:
+        plan.maps.give_back(key, keep=ack is not None and ack.ok)
+
+
+def _final_answer(sock: socket.socket, target: str, plan: SegmentPlan | None,
+                  may_decline: bool = False) -> wire.Ack | None:  # fmt: skip
+    """The receiver's answers once the payload is in: a reservation for the next band
+    where the plan awaits one (kept in the plan's maps), then the ack — or, with
+    ``may_decline``, a segment answer of size 0 (None: the reserved segment was not
+    held, the payload goes on the socket)."""
+    if plan is None or not (plan.awaiting or may_decline):
         return _read_ack(sock, target)
+    while True:
+        expect = [wire.ACK_MAGIC]
+        expect += [wire.RESERVE_MAGIC] if plan.awaiting else []
+        expect += [wire.SEGMENT_MAGIC] if may_decline else []
+        answer = _read_answer(sock, target, expect)
+        if isinstance(answer, wire.Ack):
+            return answer
+        magic, lent = answer
+        if magic == wire.SEGMENT_MAGIC:
+            if lent is not None:
+                os.close(lent[0])
+                raise BandFailed("bad ack", f"{target} lent a segment for a band already "
+                                 "written into the one it reserved")  # fmt: skip
+            return None
+        plan.awaiting = False
+        if lent is not None:
+            try:
+                plan.maps.reserve(target, lent[1], lent[0])
+            finally:
+                os.close(lent[0])
 
 
 def _version_refused(ack: wire.Ack) -> bool:
@@ -516,6 +599,10 @@ MAX_FDS = 4  # files a segment answer may carry before it is refused as garbage
 MAX_KEPT_MAPS = 8  # lent segments kept mapped unused, at most
 MAP_IDLE_S = 300.0  # and each for this long since its last band
 MAP_TIDY_S = 5.0  # how often a stage looks for idle ones
+# a segment reserved for a band is used within this long of its arrival, or let go: well
+# inside the receiver's hold on it (wavepp.handoff.receive.RESERVATION_S, 30 s)
+RESERVED_USE_S = 10.0
+MAX_RESERVED_MAPS = 8  # segments reserved for this stage, per target, held at once
 SEGMENT_SEALS = ("F_SEAL_SHRINK", "F_SEAL_GROW")  # a lent memfd's size cannot change
 # a mapping that fails for these is this process's shortage, not the receiver's fault
 OWN_LIMITS = (errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN)
@@ -526,28 +613,37 @@ def _take_segment(sock: socket.socket, target: str) -> tuple[int, int] | wire.Ac
     thread owns) and the segment's id, None (declined: the payload goes on the socket),
     or its ack (the band was refused). The file is checked: a sealed memfd of the size
     the answer says."""
+    answer = _read_answer(sock, target, [wire.SEGMENT_MAGIC, wire.ACK_MAGIC])
+    return answer if isinstance(answer, wire.Ack) else answer[1]
+
+
+def _read_answer(sock: socket.socket, target: str, expect: Sequence[bytes],
+                 ) -> wire.Ack | tuple[bytes, tuple[int, int] | None]:  # fmt: skip
+    """The receiver's next message, one of ``expect``: an ack, or a segment answer or
+    reservation — its magic and the lent memfd (a descriptor the caller owns, checked:
+    a sealed memfd of the size the answer says) with the segment's id, or None (size 0:
+    none lent)."""
     data, fds = bytearray(), []
     try:
         _recv_passing(sock, data, 4, fds, target)
-        if data == wire.SEGMENT_MAGIC:
-            _recv_passing(sock, data, wire.SEGMENT_BYTES, fds, target)
-        elif data == wire.ACK_MAGIC:
+        magic = bytes(data)
+        if magic not in expect:
+            raise BandFailed("bad ack", f"{target} answered garbage: {magic!r} where it "
+                             f"answers {' or '.join(map(repr, expect))}")  # fmt: skip
+        if magic == wire.ACK_MAGIC:
             rest = _recv_exactly(sock, wire.ACK_PREFIX_BYTES - 4, target)
             try:
-                ack = wire.decode_ack(_recv_exactly(sock, wire.ack_length(bytes(data) + rest),
-                                                    target))  # fmt: skip
+                return wire.decode_ack(_recv_exactly(sock, wire.ack_length(magic + rest),
+                                                     target))  # fmt: skip
             except wire.WireError as error:
                 raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
-            return ack
-        else:
-            raise BandFailed("bad ack", f"{target} answered garbage to a segment offer: "
-                             f"{bytes(data)!r}")  # fmt: skip
+        _recv_passing(sock, data, wire.SEGMENT_BYTES, fds, target)
         try:
-            size, segment_id = wire.parse_segment(bytes(data))
+            size, segment_id = wire.parse_segment(bytes(data), magic)
         except wire.WireError as error:
             raise BandFailed("bad ack", f"{target} answered garbage: {error}") from None
         if size == 0 and not fds:
-            return None
+            return magic, None
         if size == 0 or len(fds) != 1:
             raise BandFailed("bad ack", f"{target} lent {len(fds)} files for a segment of "
                              f"{size} bytes")  # fmt: skip
@@ -557,7 +653,7 @@ def _take_segment(sock: socket.socket, target: str) -> tuple[int, int] | wire.Ac
         except BaseException:
             os.close(fd)
             raise
-        return fd, segment_id
+        return magic, (fd, segment_id)
     finally:
         for fd in fds:
             os.close(fd)
@@ -630,6 +726,9 @@ class SegmentMaps:
     the receiver has let it go), the oldest let go first, and none unused for ``idle_s``
     (the receiver closes a segment free for 5 minutes: ``wavepp.handoff.receive``). A band
     that failed lets its mapping go.
+    Segments reserved for this stage's next bands (wire version 3) are held here too,
+    mapped, until a band takes one (:meth:`take_reserved`) or ``RESERVED_USE_S`` has
+    passed.
     Safe to write: a mapping is only made of a memfd whose size is sealed, so it cannot
     shrink under it. Thread-safe."""
 
@@ -639,6 +738,40 @@ class SegmentMaps:
         self._lock = threading.Lock()
         # key -> [mmap, users, last handed back], the latest used last
         self._maps: dict[tuple, list] = {}
+        # target -> [(key, segment id, bytes, arrived)]: each holds a user of its mapping
+        self._reserved: dict[str, list[tuple[tuple, int, int, float]]] = {}
+
+    def reserve(self, target: str, segment_id: int, fd: int) -> bool:
+        """Hold a segment ``target`` reserved for one of this stage's next bands (``fd``:
+        a checked memfd, mapped here unless kept). False, holding nothing: this target's
+        ``MAX_RESERVED_MAPS`` are held already."""
+        with self._lock:
+            if len(self._reserved.get(target, ())) >= MAX_RESERVED_MAPS:
+                return False
+        key, memory = self.take(target, segment_id, fd)
+        with self._lock:
+            self._reserved.setdefault(target, []).append((key, segment_id, memory.nbytes,
+                                                          self._clock()))  # fmt: skip
+        return True
+
+    def take_reserved(self, target: str, size: int) -> tuple[tuple, int] | None:
+        """The smallest segment ``target`` reserved for this stage that holds ``size``
+        bytes and is recent enough to use, as ``(key, segment id)``: the caller's (its
+        band's) until handed back with :meth:`give_back`. None: no such segment."""
+        self.tidy()
+        with self._lock:
+            held = self._reserved.get(target, [])
+            fits = [r for r in held if r[2] >= size]
+            if not fits:
+                return None
+            best = min(fits, key=lambda r: r[2])
+            held.remove(best)
+            return best[0], best[1]
+
+    def memory(self, key: tuple) -> np.ndarray:
+        """The memory of a segment taken (:meth:`take`, :meth:`take_reserved`), uint8."""
+        with self._lock:
+            return np.frombuffer(self._maps[key][0], dtype=np.uint8)
 
     def take(self, target: str, segment_id: int, fd: int) -> tuple[tuple, np.ndarray]:
         """The segment's memory (uint8), mapped from ``fd`` (a checked memfd) unless
@@ -661,22 +794,32 @@ class SegmentMaps:
             return key, np.frombuffer(entry[0], dtype=np.uint8)
 
     def give_back(self, key: tuple, keep: bool = True) -> None:
-        """Done with the memory :meth:`take` gave; ``keep=False``: let the mapping go once
-        unused (its band failed)."""
+        """Done with the memory :meth:`take` or :meth:`take_reserved` gave;
+        ``keep=False``: let the mapping go once unused (its band failed)."""
         with self._lock:
-            entry = self._maps.get(key)
-            if entry is not None:
-                entry[1] -= 1
-                entry[2] = self._clock()
-                if not keep and not entry[1]:
-                    del self._maps[key]
-                    _unmap(entry[0])
+            self._give_back(key, keep)
         self.tidy()
 
+    def _give_back(self, key: tuple, keep: bool) -> None:
+        entry = self._maps.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            entry[2] = self._clock()
+            if not keep and not entry[1]:
+                del self._maps[key]
+                _unmap(entry[0])
+
     def tidy(self) -> None:
-        """Let go of unused mappings over the bounds, and of those idle for ``idle_s``."""
+        """Let go of unused mappings over the bounds, of those idle for ``idle_s``, and
+        of reservations older than ``RESERVED_USE_S`` (the receiver closes them)."""
         now = self._clock()
         with self._lock:
+            for target, held in list(self._reserved.items()):
+                for stale in [r for r in held if now - r[3] >= RESERVED_USE_S]:
+                    held.remove(stale)
+                    self._give_back(stale[0], keep=False)
+                if not held:
+                    del self._reserved[target]
             unused = [(k, e) for k, e in self._maps.items() if not e[1]]  # the oldest first
             kept = sum(len(e[0]) for _, e in unused)
             for n, (key, entry) in enumerate(unused):

@@ -48,8 +48,12 @@ from wavepp.handoff import _io
 from wavepp.handoff.wire import (
     BAND_MAGIC,
     DONE_MAGIC,
+    FLAG_RESERVE,
+    FLAG_RESERVED,
     FLAG_SEGMENT,
     PREFIX_BYTES,
+    RESERVE_MAGIC,
+    SEGMENT_ID_BYTES,
     Ack,
     Address,
     BandHeader,
@@ -63,6 +67,7 @@ from wavepp.handoff.wire import (
     fingerprint_from_hf_config,
     parse_address,
     parse_prefix,
+    parse_segment_id,
     payload_layout,
 )
 
@@ -78,6 +83,8 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 MAX_SEGMENTS = 64  # segments open at once (two descriptors each: the memfd, its mapping's)
 SEGMENT_BYTES = 1 << 30  # their bytes at most (lent, in use or kept)
 SEGMENT_IDLE_S = 300.0  # a kept segment free this long is closed
+RESERVATION_S = 30.0  # a segment reserved for a sender's next band, unused this long, is closed
+MAX_RESERVED = 8  # segments reserved for one sender at once
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 MAX_DONE = 4096  # finished request ids remembered (late or repeated bands are refused)
 
@@ -182,13 +189,16 @@ class BandBuffers:
         assert taken is not None  # heap memory is never refused
         return taken[0]
 
-    def lend(self, size: int, peer: Hashable) -> tuple[torch.Tensor, _Memory] | None:
+    def lend(self, size: int, peer: Hashable,
+             whole: bool = False) -> tuple[torch.Tensor, _Memory] | None:  # fmt: skip
         """As :meth:`take`, in a segment for the process ``peer`` (a memfd, with its
-        ``fd``); None when no kept segment of ``peer``'s fits and a new one would open
-        more than ``segment_bytes`` or ``max_segments``."""
-        return self._take(size, peer)
+        ``fd``; ``whole``: the tensor is all of it, not its first ``size`` bytes); None
+        when no kept segment of ``peer``'s fits and a new one would open more than
+        ``segment_bytes`` or ``max_segments``."""
+        return self._take(size, peer, whole)
 
-    def _take(self, size: int, peer: Hashable | None) -> tuple[torch.Tensor, _Memory] | None:
+    def _take(self, size: int, peer: Hashable | None,
+              whole: bool = False) -> tuple[torch.Tensor, _Memory] | None:  # fmt: skip
         self.tidy()
         for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
             owner, memory, _ = self._free[i]
@@ -207,7 +217,8 @@ class BandBuffers:
                 memory = _Memory.segment(size)
                 self.num_segments += 1
                 self.open_segment_bytes += size
-        view = memory.array[:size]  # the tensors' owner: collected when the last goes
+        # a view of its own (the tensors' owner): collected when the last tensor goes
+        view = memory.array[: memory.array.nbytes if whole else size]
         weakref.finalize(view, self._give_back, (peer, memory)).atexit = False
         return torch.from_numpy(view), memory
 
@@ -259,6 +270,16 @@ class BandBuffers:
                 self._free_bytes -= nbytes  # let go
             else:
                 self._free.append(entry)
+
+
+@attrs.define(eq=False)
+class _Reservation:
+    """A segment reserved for one sender's next band (``FLAG_RESERVE``)."""
+
+    peer: Hashable  # the process it was lent to
+    buffer: torch.Tensor  # uint8, the whole segment: its owner while reserved
+    memory: _Memory
+    until: float  # monotonic: closed if not used by then
 
 
 @attrs.define
@@ -322,6 +343,7 @@ class Receiver:
         self._events: dict[str, anyio.Event] = {}
         self._slots = anyio.Semaphore(max_connections)
         self._buffers = BandBuffers(keep_free_bytes, segment_bytes)
+        self._reserved: dict[int, _Reservation] = {}  # segment id -> its reservation
 
     # -- serving -----------------------------------------------------------------
 
@@ -346,6 +368,7 @@ class Receiver:
         finally:
             _io.close_socket(listener)
             self._buffers.close()
+            self._reserved.clear()  # closed: a sender may still write into them
             if bound.kind == "unix":
                 _unlink_quietly(bound.path)
 
@@ -381,14 +404,20 @@ class Receiver:
 
     async def _band(self, conn: _io.Connection) -> None:
         header: BandHeader | None = None
+        segment_id = None
         try:
             length, flags = parse_prefix(BAND_MAGIC + await conn.read_exactly(PREFIX_BYTES - 4))
             header = decode_header(await conn.read_exactly(length))
+            if flags & FLAG_RESERVED:
+                segment_id = parse_segment_id(await conn.read_exactly(SEGMENT_ID_BYTES))
             self.check(header)
             entry = self._claim(header)
             try:
+                reserve = bool(flags & FLAG_RESERVE)
                 if flags & FLAG_SEGMENT:
-                    tensors = await self._lend(conn, header)
+                    tensors = await self._lend(conn, header, reserve)
+                elif segment_id is not None:
+                    tensors = await self._take_reserved(conn, header, segment_id, reserve)
                 else:
                     tensors = await self._read_payload(conn, header)
                 complete = self._store(entry, header, tensors)
@@ -397,6 +426,8 @@ class Receiver:
                 raise
         except WireError as error:
             self.counts["bands_refused"] += 1
+            if segment_id is not None:  # the sender may be writing into it: never lent again
+                self._unreserve(segment_id, _io.peer_process(conn.sock))
             rid, stage = (header.request_id, header.stage) if header else ("", -1)
             log.info("band refused (%r stage %d): %s", rid, stage, error)
             await self._answer(conn, Ack(rid, stage, False, str(error)))
@@ -528,25 +559,43 @@ class Receiver:
         self._check_tokens(tensors)
         return tensors
 
-    async def _lend(self, conn: _io.Connection, header: BandHeader):
+    async def _lend(self, conn: _io.Connection, header: BandHeader, reserve: bool):
         """A band offered into a segment: lend one (the sender writes the payload into
         it, then says ``DONE_MAGIC``) or — beyond a Unix socket, or when ``BandBuffers``
-        has none to lend — decline (size 0) and read the payload from the socket."""
+        has none to lend — decline (size 0) and read the payload from the socket. With
+        ``reserve``, a reservation for the sender's next band follows the answer."""
         offsets, size = payload_layout(header)
-        taken = None
-        if self.lend_segments and size:
-            try:
-                peer = _io.peer_process(conn.sock)
-                taken = self._buffers.lend(size, peer) if peer is not None else None
-            except OSError as error:  # this side's failure (no memory, no descriptors)
-                log.warning("no segment lent for a band of %d bytes: %r", size, error)
+        taken = self._segment(conn, size) if size else None
         if taken is None:
             await conn.send(encode_segment(0))
+            if reserve:
+                await self._reserve(conn, size)
             return await self._read_payload(conn, header)
         buffer, memory = taken
         tensors = _views(buffer, header, offsets)
         memory.spoiled = True  # until the sender says it is done writing
         await conn.send_fd(encode_segment(memory.array.nbytes, memory.segment_id), memory.fd)
+        if reserve:
+            await self._reserve(conn, size)
+        return await self._written(conn, memory, tensors)
+
+    def _segment(self, conn: _io.Connection, size: int, whole: bool = False):
+        """A segment of ``size`` bytes for this connection's peer (``BandBuffers.lend``),
+        or None: lending is off, the peer is not a process this side can name, or no
+        segment is to be had."""
+        if not self.lend_segments:
+            return None
+        try:
+            peer = _io.peer_process(conn.sock)
+            return self._buffers.lend(size, peer, whole) if peer is not None else None
+        except OSError as error:  # this side's failure (no memory, no descriptors)
+            log.warning("no segment lent for a band of %d bytes: %r", size, error)
+            return None
+
+    async def _written(self, conn: _io.Connection, memory: _Memory,
+                       tensors: dict[tuple[int, str], torch.Tensor]):  # fmt: skip
+        """The band's tensors, in ``memory`` (a segment), once the sender says it is done
+        writing them."""
         done = await conn.read_exactly(len(DONE_MAGIC))
         if done != DONE_MAGIC:
             raise WireError(f"expected {DONE_MAGIC!r} after the segment's payload, got {done!r}")
@@ -557,6 +606,59 @@ class Receiver:
             tensors[(-1, "tokens")] = tokens.clone()
         self._check_tokens(tensors)
         return tensors
+
+    async def _reserve(self, conn: _io.Connection, size: int) -> None:
+        """Answer ``FLAG_RESERVE``: a segment of at least ``size`` bytes reserved for this
+        peer's next band (``RESERVE_MAGIC`` and the memfd), or size 0 — lending is off,
+        this peer holds ``MAX_RESERVED`` already, or no segment is to be had. A reserved
+        segment counts as lent: the sender may write into it from now on, so it is never
+        lent again unless a band that names it says it is done writing."""
+        peer = _io.peer_process(conn.sock)
+        held = sum(1 for r in self._reserved.values() if r.peer == peer)
+        taken = self._segment(conn, size, whole=True) if size and held < MAX_RESERVED else None
+        if taken is None:
+            await conn.send(encode_segment(0, 0, RESERVE_MAGIC))
+            return
+        buffer, memory = taken
+        memory.spoiled = True
+        self._reserved[memory.segment_id] = _Reservation(
+            peer, buffer, memory, time.monotonic() + RESERVATION_S)
+        self.counts["segments_reserved"] += 1
+        await conn.send_fd(encode_segment(memory.array.nbytes, memory.segment_id,
+                                          RESERVE_MAGIC), memory.fd)  # fmt: skip
+
+    def _unreserve(self, segment_id: int, peer: Hashable | None) -> _Reservation | None:
+        """The reservation ``peer`` names, taken out of the table (None: no such
+        reservation of that peer's; another's stays)."""
+        reservation = self._reserved.get(segment_id)
+        if reservation is None or peer is None or reservation.peer != peer:
+            return None
+        return self._reserved.pop(segment_id)
+
+    async def _take_reserved(self, conn: _io.Connection, header: BandHeader,
+                             segment_id: int, reserve: bool):  # fmt: skip
+        """A band written into the segment reserved for its sender: its tensors are views
+        of it once the sender says ``DONE_MAGIC``. A reservation this side does not hold
+        (expired, another process's, a receiver restarted since) or too small for the
+        band is answered with size 0, and the payload follows on the socket after the
+        ``DONE_MAGIC``."""
+        offsets, size = payload_layout(header)
+        reservation = self._unreserve(segment_id, _io.peer_process(conn.sock))
+        if reserve:
+            await self._reserve(conn, size)
+        if reservation is None or size > reservation.buffer.numel():
+            self.counts["reservations_missed"] += 1
+            reservation = None  # a too small one stays spoiled: closed, never lent again
+            await conn.send(encode_segment(0))
+            done = await conn.read_exactly(len(DONE_MAGIC))
+            if done != DONE_MAGIC:
+                raise WireError(f"expected {DONE_MAGIC!r} before the payload, got {done!r}")
+            return await self._read_payload(conn, header)
+        self.counts["reservations_used"] += 1
+        tensors = _views(reservation.buffer, header, offsets)
+        memory = reservation.memory
+        del reservation
+        return await self._written(conn, memory, tensors)
 
     def _check_tokens(self, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
         tokens = tensors.get((-1, "tokens"))
@@ -667,6 +769,10 @@ class Receiver:
                 self.held_bytes -= size
                 self._fail(rid, f"expired: complete but not taken in {self.request_timeout_s:g} s")
                 gone.append(rid)
+        for segment_id, reservation in list(self._reserved.items()):
+            if reservation.until <= now:  # still spoiled: closed once let go
+                del self._reserved[segment_id]
+                self.counts["reservations_expired"] += 1
         return gone
 
     def _fail(self, request_id: str, reason: str) -> None:
