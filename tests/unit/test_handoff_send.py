@@ -96,6 +96,8 @@ class Receiver(threading.Thread):
             conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, False,
                                                   "fingerprint differs: num_layers")))  # fmt: skip
             return
+        if self.mode == "late":  # reads the payload once the sender has written it all
+            time.sleep(0.3)
         if self.mode == "half":  # reads part of the payload, then hangs up
             self._exactly(conn, 16)
             return
@@ -224,6 +226,40 @@ def test_a_misbehaving_receiver_fails_only_that_band_and_releases_it(sock_path, 
     assert released == ["a"]
     if mode == "refuse":
         assert "fingerprint differs" in outcomes["a"].detail
+
+
+@pytest.mark.skipif(int(Path("/proc/sys/net/core/wmem_max").read_text()) < 1 << 20,
+                    reason="the kernel caps a socket's send buffer under 1 MiB (wmem_max)")
+def test_an_inline_band_goes_into_the_send_buffer_whole_without_waiting(sock_path):
+    """A CPU stage's inline band of 640 KiB, three times the default send buffer of a
+    Unix socket, is handed to the kernel without the loop waiting on the receiver once
+    (its send buffer is raised): one wakeup for the ack, not one per buffer's worth."""
+    receiver = Receiver(sock_path, "late")
+    receiver.start()
+    waits = []
+    real = anyio.wait_writable
+
+    async def counting(sock):
+        waits.append(sock)
+        await real(sock)
+
+    n = 640 * 1024 // 64  # 4 tensors of n x 1 x 4 float32
+
+    def band(one):  # rows as views, as a CPU stage's pool gives them
+        return [attrs.evolve(t, pieces=lambda t=t: iter([t.read().numpy().data.cast("B")]))
+                for t in band_of(one)]  # fmt: skip
+
+    try:
+        with mock.patch.object(handoff_send.anyio, "wait_writable", counting):
+            outcomes, _ = run_jobs([job("a", f"unix:{sock_path}", n=n)], inline=True,
+                                   band=band)  # fmt: skip
+    finally:
+        receiver.close()
+    assert outcomes["a"].ok and outcomes["a"].num_bytes == 640 * 1024, outcomes
+    assert waits == []
+    ((header, payload),) = receiver.bands
+    assert header.request_id == "a"
+    assert payload == b"".join(t.read().numpy().tobytes() for t in band_of(job("a", "", n=n)))
 
 
 @pytest.mark.parametrize("inline", [False, True])
@@ -856,11 +892,14 @@ def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go
 # -- reservations (wire version 3): the next band's segment, lent with the band before --
 
 
-def run_in_turn(steps, *, band=band_of) -> dict:
+def run_in_turn(steps, *, band=band_of, out=None) -> dict:
     """One segment-offering sender; ``steps`` in order, each a job (sent, and settled
-    before the next step) or a callable (run between bands). The outcomes by id."""
+    before the next step) or a callable (run between bands). The outcomes by id;
+    ``out``, a list, gets the sender."""
     settings = HandoffSettings(1, 2, FP, 30.0, 1 << 30, segments=True)
     sender = HandoffSender(settings, band, lambda rid: None)
+    if out is not None:
+        out.append(sender)
 
     async def main():
         async with anyio.create_task_group() as tg:
@@ -926,6 +965,30 @@ def test_a_reservation_a_restarted_receiver_never_made_sends_the_band_on_the_soc
     assert outcomes["a"].ok and outcomes["b"].ok, outcomes
     assert counts["reservations_missed"] == 1 and counts["bands_ok"] == 1
     assert all(torch.equal(got[k], v) for k, v in _expected(40).items())
+
+
+def test_a_reservation_from_a_receiver_gone_since_fails_the_band_as_connect_and_is_let_go(
+        sock_path):  # fmt: skip
+    from tests.handoff_rig import ReceiverThread
+
+    rx = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
+    rx.__enter__()
+    senders = []
+    try:
+        outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40),
+                                lambda: senders.append(len(senders[0]._maps._reserved)),
+                                lambda: rx.__exit__(None, None, None),
+                                job("b", f"unix:{sock_path}", n=40)], out=senders)
+    finally:
+        with contextlib.suppress(Exception):
+            rx.__exit__(None, None, None)
+    assert outcomes["a"].ok and outcomes["b"].reason == "connect", outcomes
+    sender, held_before = senders
+    assert held_before == 1  # a's reservation, for the next band
+    assert not sender._maps._reserved
+    sender._maps.tidy()
+    # nothing mapped but a's own segment, kept unused (the band was taken)
+    assert all(not entry[1] for entry in sender._maps._maps.values())
 
 
 class V2Receiver(Lender):

@@ -854,6 +854,11 @@ async def _exchange_inline(
         except OSError as error:
             raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
         try:
+            # the whole band in the send buffer at once, where the kernel allows: one
+            # sendmsg, not one wakeup of this loop (and of the receiver) per default
+            # buffer's worth
+            with contextlib.suppress(OSError):
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
             views = [memoryview(prefix)]
             for tensor in tensors:
                 if tensor.pieces is not None:
