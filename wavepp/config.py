@@ -183,8 +183,9 @@ HELP: dict[str, str] = {
     "waits its turn (its blocks stay in the pool)",
     "handoff_segments": "a band to a unix: receiver (on a CPU stage, a band over 1 MiB) is "
     "written into memory the receiver lends (a memfd passed over the socket), where it lends "
-    "one: one copy of the bytes, none on the receiver's side (--no-handoff-segments: every "
-    "band's bytes on the socket)",
+    "one: one copy of the bytes, none on the receiver's side; each such band asks for a "
+    "segment reserved for the stage's next band, written into with no answer to wait for "
+    "(--no-handoff-segments: every band's bytes on the socket)",
     "handoff_all": "every measured request of the workload (or requests file) hands its cache "
     "to the default target, as if each asked for handoff: true",
     "layers_per_stage": "layers each stage holds: 'auto' (placed so that the stages' busy "

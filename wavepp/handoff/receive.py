@@ -12,6 +12,9 @@ in all, none here. A segment is lent again only to the process it was first lent
 (by its Unix socket peer's pid and start time), so a sender that kept its file can write
 into the bands it sends, not another sender's, and only once that sender said it was done
 writing (a band given up half way may still be written into: its segment is closed).
+A sender that asks (``FLAG_RESERVE``) is also lent a segment for its next band, which
+that band then names (``FLAG_RESERVED``) with its payload already in it: no answer
+before the ack. A reservation unused for ``RESERVATION_S`` is closed, not lent again.
 The receiver answers
 every band with one ack — ok, or the reason — and closes. A refused band's payload is
 drained (up to ``max_band_bytes``) so the sender reads its ack instead of a reset. A
