@@ -315,8 +315,6 @@ def segment_exchange(address: Address, prefix: bytes, payload, header, then: str
     """Offer a segment (a Unix socket, or TCP), then: ``write`` the payload into the lent
     memfd and say done, answer ``garbage`` instead, or ``hang up``. Returns (the size
     lent, the ack or None)."""
-    import array
-
     if address.kind == "unix":
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(address.path)
@@ -325,27 +323,17 @@ def segment_exchange(address: Address, prefix: bytes, payload, header, then: str
     sock.settimeout(20)
     with sock:
         sock.sendall(prefix)
-        answer, ancillary, _, _ = sock.recvmsg(SEGMENT_BYTES, socket.CMSG_SPACE(16))
-        fds = array.array("i")
-        for _, _, data in ancillary:
-            fds.frombytes(data)
-        size, _ = parse_segment(answer)
+        size, _, fd = _segment_answer(sock, SEGMENT_MAGIC)
         if size == 0:  # declined: the payload on the socket
             for tensor in payload:
                 sock.sendall(tensor.reshape(-1).view(torch.uint8).numpy())
         else:
-            (fd,) = fds
-            offsets, _ = payload_layout(header)
-            for tensor, at in zip(payload, offsets, strict=True):
-                os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy(), at)
+            _write(fd, header, payload)
             os.close(fd)
             if then == "hang up":
                 return size, None
             sock.sendall(DONE_MAGIC if then == "write" else b"WPHX")
-        buf = b""
-        while chunk := sock.recv(65536):
-            buf += chunk
-    return size, decode_ack(buf[ACK_PREFIX_BYTES : ACK_PREFIX_BYTES + ack_length(buf[:8])])
+        return size, _ack(sock)
 
 
 @pytest.mark.parametrize("kind", ["unix", "tcp"])
