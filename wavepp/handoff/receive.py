@@ -430,7 +430,7 @@ class Receiver:
         except WireError as error:
             self.counts["bands_refused"] += 1
             if segment_id is not None:  # the sender may be writing into it: never lent again
-                self._unreserve(segment_id, _io.peer_process(conn.sock))
+                self._unreserve(segment_id, _peer(conn))
             rid, stage = (header.request_id, header.stage) if header else ("", -1)
             log.info("band refused (%r stage %d): %s", rid, stage, error)
             await self._answer(conn, Ack(rid, stage, False, str(error)))
@@ -568,29 +568,29 @@ class Receiver:
         has none to lend — decline (size 0) and read the payload from the socket. With
         ``reserve``, a reservation for the sender's next band follows the answer."""
         offsets, size = payload_layout(header)
-        taken = self._segment(conn, size) if size else None
+        peer = _peer(conn)
+        taken = self._segment(peer, size) if size else None
         if taken is None:
             await conn.send(encode_segment(0))
             if reserve:
-                await self._reserve(conn, size)
+                await self._reserve(conn, peer, size)
             return await self._read_payload(conn, header)
         buffer, memory = taken
         tensors = _views(buffer, header, offsets)
         memory.spoiled = True  # until the sender says it is done writing
         await conn.send_fd(encode_segment(memory.array.nbytes, memory.segment_id), memory.fd)
         if reserve:
-            await self._reserve(conn, size)
+            await self._reserve(conn, peer, size)
         return await self._written(conn, memory, tensors)
 
-    def _segment(self, conn: _io.Connection, size: int, whole: bool = False):
-        """A segment of ``size`` bytes for this connection's peer (``BandBuffers.lend``),
-        or None: lending is off, the peer is not a process this side can name, or no
+    def _segment(self, peer: Hashable | None, size: int, whole: bool = False):
+        """A segment of ``size`` bytes for the process ``peer`` (``BandBuffers.lend``), or
+        None: lending is off, the peer is not a process this side can name (None), or no
         segment is to be had."""
-        if not self.lend_segments:
+        if not self.lend_segments or peer is None:
             return None
         try:
-            peer = _io.peer_process(conn.sock)
-            return self._buffers.lend(size, peer, whole) if peer is not None else None
+            return self._buffers.lend(size, peer, whole)
         except OSError as error:  # this side's failure (no memory, no descriptors)
             log.warning("no segment lent for a band of %d bytes: %r", size, error)
             return None
@@ -610,15 +610,14 @@ class Receiver:
         self._check_tokens(tensors)
         return tensors
 
-    async def _reserve(self, conn: _io.Connection, size: int) -> None:
+    async def _reserve(self, conn: _io.Connection, peer: Hashable | None, size: int) -> None:
         """Answer ``FLAG_RESERVE``: a segment of at least ``size`` bytes reserved for this
         peer's next band (``RESERVE_MAGIC`` and the memfd), or size 0 — lending is off,
         this peer holds ``MAX_RESERVED`` already, or no segment is to be had. A reserved
         segment counts as lent: the sender may write into it from now on, so it is never
         lent again unless a band that names it says it is done writing."""
-        peer = _io.peer_process(conn.sock)
         held = sum(1 for r in self._reserved.values() if r.peer == peer)
-        taken = self._segment(conn, size, whole=True) if size and held < MAX_RESERVED else None
+        taken = self._segment(peer, size, whole=True) if size and held < MAX_RESERVED else None
         if taken is None:
             await conn.send(encode_segment(0, 0, RESERVE_MAGIC))
             return
@@ -646,9 +645,10 @@ class Receiver:
         band is answered with size 0, and the payload follows on the socket after the
         ``DONE_MAGIC``."""
         offsets, size = payload_layout(header)
-        reservation = self._unreserve(segment_id, _io.peer_process(conn.sock))
+        peer = _peer(conn)
+        reservation = self._unreserve(segment_id, peer)
         if reserve:
-            await self._reserve(conn, size)
+            await self._reserve(conn, peer, size)
         if reservation is None or size > reservation.buffer.numel():
             self.counts["reservations_missed"] += 1
             reservation = None  # a too small one stays spoiled: closed, never lent again
@@ -789,6 +789,15 @@ class Receiver:
             await anyio.sleep(min(1.0, self.request_timeout_s / 4))
             self.expire()
             self._buffers.tidy()
+
+
+def _peer(conn: _io.Connection) -> tuple[int, int] | None:
+    """The process at the other end (``_io.peer_process``); None where it cannot be
+    named (not a Unix socket, gone, or unreadable)."""
+    try:
+        return _io.peer_process(conn.sock)
+    except OSError:
+        return None
 
 
 def _views(buffer: torch.Tensor, header: BandHeader,
