@@ -55,6 +55,7 @@ from wavepp.exec.tp import (
     send_plan,
 )
 from wavepp.fleet.changes import StageLog, report_limit
+from wavepp.host import steal_share
 from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
@@ -812,6 +813,8 @@ def run_record(c: RunConfig, world: int, zero: RankZero, reports: list[StageRepo
                                      **({} if feed else {"workload": "clients"})},
     )  # fmt: skip
     record["rejected"] = setup.rejected
+    # this machine's CPU the hypervisor took while the measured requests ran (a shared VM)
+    record["cpu_steal_share"] = steal_share(feed.cpu_at_start, feed.cpu_at_end) if feed else None
     record["handoff"] = book.handoff_totals  # requests by outcome
     record["policy"] = parts.policy.describe()
     record["placement"] = setup.placement.as_record()

@@ -179,6 +179,11 @@ def table(record: dict) -> str:
         lines.append("                      (not errors: a disagreement is a round where some "
                      "stage cached less of a prefix than another, so the stages agreed on "
                      "the shorter one; the count follows timing and varies between runs)")
+    steal = record.get("cpu_steal_share")
+    if steal is not None and not record["simulated"]:
+        lines.append(f"  CPU steal           {steal:.1%} of this machine's CPU time went to other "
+                     "guests while the requests ran (throughput falls with it: compare runs "
+                     "beside it)")  # fmt: skip
     if record.get("miss_reasons"):
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(record["miss_reasons"].items()))
         lines.append(f"  missed reuse        {why}")

@@ -61,6 +61,8 @@ def test_measurement_starts_after_warmups_that_ended_early(ending):
     anyio.run(run)
     assert engine.submitted == ["w0", "w1", "m0", "m1"]
     assert feed.measure_start is not None and feed.measure_end >= feed.measure_start
+    # the machine's CPU counters at both ends of the measured phase (for its steal share)
+    assert (feed.cpu_at_start is None) == (feed.cpu_at_end is None)
     said_rejected = any("every one of the 2 warm-up requests was rejected" in x for x in lines)
     assert said_rejected == (ending == "rejected")
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from wavepp.host import cpu_times
 from wavepp.runtime.records import RequestRejected
 from wavepp.workload import RequestSpec
 
@@ -63,6 +64,9 @@ class Feed:
         self.log = log
         self.measure_start: float | None = None
         self.measure_end: float | None = None
+        # the machine's CPU counters at both ends (wavepp.host.cpu_times; None off Linux)
+        self.cpu_at_start: tuple[int, ...] | None = None
+        self.cpu_at_end: tuple[int, ...] | None = None
         self.submitted = 0
         self.total = len(self.specs)
         self._cancelled_early: set[str] = set()  # cancelled before their turn came
@@ -78,6 +82,7 @@ class Feed:
                          "measuring without warm-up")  # fmt: skip
         self.log(f"measuring {len(measured)} requests")
         self.measure_start = time.time()
+        self.cpu_at_start = cpu_times()
         async with anyio.create_task_group() as tg:
             for rid, after in self.cancels:
                 tg.start_soon(self._cancel_later, rid, after)
@@ -86,6 +91,7 @@ class Feed:
             else:
                 await self._closed(measured, "measured")
             self.measure_end = time.time()
+            self.cpu_at_end = cpu_times()
             tg.cancel_scope.cancel()  # cancels scheduled after the last request are moot
 
     def _submit(self, spec: RequestSpec) -> Handle | None:
