@@ -122,10 +122,9 @@ while True:
 
 BLOCK = 16  # the server's block size (tokens)
 # A pair counts as quiet when neither run lost more than this share of the machine's CPU
-# to other guests (its record's cpu_steal_share). Dividing each run's throughput by the
-# CPU left to it is no correction: on this VM the runs without handoff lost more to steal
-# than the runs beside them with it (docs/benchmarks.md), so steal is not the same noise
-# on both sides of a pair.
+# to other guests (its record's cpu_steal_share). Steal falls on one run of a pair more
+# than the other and moves that pair's ratio either way (docs/benchmarks.md); the quiet
+# pairs are the comparison without it.
 QUIET_STEAL = 0.02
 LISTENING = re.compile(r"listening on (http://\S+) \(pid")
 
