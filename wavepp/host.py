@@ -39,5 +39,5 @@ def steal_share(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -
     if before is None or after is None:
         return None
     spent = [b - a for a, b in zip(before, after, strict=True)]
-    total = sum(spent)
+    total = sum(spent[: STEAL + 1])  # guest time after it is counted in user time already
     return spent[STEAL] / total if total > 0 else None

@@ -17,6 +17,8 @@ def test_the_steal_share_is_steal_over_all_time_spent_between_the_two_readings()
     before, after = _times(100, 50, 10), _times(160, 70, 30)  # 60 + 20 + 20 ticks spent
     assert steal_share(before, after) == pytest.approx(0.2)
     assert steal_share(before, before) is None  # no time passed
+    guest = (*after[:8], 50, 0)  # time this machine's own guests ran: part of user time
+    assert steal_share(before, guest) == pytest.approx(0.2)
     assert steal_share(None, after) is None and steal_share(before, None) is None
 
 
