@@ -1070,6 +1070,16 @@ def run_ranks(
                                    client, sigterm_drains, groups)  # fmt: skip
     except BaseException as error:  # a failed rank exits now, naming what it waited for
         fail_fast(error, watchdog)
+
+    def after_the_run(signum, frame) -> None:
+        # The run has ended with its status. A signal now is the launcher stopping every
+        # rank once one has exited (with 2 when nothing was runnable, before this rank
+        # got to its own exit): this rank ends with the run's status, not as a failure.
+        sys.stderr.flush()
+        os._exit(status or 128 + signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, after_the_run)
     if watchdog is not None:
         watchdog.finish()
     if record is not None:
