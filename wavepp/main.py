@@ -846,6 +846,8 @@ async def rank_main(
     if groups is not None:  # the stage's other ranks build what this one builds
         send_plan(groups, None if setup is None else stage_plan(c, rank, world, setup))
     if setup is None:
+        global _ended
+        _ended = 2  # a signal from here on (the launcher, as another rank exits 2): exit 2
         return None, 2
     parts = build_stage_parts(c, rank, world, setup, planes, model, groups)
     del model  # the stage holds its own layers' weights
@@ -983,6 +985,10 @@ def _wave_planner(c: RunConfig, world: int, executor, policy: Policy) -> WavePla
 
 
 _failing = False  # a failure is being reported: signals no longer interrupt it
+# The run's exit status once it has ended (2 as soon as nothing is runnable): a signal
+# from then on is the launcher stopping every rank because one has exited, and this rank
+# ends with that status, not as a failure.
+_ended: int | None = None
 
 
 def fail_fast(error: BaseException, watchdog: Watchdog | None) -> None:
@@ -1049,7 +1055,11 @@ def run_ranks(
     def outside_the_run(signum, frame) -> None:
         # While the run goes, rank_main watches the signals itself. Before it, or while a
         # failure is being reported (torchrun stops every rank when one fails), a signal
-        # must not kill this rank before it has said why it fails.
+        # must not kill this rank before it has said why it fails; after it, it ends the
+        # rank with the run's status.
+        if _ended is not None and not _failing:
+            sys.stderr.flush()
+            os._exit(_ended or 128 + signum)
         if not _failing:
             status = watchdog.status if watchdog is not None else "starting"
             fail_fast(RuntimeError(f"stopped by {signal.Signals(signum).name} while {status}"),
@@ -1070,16 +1080,10 @@ def run_ranks(
                                    client, sigterm_drains, groups)  # fmt: skip
     except BaseException as error:  # a failed rank exits now, naming what it waited for
         fail_fast(error, watchdog)
-
-    def after_the_run(signum, frame) -> None:
-        # The run has ended with its status. A signal now is the launcher stopping every
-        # rank once one has exited (with 2 when nothing was runnable, before this rank
-        # got to its own exit): this rank ends with the run's status, not as a failure.
-        sys.stderr.flush()
-        os._exit(status or 128 + signum)
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, after_the_run)
+    global _ended
+    _ended = status
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the run's own watch put back defaults
+        signal.signal(signum, outside_the_run)
     if watchdog is not None:
         watchdog.finish()
     if record is not None:
