@@ -86,8 +86,13 @@ def receive(model, bands):
 
 
 def assert_cache_equal(rebuilt, own, kinds: str) -> None:
-    """Every layer's tensors of the rebuilt cache against transformers' own."""
+    """Every layer's tensors of the rebuilt cache against transformers' own, and the
+    token count ``generate`` places the next token by (per layer where transformers
+    keeps one for recurrent layers too, 5.25 on)."""
+    assert int(rebuilt.get_seq_length()) == int(own.get_seq_length())
     for i, kind in enumerate(kinds):
+        if kind == "L" and hasattr(own.layers[i], "cumulative_length_linear"):
+            assert int(rebuilt.layers[i].get_seq_length()) == int(own.layers[i].get_seq_length())
         a, b = rebuilt.layers[i], own.layers[i]
         if kind in "AM":
             assert a.keys.shape == b.keys.shape and a.values.shape == b.values.shape

@@ -1,8 +1,8 @@
 """A :class:`~wavepp.handoff.receive.Handoff` as the cache ``transformers`` continues
 from, and a reference decoder on top of it. ``transformers`` is imported lazily.
 
-In transformers 5.24 every supported family decodes from a ``DynamicCache`` built from
-the model's config; its layers are, per WavePP layer kind (T tokens, batch 1):
+In transformers 5.24 and 5.25 every supported family decodes from a ``DynamicCache`` built
+from the model's config; its layers are, per WavePP layer kind (T tokens, batch 1):
 
 - ``A`` (Llama, MiniMax-M2, Qwen3-Next's full attention): a ``DynamicLayer`` with keys
   and values ``[1, KV, T, hd]`` — WavePP's ``k``/``v`` ``[T, KV, hd]`` transposed; both
@@ -18,7 +18,10 @@ the model's config; its layers are, per WavePP layer kind (T tokens, batch 1):
   ``[1, H, dk, dv]`` float32 — WavePP's ``delta`` with a batch dim. WavePP keeps only
   the K-1 inputs a next step reads; transformers' oldest column is never read when
   decoding (``causal_conv1d_update`` convolves the last K of state + new input), so it
-  is filled with zeros.
+  is filled with zeros. Since 5.25 such a layer also counts the tokens it has seen
+  (``cumulative_length_linear``; the cache's ``get_seq_length`` reads it where layer 0 is
+  recurrent, and ``generate`` places the next token by it): it is set to T, not to the K
+  columns the conv state was written with.
 """
 
 from __future__ import annotations
@@ -79,7 +82,17 @@ def to_transformers_cache(handoff: Handoff, model):
             full[0, :, 1:] = conv.to(device, dtype).T
             layer.update_conv_state(full, conv_kernel_size=width + 1)
             layer.update_recurrent_state(tensors["delta"].to(device, torch.float32)[None])
+            _set_tokens_seen(layer, int(handoff.tokens.shape[0]))
     return cache
+
+
+def _set_tokens_seen(layer, tokens: int) -> None:
+    """A recurrent layer's count of the tokens behind its state, where the installed
+    transformers keeps one (5.25 and later: ``update_conv_state`` adds the columns it is
+    given, here K instead of the prompt's T)."""
+    seen = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(seen, torch.Tensor):
+        seen.fill_(tokens)
 
 
 def from_transformers_cache(cache, model) -> dict[int, dict[str, torch.Tensor]]:
