@@ -248,10 +248,16 @@ def _attend(q4, k4, v4, causal: bool, scale: float):
     """One dense attention with its log-sum-exp. q4: [1, H, n, D]; k4/v4: [1, KV, m, D].
     Returns (out [1, H, n, Dv], lse [1, H, n] fp32)."""
     if q4.device.type == "cpu" and k4.shape[-1] == v4.shape[-1]:
+        # bf16 / fp16 attend in fp32, as WavePP's kernel sums: PyTorch's CPU flash kernel
+        # in bf16 moved a tiny Kimi Linear's logits by 0.74 of their range on one prompt
+        # of tests/parity/test_bf16.py, against 0.09 for a plain bf16 forward and 0.094
+        # this way (an AVX2 machine, where WavePP's AVX-512 kernel does not build).
+        wide = q4.dtype != torch.float32
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q4, k4, v4, 0.0, causal, scale=scale
+            *((t.float() for t in (q4, k4, v4)) if wide else (q4, k4, v4)), 0.0, causal,
+            scale=scale,
         )
-        return out, lse.float()
+        return (out.to(q4.dtype) if wide else out), lse.float()
     return _math_attend(q4, k4, v4, causal, scale)
 
 
