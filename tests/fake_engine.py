@@ -152,9 +152,15 @@ class FakeEngine:
         wall = max(time.time() - self.started_at, 1e-9)
         stage = {"utilization": min(1.0, self.busy_s / wall), "pool_capacity":
                  self.capacity_tokens, "pool_free": self.capacity_tokens - self._used()}
+        queued = [self.requests[rid] for rid in self.queue]
+        admitted = sum(r.tokens.size - self._cached_tokens(r.tokens) for r in self.running)
         return {
             "requests": dict(self.counts),
             "queue_depth": len(self.queue),
+            "tokens_waiting": {"queued": sum(r.tokens.size for r in queued),
+                               "admitted": admitted},
+            "queue_oldest_seconds": time.time() - min(r.submitted_at for r in queued)
+            if queued else 0.0,
             "input_tokens": self.tokens_in,
             "cached_tokens": self.tokens_cached,
             "stages": {0: stage, 1: dict(stage)},

@@ -155,6 +155,11 @@ def test_server_under_load_matches_offline_and_drains(tmp_path):
                     break
                 time.sleep(0.5)
             assert busy == [0, 0, 0], busy
+            # ... and the autoscaling figures say nothing waits
+            for state in ("queued", "admitted"):
+                assert sample(samples, "wavepp_engine_tokens_waiting", state=state) == 0
+            assert sample(samples, "wavepp_engine_queue_oldest_seconds") == 0
+            assert sample(samples, "wavepp_drain_seconds") == 0
             check_bad_input(client)
         record = json.loads((tmp_path / "load.json").read_text())
         assert record["simulated"] is False  # a torch server's answers say real waves

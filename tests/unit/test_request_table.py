@@ -261,3 +261,19 @@ def test_an_offline_run_keeps_every_record_in_submission_order():
                                                        Status.REJECTED]  # fmt: skip
 
     run(main)
+
+
+def test_the_waiting_load_counts_the_queued_prompts_and_the_oldest_submission():
+    def main() -> None:
+        table, intake = book()
+        assert table.waiting_load() == (0, None)
+        first = intake.submit(spec("a"))
+        intake.submit(spec("b", np.arange(5, dtype=np.int32)), priority=3)
+        assert table.waiting_load() == (13, first.released_at)  # b is offered first
+        table.waiting.pop_admitted(["b"])
+        table.admitted("b", 1.0)
+        assert table.waiting_load() == (8, first.released_at)
+        table.waiting.remove("a")
+        assert table.waiting_load() == (0, None)
+
+    run(main)

@@ -230,6 +230,71 @@ async def test_health_and_metrics():
     await _with_engine(test)
 
 
+async def test_the_autoscaling_gauges_follow_the_work_waiting():
+    """Queued prompts, then the admitted batch's uncached tokens, then nothing: the tokens
+    waiting, the oldest request's wait and the predicted time to drain move with them."""
+
+    engine = FakeEngine(vocab_size=VOCAB, tokens_per_s=2000)
+    app = build_app(engine)
+
+    async def count_results() -> None:  # as wavepp.serve.server.serve feeds the metrics
+        async for result in engine.results():
+            app.state.front.metrics.observe(result)
+
+    async def test(h: Harness):
+        async def scrape() -> dict[str, float]:
+            return parse_exposition((await h.client.get("/metrics")).text)
+
+        async def prefill(tokens: list[int]) -> None:
+            assert (await h.client.post("/v1/prefill", json={"tokens": tokens})).status_code == 200
+
+        s = await scrape()
+        assert sample(s, "wavepp_engine_tokens_waiting", state="queued") == 0
+        assert sample(s, "wavepp_engine_queue_oldest_seconds") == 0
+        assert sample(s, "wavepp_drain_seconds") == 0  # nothing waits
+        h.engine.pause()
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(prefill, [i + 1] * 100)
+            await wait_for(lambda: len(h.engine.queue) == 3)
+            s = await scrape()
+            assert sample(s, "wavepp_engine_tokens_waiting", state="queued") == 300
+            assert sample(s, "wavepp_engine_tokens_waiting", state="admitted") == 0
+            assert sample(s, "wavepp_drain_seconds") is None  # work waits, no rate yet
+            waited = sample(s, "wavepp_engine_queue_oldest_seconds")
+            assert waited > 0
+            await anyio.sleep(0.05)
+            assert sample(await scrape(), "wavepp_engine_queue_oldest_seconds") > waited
+            h.engine.resume()
+            await wait_for(lambda: bool(h.engine.running))  # admitted, being computed
+            s = await scrape()
+            assert sample(s, "wavepp_engine_tokens_waiting", state="queued") == 0
+            assert sample(s, "wavepp_engine_tokens_waiting", state="admitted") == 300
+            assert sample(s, "wavepp_engine_queue_oldest_seconds") == 0
+        s = await scrape()
+        assert sample(s, "wavepp_engine_tokens_waiting", state="admitted") == 0
+        assert sample(s, "wavepp_drain_seconds") == 0
+        assert sample(s, "wavepp_computed_tokens_per_second") > 0
+        h.engine.pause()  # new work waits: predicted at the recent prompt-token rate
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefill, [7] * 200)
+            await wait_for(lambda: len(h.engine.queue) == 1)
+            s = await scrape()
+            rate = sample(s, "wavepp_throughput_tokens_per_second")
+            assert sample(s, "wavepp_drain_seconds") == pytest.approx(200 / rate, rel=0.01)
+            h.engine.resume()
+
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://wavepp")
+    async with client, anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        tg.start_soon(count_results)
+        try:
+            await test(Harness(engine, client))
+        finally:
+            engine.drain()
+            tg.cancel_scope.cancel()
+
+
 async def test_models_lists_the_vocabulary():
     async def test(h: Harness):
         body = (await h.client.get("/v1/models")).json()

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import re
 
+import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
 from wavepp.engine import Result
-from wavepp.serve.prom import ServerMetrics, parse_exposition, sample
+from wavepp.serve.prom import ServerMetrics, drain_seconds, parse_exposition, sample
 
 # The shape of wavepp.engine.Engine.stats().
 STATS = {
     "requests": {"queued": 2, "admitted": 1, "running": 3, "done": 10, "cancelled": 1,
                  "rejected": 0, "failed": 0},
     "queue_depth": 2,
+    "tokens_waiting": {"queued": 600, "admitted": 90},
+    "queue_oldest_seconds": 1.5,
     "input_tokens": 5000,
     "cached_tokens": 4000,
     "good_hits": 6,
@@ -137,3 +140,48 @@ def test_each_server_has_its_own_registry():
     assert sample(a, "wavepp_http_responses_total", route="/health", code="200") == 1
     assert sample(b, "wavepp_http_responses_total", route="/health", code="200") is None
     assert (sample(a, "wavepp_up"), sample(b, "wavepp_up")) == (1, 0)
+
+
+def test_the_drain_time_is_the_waiting_work_at_the_recent_rates():
+    # queued prompts at the prompt-token rate, admitted uncached tokens at the computed rate
+    assert drain_seconds({"queued": 3000, "admitted": 500}, 1000.0, 250.0) == 5.0
+    assert drain_seconds({"queued": 0, "admitted": 0}, 0.0, 0.0) == 0.0  # nothing waits
+    assert drain_seconds({"queued": 3000, "admitted": 0}, 1000.0, 0.0) == 3.0
+    assert drain_seconds({"queued": 3000, "admitted": 0}, 0.0, 0.0) is None  # no rate yet
+    assert drain_seconds({"queued": 0, "admitted": 10}, 1000.0, 0.0) is None
+
+
+def test_the_autoscaling_figures_follow_the_engine_and_the_done_requests():
+    now = [1000.0]
+    metrics = metrics_of(STATS, clock=lambda: now[0])
+    s = parse_exposition(metrics.exposition().decode())
+    assert sample(s, "wavepp_engine_tokens_waiting", state="queued") == 600
+    assert sample(s, "wavepp_engine_tokens_waiting", state="admitted") == 90
+    assert sample(s, "wavepp_engine_queue_oldest_seconds") == 1.5
+    assert sample(s, "wavepp_drain_seconds") is None  # work waits, nothing done yet
+    now[0] += 10
+    for tokens, cached in [(100, 80), (200, 40)]:  # 300 prompt, 180 computed tokens in 10 s
+        metrics.observe(result("done", tokens, cached, now[0]))
+    s = parse_exposition(metrics.exposition().decode())
+    assert sample(s, "wavepp_throughput_tokens_per_second") == 30.0
+    assert sample(s, "wavepp_computed_tokens_per_second") == 18.0
+    assert sample(s, "wavepp_drain_seconds") == 600 / 30 + 90 / 18
+    idle = metrics_of({**STATS, "tokens_waiting": {"queued": 0, "admitted": 0}})
+    assert sample(parse_exposition(idle.exposition().decode()), "wavepp_drain_seconds") == 0
+
+
+def test_handoffs_count_their_bytes_and_the_slowest_stages_time():
+    metrics = metrics_of({})
+    stages = [{"stage": 0, "ok": True, "bytes": 1000, "seconds": 0.02},
+              {"stage": 1, "ok": True, "bytes": 3000, "seconds": 0.3}]
+    done = attrs.evolve(result("done", 10, 0, 1e12),
+                        handoff={"status": "done", "stages": stages})
+    failed = attrs.evolve(result("failed", 10, 0, 1e12),
+                          handoff={"status": "failed", "stages": stages[:1]})
+    for r in (done, failed, result("done", 10, 0, 1e12)):
+        metrics.observe(r)
+    s = parse_exposition(metrics.exposition().decode())
+    assert sample(s, "wavepp_handoff_bytes_total") == 5000
+    assert sample(s, "wavepp_handoff_seconds_count") == 1  # the done one
+    assert sample(s, "wavepp_handoff_seconds_sum") == 0.3
+    assert sample(s, "wavepp_handoff_seconds_bucket", le="0.25") == 0

@@ -13,6 +13,7 @@ request has ended.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -134,11 +135,17 @@ class Coordinator:
         return self.table.closed and not self.table.num_unfinished
 
     def figures(self) -> dict:
-        """Rank 0's counts for metrics: requests, tokens, reuse, deadlines, rounds."""
+        """Rank 0's counts for metrics: requests, tokens, reuse, deadlines, rounds, and the
+        work waiting (what a prefill autoscaler reads)."""
         table, admitter = self.table, self.admitter
+        queued_tokens, oldest = table.waiting_load()
         return {
             "requests": table.count_by_status(),
             "queue_depth": len(table.waiting),
+            # queued: whole prompts not yet admitted; admitted: uncached tokens no wave carried
+            "tokens_waiting": {"queued": queued_tokens,
+                               "admitted": self.planner.num_unplanned_tokens},
+            "queue_oldest_seconds": 0.0 if oldest is None else max(time.time() - oldest, 0.0),
             "input_tokens": table.tokens_done,
             "cached_tokens": table.tokens_cached,
             "good_hits": table.good_hits,

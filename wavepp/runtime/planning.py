@@ -35,6 +35,12 @@ class WavePlanner:
     def drop(self, rid: RequestId) -> None:
         self.queue = [p for p in self.queue if p.request_id != rid]
 
+    @property
+    def num_unplanned_tokens(self) -> int:
+        """Tokens of admitted requests that no wave has carried yet: each one's uncached
+        tokens (it was admitted at its reuse point) less those already planned."""
+        return sum(p.remaining for p in self.queue)
+
     def take_wave_id(self) -> int:
         self.next_wave_id += 1
         return self.next_wave_id - 1

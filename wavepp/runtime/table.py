@@ -271,6 +271,20 @@ class RequestTable:
         self._subscribers.append(send)
         return receive
 
+    def waiting_load(self) -> tuple[int, float | None]:
+        """The requests waiting for admission: their prompt tokens (cached included, as
+        admission has not yet said what they reuse) and when the oldest of them was
+        submitted (None with none). O(waiting): for a scrape, not for a round."""
+        num_tokens, oldest = 0, None
+        for rid in self.waiting:
+            record = self._live.get(rid)
+            if record is None:
+                continue
+            num_tokens += record.spec.num_tokens
+            if record.released_at is not None and (oldest is None or record.released_at < oldest):
+                oldest = record.released_at
+        return num_tokens, oldest
+
     def count_by_status(self) -> dict[str, int]:
         """Live requests by status (queued, admitted, running, handing off) and ended ones
         by outcome."""

@@ -9,6 +9,11 @@ numbers one gauge with a label per key, ``{stage: {field: number}}`` one gauge p
 with a ``stage`` label, a list of seconds a summary; ``stats()["tables"]`` and the
 server's own tables are ``wavepp_table_size{table=...}``, and ``stats()["table_limits"]``
 (the caps of the tables that are windows of recent history) ``wavepp_table_limit``.
+
+What a prefill autoscaler reads besides time to result: ``wavepp_queue_seconds`` (queue
+wait of done requests), ``wavepp_engine_queue_oldest_seconds`` (the wait so far of the
+oldest queued request), ``wavepp_engine_tokens_waiting{state=queued|admitted}`` and
+``wavepp_drain_seconds`` (:func:`drain_seconds`), all read from state rank 0 keeps anyway.
 """
 
 from __future__ import annotations
@@ -44,13 +49,18 @@ QUANTILES = (0.5, 0.9, 0.99)
 RESULT_STATUSES = ("done", "cancelled", "rejected", "failed")
 
 # Label names for the engine's dicts of counts, by the dict's key; other dicts get "key".
-LABEL_OF = {"requests": "state", "handoffs": "outcome"}
+LABEL_OF = {"requests": "state", "handoffs": "outcome", "tokens_waiting": "state"}
 
 HELP = {
     "requests": "requests by state",
     "handoffs": "requests that handed their cache on, by outcome: done, a failure reason "
     "(timeout, connect, refused, disconnected, bad ack, error) or cancelled",
     "queue_depth": "requests waiting for admission",
+    "tokens_waiting": "tokens waiting to be computed: queued = the whole prompts of the requests "
+    "waiting for admission (what they reuse is not known yet), admitted = the uncached tokens "
+    "of admitted requests that no wave has carried yet",
+    "queue_oldest_seconds": "how long the longest-waiting queued request has waited so far, "
+    "seconds (0: none queued)",
     "input_tokens": "prompt tokens of done requests (cached included)",
     "cached_tokens": "prompt tokens of done requests served from the cache",
     "good_hits": "done requests that reused ≥ 80% of the prefix they were expected to reuse",
@@ -139,17 +149,49 @@ def _summary(name: str, help_text: str, values: Sequence[float]) -> Metric:
     return family
 
 
+def drain_seconds(tokens_waiting: Mapping[str, Any], prompt_rate: float,
+                  computed_rate: float) -> float | None:  # fmt: skip
+    """Predicted seconds until the work waiting now is done, at the recent rates: the
+    queued prompt tokens at ``prompt_rate`` (prompt tokens done per second, cached
+    included: what admission will find cached is not known yet, and a queued prompt
+    reuses about what recent ones did) plus the admitted uncached tokens at
+    ``computed_rate`` (uncached tokens done per second). 0 with nothing waiting; None when
+    some work waits and no rate measures it (nothing of its kind done lately)."""
+    queued = tokens_waiting.get("queued", 0)
+    admitted = tokens_waiting.get("admitted", 0)
+    seconds = 0.0
+    for num_tokens, rate in ((queued, prompt_rate), (admitted, computed_rate)):
+        if not _is_number(num_tokens) or num_tokens <= 0:
+            continue
+        if rate <= 0:
+            return None
+        seconds += num_tokens / rate
+    return seconds
+
+
+DRAIN_HELP = (
+    "predicted seconds to finish the work waiting now: queued prompt tokens / prompt tokens "
+    "done per second + admitted uncached tokens / uncached tokens done per second, both rates "
+    f"over the last {THROUGHPUT_WINDOW_S:g} s; absent while work waits and none of its kind was "
+    "done in that window"
+)
+
+
 class EngineCollector:
     """A ``prometheus_client`` collector: at each scrape, the engine's health, its
-    ``stats()``, and the size of every table (the engine's and the server's)."""
+    ``stats()``, the size of every table (the engine's and the server's), and the
+    predicted time to drain (:func:`drain_seconds`)."""
 
     def __init__(self, engine: ServedEngine, tables: Callable[[], Mapping[str, int]],
-                 limits: Callable[[], Mapping[str, int]] = dict) -> None:  # fmt: skip
+                 limits: Callable[[], Mapping[str, int]] = dict,
+                 rates: Callable[[], tuple[float, float]] | None = None) -> None:  # fmt: skip
         """``tables``: the server's own tables' sizes; ``limits``: the caps of those that
-        are windows of recent history."""
+        are windows of recent history; ``rates``: (prompt, uncached) tokens done per second
+        lately."""
         self.engine = engine
         self.tables = tables
         self.limits = limits
+        self.rates = rates or (lambda: (0.0, 0.0))
 
     def collect(self) -> Iterator[Metric]:
         ok, _ = self.engine.health()
@@ -159,6 +201,11 @@ class EngineCollector:
         tables = {**stats.pop("tables", {}), **self.tables()}
         limits = {**stats.pop("table_limits", {}), **self.limits()}
         yield from engine_families(stats)
+        waiting = stats.get("tokens_waiting")
+        if isinstance(waiting, Mapping):
+            drain = drain_seconds(waiting, *self.rates())
+            if drain is not None:
+                yield GaugeMetricFamily(PREFIX + "drain_seconds", DRAIN_HELP, value=drain)
         yield _by_table("table_size", "entries in each of the engine's and the server's tables",
                         tables)  # fmt: skip
         yield _by_table("table_limit", "the cap of each table that is a window of recent "
@@ -185,7 +232,8 @@ class ServerMetrics:
         self.clock = clock
         self.started_at = clock()
         self.registry = registry = CollectorRegistry()
-        # [second, tokens] of the done results, one entry per second of the window
+        # [second, prompt tokens, uncached tokens] of the done results, one entry per
+        # second of the window
         self._recent: deque[list[int]] = deque()
         self._prompt_tokens = self._cached_tokens = 0
         self.http = Counter(PREFIX + "http_responses", "HTTP answers by route and status",
@@ -213,6 +261,13 @@ class ServerMetrics:
         self.queue_time = Histogram(PREFIX + "queue_seconds",
                                     "submission to admission, done requests",
                                     buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.handoff_bytes = Counter(
+            PREFIX + "handoff_bytes", "tensor bytes of prompt caches handed to a decoder "
+            "(every stage's band, whatever the handoff's outcome)", registry=registry)  # fmt: skip
+        self.handoff_time = Histogram(
+            PREFIX + "handoff_seconds", "done handoffs: the request's last chunk to the "
+            "decoder's acknowledgement, the slowest stage's", buckets=LATENCY_BUCKETS,
+            registry=registry)  # fmt: skip
         gauges: list[tuple[str, str, Callable[[], float]]] = [
             ("uptime_seconds", "seconds since the server started",
              lambda: self.clock() - self.started_at),
@@ -221,13 +276,16 @@ class ServerMetrics:
             ("throughput_tokens_per_second",
              f"prompt tokens done per second over the last {THROUGHPUT_WINDOW_S:g} s",
              self.throughput),
+            ("computed_tokens_per_second",
+             f"uncached prompt tokens done per second over the last {THROUGHPUT_WINDOW_S:g} s",
+             self.computed_throughput),
         ]  # fmt: skip
         for name, help_text, read in gauges:
             Gauge(PREFIX + name, help_text, registry=registry).set_function(read)
         Gauge(PREFIX + "simulated", "1: the sim executor predicts every wave's time; the "
               "figures are simulated", registry=registry).set(int(simulated))  # fmt: skip
         registry.register(EngineCollector(engine, lambda: {**tables(), **self.tables()},
-                                          self.table_limits))  # fmt: skip
+                                          self.table_limits, self.rates))  # fmt: skip
 
     def http_answer(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()
@@ -235,6 +293,7 @@ class ServerMetrics:
     def observe(self, result: ServedResult) -> None:
         """One finished request (from the engine's results stream)."""
         self.results.labels(result.status).inc()
+        self._count_handoff(result.handoff)
         if result.status != "done":
             return
         self._prompt_tokens += result.num_tokens
@@ -245,11 +304,21 @@ class ServerMetrics:
         if result.admitted_at is not None:
             self.queue_time.observe(max(result.admitted_at - result.submitted_at, 0.0))
         second = int(result.done_at)
+        computed = max(result.num_tokens - result.cached_tokens, 0)
         if self._recent and self._recent[-1][0] >= second:  # this second (or one late)
             self._recent[-1][1] += result.num_tokens
+            self._recent[-1][2] += computed
         else:
-            self._recent.append([second, result.num_tokens])
+            self._recent.append([second, result.num_tokens, computed])
         self._trim()
+
+    def _count_handoff(self, handoff: Mapping[str, Any] | None) -> None:
+        """A result's handoff summary (``Record.handoff_summary``): bytes, and the time of
+        a done one."""
+        stages = (handoff or {}).get("stages") or ()
+        self.handoff_bytes.inc(sum(s.get("bytes") or 0 for s in stages))
+        if handoff and handoff.get("status") == "done" and stages:
+            self.handoff_time.observe(max(s.get("seconds") or 0.0 for s in stages))
 
     def _trim(self) -> None:
         now = self.clock()
@@ -261,9 +330,18 @@ class ServerMetrics:
 
     def throughput(self) -> float:
         """Prompt tokens (cached included) of the requests done in the last window, per second."""
+        return self.rates()[0]
+
+    def computed_throughput(self) -> float:
+        """Uncached prompt tokens of the requests done in the last window, per second."""
+        return self.rates()[1]
+
+    def rates(self) -> tuple[float, float]:
+        """(prompt, uncached) tokens of the requests done in the last window, per second."""
         self._trim()
         window = min(THROUGHPUT_WINDOW_S, max(self.clock() - self.started_at, 1e-9))
-        return sum(tokens for _, tokens in self._recent) / window
+        return (sum(entry[1] for entry in self._recent) / window,
+                sum(entry[2] for entry in self._recent) / window)  # fmt: skip
 
     def tables(self) -> dict[str, int]:
         return {"serve_recent_seconds": len(self._recent)}
