@@ -28,6 +28,7 @@ name is chosen to sort first and rank 0 runs in the pod the HTTP Service selects
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import sys
@@ -36,10 +37,18 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from observability import adapter_rules, dashboard_json, prometheus_config
-
 HERE = Path(__file__).resolve().parent
+
+
+def _sibling(name: str):
+    """deploy/NAME.py as a module (deploy/ is no package: nothing of it is installed)."""
+    spec = importlib.util.spec_from_file_location(f"wavepp_deploy_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+observability = _sibling("observability")
 HTTP_PORT = 8000  # the server's, the router's and vLLM's
 KV_EVENTS_PORT = 5557  # ZMQ PUB; the replay socket is the next port
 RDZV_PORT = 29400  # the c10d rendezvous store, on the leader
@@ -358,7 +367,7 @@ def adapter_config(a) -> dict:
     labels = _labels(a, "monitoring")
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"name": f"{a.name}-prometheus-adapter", "labels": labels},
-            "data": {"config.yaml": _dump_one(adapter_rules())}}  # fmt: skip
+            "data": {"config.yaml": _dump_one(observability.adapter_rules())}}  # fmt: skip
 
 
 # -- output -----------------------------------------------------------------------------
@@ -425,8 +434,9 @@ def render(argv: list[str] | None = None) -> dict[str, str]:
 
 def monitoring() -> dict[str, str]:
     """{file name: text} of deploy/monitoring (no parameters)."""
-    return {"prometheus.yml": _file([prometheus_config()], "python deploy/render.py"),
-            "grafana-dashboard.json": dashboard_json()}  # fmt: skip
+    return {"prometheus.yml": _file([observability.prometheus_config()],
+                                    "python deploy/render.py"),
+            "grafana-dashboard.json": observability.dashboard_json()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
