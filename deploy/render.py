@@ -142,6 +142,13 @@ def _grace(a) -> int:
     return int(a.drain_timeout_s) + 35
 
 
+def _shutdown(a) -> list[str]:
+    """torchrun forwards SIGTERM to its ranks, which drain; it waits this long for them
+    before SIGKILL (its default, 30 s, is too short for a longer --drain-timeout-s), and
+    the pod's grace period outlasts it."""
+    return ["--shutdown-timeout", str(int(a.drain_timeout_s) + 15)]
+
+
 def serve_args(a) -> list[str]:
     """wavepp.serve's options (after torchrun's ``-m wavepp.serve``)."""
     args = ["--host", "0.0.0.0", "--port", str(HTTP_PORT),
@@ -229,7 +236,8 @@ def spanning_pipelines(a) -> tuple[list[dict], list[str]]:
         _check_rank_zero(leader_addr, [f"{workers}-{j}.{pipeline}" for j in range(a.nodes - 1)])
         torchrun = ["--nnodes", str(a.nodes), "--nproc-per-node", str(a.procs_per_node),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{leader_addr}:{RDZV_PORT}",
-                    "--rdzv-id", pipeline, "--local-addr", f"$(POD_NAME).{pipeline}"]  # fmt: skip
+                    "--rdzv-id", pipeline, "--local-addr", f"$(POD_NAME).{pipeline}",
+                    *_shutdown(a)]  # fmt: skip
         # The leader hosts the rendezvous's store: said outright, not inferred from DNS
         # (its own name may not resolve yet when it starts)
         hosts = {True: ["--rdzv-conf", "is_host=true"], False: ["--rdzv-conf", "is_host=false"]}
@@ -254,7 +262,7 @@ def node_pipelines(a) -> tuple[list[dict], list[str]]:
     each reached at its own DNS name through a headless Service. The router lists
     ``--max-pipelines`` of them: those not running are never up."""
     labels = {**_labels(a, "pipeline"), "wavepp-role": "leader"}
-    torchrun = ["--standalone", "--nproc-per-node", str(a.procs_per_node)]
+    torchrun = ["--standalone", "--nproc-per-node", str(a.procs_per_node), *_shutdown(a)]
     objects = [
         _service(a.name, labels, labels, SERVER_PORTS, headless=True, not_ready=True),
         _statefulset(a.name, a.name, a.pipelines, labels, _pipeline_pod(a, labels, torchrun, True)),

@@ -43,11 +43,8 @@ def _load(name: str):
 render = _load("render")
 
 # The committed renders: argv -> directory.
-COMMITTED = {
-    (): DEPLOY / "k8s",
-    ("--nodes", "1", "--procs-per-node", "8", "--out", "deploy/k8s-autoscaled"):
-        DEPLOY / "k8s-autoscaled",
-}  # fmt: skip
+AUTOSCALED = ("--nodes", "1", "--procs-per-node", "8", "--out", "deploy/k8s-autoscaled")
+COMMITTED = {(): DEPLOY / "k8s", AUTOSCALED: DEPLOY / "k8s-autoscaled"}
 SHAPES = [
     *COMMITTED,
     ("--pipelines", "3", "--nodes", "4", "--procs-per-node", "8", "--decoders", "2"),
@@ -182,6 +179,12 @@ def test_the_probes_follow_health_through_start_up_and_drain(rendered):
             assert container["command"][-1] == "wavepp.route" and "tcpSocket" in live
         if container["name"] != "vllm":
             assert pod["terminationGracePeriodSeconds"] > drain + 2
+    for doc, container in _all_containers(files):  # torchrun waits out the drain, kubelet it
+        if container["command"] == ["torchrun"]:
+            args = container["args"]
+            shutdown = int(args[args.index("--shutdown-timeout") + 1])
+            grace = doc["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            assert drain + 2 < shutdown < grace
 
 
 def test_the_router_lists_every_pipeline_and_every_decoder(rendered):
@@ -394,3 +397,10 @@ def test_every_command_line_passes_its_programs_own_checks():
             argv = [a for i, a in enumerate(argv)
                     if a != "--decoder" and (i == 0 or argv[i - 1] != "--decoder")]  # fmt: skip
         check_route(route_parser().parse_args(argv))
+
+
+def test_the_hpa_docs_fleet_shows_is_the_one_deploy_holds():
+    fleet = (ROOT / "docs" / "fleet.md").read_text()
+    section = fleet.split("### Autoscaling on Kubernetes", 1)[1]
+    shown = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S)[1])
+    assert [shown] == _by_kind(render.render(list(AUTOSCALED)), "HorizontalPodAutoscaler")
