@@ -7,9 +7,9 @@ engine: nothing here starts a pod or builds an image."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
+import runpy
 import shlex
 import signal
 import socket
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import kubernetes_validate
@@ -33,14 +34,8 @@ DEPLOY = ROOT / "deploy"
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"test_deploy_{name}", DEPLOY / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-render = _load("render")
+# deploy/render.py is no installed module: its names, run from its file
+render = SimpleNamespace(**runpy.run_path(str(DEPLOY / "render.py")))
 
 # The committed renders: argv -> directory.
 AUTOSCALED = ("--nodes", "1", "--procs-per-node", "8", "--out", "deploy/k8s-autoscaled")
