@@ -11,32 +11,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import anyio
 
 from wavepp.host import cpu_times
-from wavepp.runtime.records import RequestRejected, Result
+from wavepp.runtime.records import RequestRejected
 from wavepp.workload import RequestSpec
 
-
-class Handle(Protocol):
-    """A submitted request (``wavepp.engine.Handle``)."""
-
-    async def result(self) -> Result: ...
-
-
-class Engine(Protocol):
-    """What the feed asks of the engine it runs the workload through
-    (``wavepp.engine.Engine``)."""
-
-    def submit_spec(self, spec: RequestSpec) -> Handle:
-        """Submit a request; raises RequestRejected when the intake refuses it."""
-        ...
-
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a request wherever it is; False if the id is unknown or already over."""
-        ...
+if TYPE_CHECKING:
+    from wavepp.engine import Engine, Handle
 
 
 class Progress:
