@@ -10,21 +10,22 @@ import time
 from pathlib import Path
 
 import wavepp.main
+from wavepp.launch.backends import DatasheetBackend
 from wavepp.runtime.feed import Feed
 
 out = Path(sys.argv[1])
-build = wavepp.main.build_executor
+build = DatasheetBackend.build_executor
 
 
-def slow_build(c, rank, *args, **kwargs):
-    built = build(c, rank, *args, **kwargs)
+def slow_build(self, rank, *args, **kwargs):
+    built = build(self, rank, *args, **kwargs)
     if rank == 1:
         time.sleep(2.0)  # a compile, a large pool to zero
         (out.parent / "ready-1").write_text(repr(time.time()))
     return built
 
 
-wavepp.main.build_executor = slow_build
+DatasheetBackend.build_executor = slow_build
 call = Feed.__call__
 
 

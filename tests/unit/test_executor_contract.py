@@ -10,7 +10,8 @@ from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.sim.executor import SimExecutor, StageCostModel
 from wavepp.sim.profiles import DEVICES, MODELS, split_layers
 
-NAMES = ["run", "forget", "cancel", "memory_report", "prior_cost"]
+NAMES = ["run", "forget", "cancel", "memory_report", "prior_cost", "limits", "take_final",
+         "band", "describe", "finish"]
 
 
 def torch_executor():
@@ -42,6 +43,11 @@ def test_executors_fill_the_protocol(make):
     a, c, d, floor = ex.prior_cost()
     assert a > 0 and c >= 0 and d >= 0 and floor >= 0
     ex.cancel("never-seen")  # unknown requests are a no-op
+    assert isinstance(ex.simulated, bool) and isinstance(ex.has_recurrent, bool)
+    assert ex.limits(512).max_tokens == 512
+    assert ex.take_final("never-seen") == {}
+    assert all(isinstance(line, str) for line in ex.describe())
+    assert ex.finish() == ""
 
 
 def test_torch_memory_report_counts_the_pool():

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from wavepp.exec.layer_costs import measure
-from wavepp.main import reusable_prefixes
+from wavepp.launch.setup import reusable_prefixes
 from wavepp.model import BUILTIN, random_weights
 from wavepp.plan.placement import WaveShape, balanced
 from wavepp.workload.generators import RequestSpec
@@ -60,28 +60,26 @@ def test_a_placement_from_rank_0_is_checked_before_use():
 
     import pytest
 
-    from wavepp.main import _received
+    from wavepp.launch.setup import received_placement
 
-    ok = _received(json.dumps({"units": [3, 5], "shares": [0.6]}).encode(), 2, 4)
+    ok = received_placement(json.dumps({"units": [3, 5], "shares": [0.6]}).encode(), 2, 4)
     assert ok.spans == [range(0, 3), range(2, 8)] and ok.shares == (0.6,)
-    assert _received(b'{"units": [4, 4], "shares": []}', 2, 4).shares == ()
+    assert received_placement(b'{"units": [4, 4], "shares": []}', 2, 4).shares == ()
     for bad in (b"[4, 4]", b'{"units": [4, 4]}', b'{"units": [3, 5], "shares": [1.5]}',
                 b'{"units": [4, 4], "shares": [0.5]}', b'{"units": [3, 5], "shares": [true]}',
                 b'{"units": [3, 5], "shares": [0.5, 0.5]}', b"\xff",
                 b'{"units": [3, 5], "shares": [' + b"9" * 400 + b"]}"):  # fmt: skip
         with pytest.raises(RuntimeError, match="rank 0 sent a placement"):
-            _received(bad, 2, 4)
+            received_placement(bad, 2, 4)
 
 
 def test_sharing_needs_the_torch_executor_one_rank_a_stage_and_attention():
     from wavepp.config import RunConfig
-    from wavepp.main import sharing_refused
+    from wavepp.launch.backends import backend_for, sharing_refused
     from wavepp.plan.placement import given
 
-    cfg = BUILTIN["tiny-kimi"]  # LLLALLLA
-    model = (cfg, {})
-    torch_run = RunConfig(executor="torch")
-    assert sharing_refused(torch_run, model, given([3.3, 4.7], 8)) is None  # layer 3: MLA
-    assert "recurrent" in sharing_refused(torch_run, model, given([1.3, 6.7], 8))
-    assert "--tp" in sharing_refused(RunConfig(executor="torch", tp=2), model)
-    assert "torch executor" in sharing_refused(RunConfig(executor="sim"), None)
+    mixers = BUILTIN["tiny-kimi"].mixers  # LLLALLLA
+    assert sharing_refused(mixers, 1, given([3.3, 4.7], 8)) is None  # layer 3: MLA
+    assert "recurrent" in sharing_refused(mixers, 1, given([1.3, 6.7], 8))
+    assert "--tp" in sharing_refused(mixers, 2)
+    assert "torch executor" in backend_for(RunConfig(executor="sim")).sharing_refused()

@@ -116,7 +116,7 @@ def test_stage_memory_figures_for_per_stage_pools():
 
 def test_default_sim_pools_follow_each_stages_memory_and_weights():
     from wavepp.config import load
-    from wavepp.main import device_pools
+    from wavepp.launch.backends import backend_for
     from wavepp.sim.profiles import POOL_HEADROOM, stage_pool, stage_weight_bytes
 
     qwen, h200 = MODELS["qwen3-next-80b"], DEVICES["h200"]
@@ -133,15 +133,16 @@ def test_default_sim_pools_follow_each_stages_memory_and_weights():
     from wavepp.plan.placement import even
 
     c = load(["--executor", "sim", "--workload", "cold"])
-    assert [p.blocks for p in device_pools(c, 4, even(48, 4))] == [p.blocks for p in pools]
-    assert device_pools(c, 1, even(48, 1)) is None  # 80 B bf16 weights do not fit one H200
+    sim = backend_for(c)
+    assert [p.blocks for p in sim.default_pools(4, even(48, 4))] == [p.blocks for p in pools]
+    assert sim.default_pools(1, even(48, 1)) is None  # 80 B bf16 weights do not fit one H200
     # the torch executor's pools: the workload sizes them
-    assert device_pools(load(["--executor", "torch"]), 4, even(48, 4)) is None
+    assert backend_for(load(["--executor", "torch"])).default_pools(4, even(48, 4)) is None
 
 
 def test_seeded_pools_hold_their_prefixes():
     from wavepp.config import load
-    from wavepp.main import auto_capacity, seeded_need
+    from wavepp.launch.setup import auto_capacity, seeded_need
 
     # The old paper seeded-131k cell: 32 prefixes of 117,952 tokens (1,843 blocks each)
     # needed 58,976 blocks; 1.5 x 16 prompts gave 49,152.

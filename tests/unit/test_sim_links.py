@@ -164,13 +164,15 @@ def test_a_tensor_parallel_stage_splits_weights_and_the_kv_its_heads_split():
 
 def test_the_run_options_place_the_stages():
     from wavepp.config import load
-    from wavepp.main import device_pools, preflight
+    from wavepp.launch.backends import backend_for
+    from wavepp.launch.setup import preflight
     from wavepp.plan.placement import even
 
     kimi = ["--executor", "sim", "--model", "kimi-k3-class", "--sim-device", "gb300"]
     whole = even(MODELS["kimi-k3-class"].num_layers, 1)
-    assert device_pools(load(kimi), 1, whole) is None  # 0.56 TB of weights on one GPU
-    (pool,) = device_pools(load([*kimi, "--sim-tp", "8"]), 1, whole)  # TP8/EP8
+    # 0.56 TB of weights on one GPU
+    assert backend_for(load(kimi)).default_pools(1, whole) is None
+    (pool,) = backend_for(load([*kimi, "--sim-tp", "8"])).default_pools(1, whole)  # TP8/EP8
     assert pool.tp == 8 and pool.blocks > 0
     with pytest.raises(SystemExit, match="tile it"):
         preflight(load(["--executor", "sim", "--sim-device", "h200", "--sim-tp", "3"]), 2)

@@ -17,7 +17,7 @@ import pytest
 from wavepp.bench.calibrate import fit_part, nnls
 from wavepp.config import RunConfig
 from wavepp.exec.base import ChunkWork
-from wavepp.main import sim_measured
+from wavepp.launch.backends import DatasheetBackend, backend_for
 from wavepp.plan.placement import WaveShape, share_row
 from wavepp.sim.executor import SimExecutor, StageCostModel, attention_pairs
 from wavepp.sim.measured import (
@@ -111,15 +111,16 @@ def test_the_run_loads_measured_file_and_refuses_another_model(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(profile().to_json()))
     c = RunConfig(executor="sim", model="tiny-kimi", sim_device=f"measured:{path}")
-    assert sim_measured(c).d_model == 128
-    assert sim_measured(RunConfig(executor="sim", model="qwen3-next-80b")) is None
+    assert backend_for(c).profile.d_model == 128
+    datasheet = backend_for(RunConfig(executor="sim", model="qwen3-next-80b"))
+    assert isinstance(datasheet, DatasheetBackend)
     with pytest.raises(SystemExit, match="measured with 'tiny-kimi', not --model 'tiny-llama'"):
-        sim_measured(RunConfig(executor="sim", model="tiny-llama",
-                               sim_device=f"measured:{path}"))  # fmt: skip
+        backend_for(RunConfig(executor="sim", model="tiny-llama",
+                              sim_device=f"measured:{path}"))  # fmt: skip
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(SystemExit, match=r"--sim-device: .*schema"):
-        sim_measured(RunConfig(executor="sim", model="tiny-kimi", sim_device=f"measured:{bad}"))
+        backend_for(RunConfig(executor="sim", model="tiny-kimi", sim_device=f"measured:{bad}"))
 
 
 def test_a_measured_stage_prices_its_units_from_the_fits():

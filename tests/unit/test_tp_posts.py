@@ -19,7 +19,7 @@ from wavepp.exec.tp import (
     _work,
     check_chunks,
 )
-from wavepp.main import preflight
+from wavepp.launch.setup import preflight
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.rounds.messages import CodecError, decode_untrusted
 from wavepp.state import BlockHash, RequestId

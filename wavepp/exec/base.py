@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
 import torch
 
 from wavepp.state import BlockHash, RequestId, SlotId
+from wavepp.transport.frames import DataLimits
+
+if TYPE_CHECKING:
+    from wavepp.exec.handoff_send import BandJob, BandTensor
 
 
 @attrs.frozen
@@ -58,6 +62,7 @@ class Executor(Protocol):
     """
 
     simulated: bool  # True: times are predicted, not measured (labelled in every output)
+    has_recurrent: bool  # the stage holds recurrent mixers: its cache keeps snapshots
 
     async def run(
         self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
@@ -86,4 +91,28 @@ class Executor(Protocol):
     def prior_cost(self) -> tuple[float, float, float, float]:
         """(a, c, d, floor) seconds for the cost planner's prior: a wave of t tokens
         after p cached ones costs about ``d + max(floor, a·t + c·t·(p + t/2))``."""
+        ...
+
+    def limits(self, budget: int) -> DataLimits:
+        """What the stage's data-plane links carry for waves of at most ``budget``
+        tokens: the activations' rows, width and dtype."""
+        ...
+
+    def take_final(self, request_id: RequestId) -> dict[int, dict[str, torch.Tensor]]:
+        """The recurrent states after a handed-off request's last token, by layer and
+        part (``ChunkWork.handoff``); empty when the stage keeps none."""
+        ...
+
+    def band(self, job: BandJob) -> list[BandTensor]:
+        """This stage's band of an ended request's cache, for the handoff sender."""
+        ...
+
+    def describe(self) -> list[str]:
+        """Lines for the log: how the stage computes (its attention kernel, what was
+        compiled); none where there is nothing to say."""
+        ...
+
+    def finish(self) -> str:
+        """The run ended (not interrupted): stop whatever runs beside the executor; ""
+        when all is well, else what went wrong (for the leak check)."""
         ...

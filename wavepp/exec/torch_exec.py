@@ -54,7 +54,9 @@ from wavepp.exec.handoff_send import BandTensor, dtype_name, pool_rows
 from wavepp.model import cpu_kernel
 from wavepp.model.attention import PagedBatch, paged_attention, to_queries
 from wavepp.model.fused import FusedLayer, fusable
+from wavepp.rounds.messages import MAX_MESSAGE_BYTES
 from wavepp.state import BlockHash, RequestId
+from wavepp.transport.frames import DataLimits
 
 _HUGE = 2 << 20  # bytes in a transparent huge page on x86-64
 _MADV_HUGEPAGE = 14
@@ -160,6 +162,7 @@ class TorchExecutor:
                     for part, shape in mixer.state_shapes().items()
                 }
         self.recurrent = list(self.snapshot_pools)
+        self.has_recurrent = any(self.cfg.kind(i) == "L" for i in self.mixer_ids)
         self.live: dict[RequestId, dict[int, State]] = {}  # running requests' states
         # ended requests that hand their cache on: their states after the last token,
         # until the stage's sender takes them (take_final) or the request is cancelled
@@ -170,6 +173,7 @@ class TorchExecutor:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.fused: dict[int, FusedLayer] = {}  # layer -> its compiled form (--compile)
+        self.compile = compile
         if compile:  # a shared layer runs eagerly: the fused form attends every row
             shared = self._shared_layers()
             self.fused = {i: FusedLayer(modules.layer(i)) for i in modules.layer_ids
@@ -241,6 +245,28 @@ class TorchExecutor:
         self.live.pop(rid, None)
         self.finals.pop(rid, None)
         self.last_logits.pop(rid, None)
+
+    def limits(self, budget: int) -> DataLimits:
+        """Waves of ``budget`` rows of ``[tokens, d_model]`` in the weights' dtype; after a
+        mixer shared with the stage before, up to as many rows of that mixer's outputs
+        besides (:meth:`forward`)."""
+        rows = budget * (2 if self.shared_first is not None else 1)
+        return DataLimits.for_run(rows, self.cfg.d_model, self.dtype, MAX_MESSAGE_BYTES)
+
+    def describe(self) -> list[str]:
+        lines = [f"attention by {self.attention_kernel}" if self.attention_kernel
+                 else "no softmax-attention layers, so no attention kernel"]  # fmt: skip
+        if self.compile:
+            held = len(self.m.layer_ids)
+            eager = held - len(self.fused)
+            lines.append(f"{len(self.fused)} of {held} layers compiled"
+                         + (f"; {eager} not Llama-shaped or split with a neighbour, run "
+                            "eagerly" if eager else ""))  # fmt: skip
+        return lines
+
+    def finish(self) -> str:
+        """Nothing runs beside this executor."""
+        return ""
 
     # -- handoff --------------------------------------------------------------------
 

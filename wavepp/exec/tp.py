@@ -373,7 +373,8 @@ class TPLeader:
         """``handoff_timeout_s``: how long a band may wait for its followers' shards (a
         band not acknowledged within it fails anyway)."""
         self.local = local
-        self.cfg, self.dtype = local.cfg, local.dtype  # the data plane's limits read them
+        self.has_recurrent = local.has_recurrent
+        self._cfg = local.cfg  # how each cache tensor splits over the ranks (band)
         self._groups, self._tp = groups, tp
         self._digest = _Digest()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -425,7 +426,7 @@ class TPLeader:
         self._post(BandPost(job.request_id, list(job.block_table), job.num_tokens))
         out, index = [], 0
         for tensor in self.local.band(job):
-            rule = None if tensor.layer < 0 else cache_rule(self.cfg, tensor.layer, tensor.name)
+            rule = None if tensor.layer < 0 else cache_rule(self._cfg, tensor.layer, tensor.name)
             if rule is None or replicated(rule):  # token ids, MLA's latent: whole here
                 out.append(tensor)
                 continue
@@ -451,6 +452,12 @@ class TPLeader:
 
     def prior_cost(self) -> tuple[float, float, float, float]:
         return self.local.prior_cost()
+
+    def limits(self, budget: int) -> DataLimits:
+        return self.local.limits(budget)
+
+    def describe(self) -> list[str]:
+        return self.local.describe()
 
     def set_limits(self, limits: DataLimits) -> None:
         for link in self._groups.posts:

@@ -31,7 +31,7 @@ from wavepp.route.router import Router
 from wavepp.serve.api import ApiError
 from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S, read_body
 from wavepp.serve.prom import CONTENT_TYPE
-from wavepp.serve.server import _h11_with_header_timeout, _Uvicorn, bind
+from wavepp.serve.server import SignalFreeUvicorn, bind, h11_with_header_timeout
 
 logger = logging.getLogger("wavepp.route")
 
@@ -145,10 +145,10 @@ async def run_router(
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(
         build_app(router, max_body_bytes), lifespan="off",
-        http=_h11_with_header_timeout(HEADER_TIMEOUT_S), ws="none", log_level=log_level,
+        http=h11_with_header_timeout(HEADER_TIMEOUT_S), ws="none", log_level=log_level,
         access_log=False, timeout_graceful_shutdown=2.0, server_header=False,
     )  # fmt: skip
-    server = _Uvicorn(config)
+    server = SignalFreeUvicorn(config)
     stop = stop or anyio.Event()
 
     async def drain() -> None:

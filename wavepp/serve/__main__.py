@@ -101,7 +101,7 @@ def _tokenizer_path(explicit: str | None, model: str | None) -> Path | None:
 def check(argv: list[str] | None, world: int | None = None):
     """(server options, run config, argv's server part) with every check that does not
     need the ranks done: the server's options, the run options (``wavepp.config``), and —
-    given ``world`` — the split over that many stages (``wavepp.main.preflight``). Raises
+    given ``world`` — the split over that many stages (``wavepp.launch.preflight``). Raises
     SystemExit with one line. The launcher calls it before it starts any rank."""
     try:
         args, rest = parser().parse_known_args(argv)
@@ -122,7 +122,7 @@ def check(argv: list[str] | None, world: int | None = None):
             raise SystemExit(f"wavepp serve: {flag} must be positive, got {value:g}")
     config = load(rest)
     if world is not None:
-        from wavepp.main import preflight
+        from wavepp.launch import preflight
 
         preflight(config, world)
     tokenize, detokenize = tokenizer_functions(_tokenizer_path(args.tokenizer, config.model))
@@ -152,15 +152,15 @@ def main(argv: list[str] | None = None) -> None:
         print()
         run_parser().print_help()
         sys.exit(0)
-    from wavepp.main import _refuse_once
+    from wavepp.launch import refuse_once
 
     try:
         options, config, args = check(argv)
     except SystemExit as error:
-        _refuse_once(error)
+        refuse_once(error)
 
     async def client(engine) -> None:
-        from wavepp.main import log
+        from wavepp.launch import log
         from wavepp.serve.server import serve
 
         async with decoder(options.decode, config.model, config.seed, config.dtype,

@@ -37,7 +37,7 @@ logger = logging.getLogger("wavepp.serve")
 SHUTDOWN_GRACE_S = 2.0  # after the drain, what uvicorn waits for handlers before cancelling
 
 
-def _h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
+def h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
     """uvicorn's h11 protocol that closes a connection whose request headers have not
     arrived ``seconds`` after it opened (or after its previous response): uvicorn itself
     times out only idle kept-alive connections, not ones trickling headers in."""
@@ -80,7 +80,7 @@ def _h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
     return _H11
 
 
-class _Uvicorn(uvicorn.Server):
+class SignalFreeUvicorn(uvicorn.Server):
     """uvicorn without its SIGINT/SIGTERM handlers: the entry point decides what a signal does."""
 
     @contextlib.contextmanager
@@ -130,14 +130,14 @@ async def serve(
     config = uvicorn.Config(
         app,
         lifespan="off",
-        http=_h11_with_header_timeout(options.header_timeout_s),
+        http=h11_with_header_timeout(options.header_timeout_s),
         ws="none",
         log_level=log_level,
         access_log=False,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         server_header=False,
     )
-    server = _Uvicorn(config)
+    server = SignalFreeUvicorn(config)
 
     async def count_results() -> None:
         async for result in engine.results():

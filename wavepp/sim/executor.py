@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Protocol
 
 import anyio
 import attrs
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from wavepp.exec.base import ChunkWork, StageOutput
+from wavepp.rounds.messages import MAX_MESSAGE_BYTES
 from wavepp.sim.profiles import (
     KV_BYTES,
     WEIGHT_FORMATS,
@@ -24,6 +26,7 @@ from wavepp.sim.profiles import (
     ModelProfile,
 )
 from wavepp.state import BlockHash, RequestId
+from wavepp.transport.frames import DataLimits
 
 
 @attrs.frozen
@@ -75,6 +78,19 @@ class StageCostModel:
     @property
     def fmt(self) -> str:
         return self.weight_format or self.model.weight_format
+
+    @property
+    def has_recurrent(self) -> bool:
+        return any(self.model.kind(layer) == "L" for layer in self.layers)
+
+    @property
+    def shared_first(self) -> float | None:
+        """Whole layers: no mixer shared with the stage before."""
+        return None
+
+    def shared_rows(self, chunks: Sequence) -> int:
+        """Whole layers: no rows of a mixer shared with the next stage."""
+        return 0
 
     def cost(self, chunks: Sequence[tuple[int, int]], num_finished: int) -> WaveCost:
         """``chunks``: (start, end) token ranges; start is the chunk's attention prefix."""
@@ -152,6 +168,23 @@ class StageCostModel:
         return self.tp_link.all_reduce_s(tokens * self.model.d_model * KV_BYTES, self.tp)
 
 
+class StageCost(Protocol):
+    """What the simulated executor asks of a stage's cost model (``StageCostModel``
+    from a datasheet, ``wavepp.sim.measured.MeasuredStageCost`` from a profile)."""
+
+    is_last: bool
+    has_recurrent: bool  # the stage holds recurrent mixers
+    shared_first: float | None  # the share of a mixer shared with the stage before
+
+    def cost(self, chunks: Sequence[tuple[int, int]], num_finished: int) -> WaveCost: ...
+
+    def shared_rows(self, chunks: Sequence) -> int:
+        """Rows of a mixer shared with the next stage sent on besides the wave's."""
+        ...
+
+    def generic_prior(self) -> tuple[float, float, float, float]: ...
+
+
 class SimExecutor:
     """Sleeps the predicted time of each wave, times a seeded noise factor; passes a
     token-sized tensor along.
@@ -162,13 +195,14 @@ class SimExecutor:
 
     simulated = True
 
-    def __init__(self, cost_model: StageCostModel, time_scale: float = 1.0,
+    def __init__(self, cost_model: StageCost, time_scale: float = 1.0,
                  noise: float = 0.0, rng: np.random.Generator | None = None) -> None:  # fmt: skip
         if time_scale <= 0:
             raise ValueError(f"time scale must be positive, got {time_scale}")
         if noise < 0:
             raise ValueError(f"noise must be ≥ 0, got {noise}")
         self.cost_model = cost_model
+        self.has_recurrent = cost_model.has_recurrent
         self.time_scale = time_scale
         self.sigma = math.sqrt(math.log1p(noise * noise))  # lognormal with CV = noise
         self.rng = rng if rng is not None else np.random.default_rng(0)
@@ -186,8 +220,7 @@ class SimExecutor:
         tokens = sum(c.end - c.start for c in chunks)
         # activations: [tokens] float16, a stand-in for the [tokens, d_model] hidden states
         # (and the rows of a mixer shared with the next stage, as the torch stage sends)
-        shared = getattr(self.cost_model, "shared_rows", None)
-        rows = tokens + (shared(chunks) if shared is not None else 0)
+        rows = tokens + self.cost_model.shared_rows(chunks)
         out = None if self.cost_model.is_last else torch.zeros(rows, dtype=torch.float16)
         results = {c.request_id: (-1, 0.0) for c in chunks if c.is_last}
         return StageOutput(out, seconds, results)  # real seconds
@@ -200,6 +233,25 @@ class SimExecutor:
 
     def memory_report(self) -> dict[str, int]:
         return {"weights_bytes": 0, "kv_pool_bytes": 0}
+
+    def limits(self, budget: int) -> DataLimits:
+        """``[tokens]`` float16 stand-ins, twice the rows after a shared mixer."""
+        rows = budget * (2 if self.cost_model.shared_first else 1)
+        return DataLimits.for_run(rows, None, torch.float16, MAX_MESSAGE_BYTES)
+
+    def take_final(self, request_id: RequestId) -> dict:
+        """No state is kept for a simulated request."""
+        return {}
+
+    def band(self, job) -> list:
+        raise RuntimeError(f"{job.request_id}: a simulated stage holds no cache to hand on")
+
+    def describe(self) -> list[str]:
+        return []
+
+    def finish(self) -> str:
+        """Nothing runs beside this executor."""
+        return ""
 
     def prior_cost(self) -> tuple[float, float, float, float]:
         """The cost planner's prior, (a, c, d, floor) in real seconds: the cost model's

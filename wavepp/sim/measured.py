@@ -285,6 +285,10 @@ class MeasuredStageCost:
             seconds += p.part("head").seconds(num_finished, 0.0)
         return WaveCost(seconds * self.sharing, 0.0, 0.0)
 
+    @property
+    def has_recurrent(self) -> bool:
+        return any(self.profile.mixers[u // 2] in RECURRENT for u in self.units if u % 2 == 0)
+
     def shared_rows(self, chunks: Sequence) -> int:
         """The rows of a mixer shared with the next stage that this stage sends on besides
         the wave's (``TorchExecutor.forward``): 0 when it shares none."""
