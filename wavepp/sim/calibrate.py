@@ -1,6 +1,6 @@
 """Measure the torch executor on this machine and write a device profile for the sim.
 
-    python -m wavepp.bench.calibrate --model tiny-kimi --threads 1 --out profile.json
+    python -m wavepp.sim.calibrate --model tiny-kimi --threads 1 --out profile.json
     python -m wavepp.main --executor sim --model tiny-kimi --sim-device measured:profile.json
 
 Each part of the model — every mixer kind and MLP kind, the last layer as the last stage
@@ -248,7 +248,7 @@ def _cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.calibrate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m wavepp.sim.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-kimi", choices=sorted(BUILTIN))
     p.add_argument("--out", default=None, help="profile file [default: calibration-MODEL.json]")

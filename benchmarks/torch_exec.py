@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wavepp.bench._stats import emit
+from benchmarks._stats import emit
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.device import default_threads
 from wavepp.exec.torch_exec import TorchExecutor
@@ -394,7 +394,7 @@ def pipeline_throughput(stages: int, args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.torch_exec",
+        prog="python -m benchmarks.torch_exec",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
