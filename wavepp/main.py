@@ -54,8 +54,8 @@ from wavepp.exec.tp import (
     receive_plan,
     send_plan,
 )
-from wavepp.fleet.changes import StageLog, report_limit
 from wavepp.host import steal_share
+from wavepp.kv_events.changes import StageLog, report_limit
 from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
@@ -550,8 +550,8 @@ async def _watch_signals(watchdog: Watchdog | None, on_signal, scope: anyio.Canc
 
 def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool):
     """Rank 0 with --kv-events: the publisher (bound now) and what feeds it."""
-    from wavepp.fleet.changes import Announcer, PipelineView
-    from wavepp.fleet.events import EventPublisher
+    from wavepp.kv_events.changes import Announcer, PipelineView
+    from wavepp.kv_events.events import EventPublisher
 
     try:
         publisher = EventPublisher(c.kv_events, kv_events_replay(c), topic=c.kv_events_topic,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.integration.test_serve import start_server
-from wavepp.fleet.index import ReplicaIndex, subscribe
+from wavepp.kv_events.index import ReplicaIndex, subscribe
 from wavepp.state import block_hashes, longest_prefix
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from tests.property.test_kv_view import _run
-from wavepp.fleet.changes import PipelineView, StageLog
-from wavepp.fleet.events import AllBlocksCleared, BlockStored, EventPublisher, decode_batch
-from wavepp.fleet.index import ReplicaIndex
+from wavepp.kv_events.changes import PipelineView, StageLog
+from wavepp.kv_events.events import AllBlocksCleared, BlockStored, EventPublisher, decode_batch
+from wavepp.kv_events.index import ReplicaIndex
 from wavepp.policy import DEFAULT
 
 VLLM_PYTHON = os.environ.get("WAVEPP_VLLM_PYTHON", "/tmp/vllm-venv/bin/python")

@@ -13,9 +13,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wavepp.fleet.changes import PipelineView, StageLog
-from wavepp.fleet.events import KVEventBatch, decode_batch, encode_batch
-from wavepp.fleet.index import ReplicaIndex
+from wavepp.kv_events.changes import PipelineView, StageLog
+from wavepp.kv_events.events import KVEventBatch, decode_batch, encode_batch
+from wavepp.kv_events.index import ReplicaIndex
 from wavepp.policy import DEFAULT
 from wavepp.rounds.admission import Offer, RoundMode, round_over
 from wavepp.state import (

@@ -117,7 +117,7 @@ MAX_REPORT_HASHES = 1 << 20  # block hashes in one stage's CacheReport (8 MiB pa
 
 class CacheReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """One stage's cache changes since its last report, for rank 0's KV events
-    (``wavepp.fleet.changes``; docs/fleet.md). Every list is packed <u8 block hashes; each
+    (``wavepp.kv_events.changes``; docs/fleet.md). Every list is packed <u8 block hashes; each
     entry is a transition of the stage's reported view (stored: was not in it, is now),
     so rank 0 can count, per block, the stages that hold it."""
 
