@@ -1,7 +1,7 @@
 """The GPU check (issue 13): run on a CUDA machine, ``python -m benchmarks.gpu --json out.json``.
 
 (a) **Parity on the GPU**: for each model family the project loads (Llama, and the
-    families of ``wavepp.model`` whose tiny configs ``tests/parity/families.py``
+    families of ``wavepp.model`` whose tiny configs ``tests/helpers/families.py``
     provides when the repository's tests are present), a tiny random checkpoint written
     by ``transformers``; WavePP's executor (one stage, prefix-reusing chunks through the
     paged pool) against ``transformers``' forward on the same GPU. fp32: max |Δlogit| ≤
@@ -73,9 +73,9 @@ def checkpoints(tmp: Path, seed: int, families: bool) -> dict[str, tuple[object,
     if not families:
         return out
     try:  # the families' tiny configs live with the parity tests
-        from tests.parity.families import MODELS, make_checkpoint
+        from tests.helpers.families import MODELS, make_checkpoint
     except ImportError:
-        print("  (tests/parity/families.py not importable: Llama only)", file=sys.stderr)
+        print("  (tests/helpers/families.py not importable: Llama only)", file=sys.stderr)
         return out
     for family in MODELS:
         out[family] = make_checkpoint(family, tmp / family, seed)

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.integration.conftest import ROOT, torchrun
+from tests.helpers.run import ROOT, torchrun
 from wavepp.serve.prom import parse_exposition, sample
 
 pytestmark = pytest.mark.slow

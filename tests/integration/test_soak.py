@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import ROOT
+from tests.helpers.run import ROOT
 
 pytestmark = pytest.mark.slow
 

@@ -5,45 +5,13 @@ from __future__ import annotations
 
 import math
 
-import attrs
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.attention import Chunk, copying_reference
 from wavepp.model import attention as attn
 from wavepp.model.attention import PagedBatch, paged_attention, write_paged
-
-
-@attrs.frozen
-class Chunk:
-    start: int
-    end: int
-    block_table: tuple[int, ...]
-
-
-def copying_reference(q, k_pool, v_pool, chunks, block_size, scale):
-    """The executor's attention before the block-table path, kept as the reference:
-    per chunk, copy every row 0..end-1 out of the pool and mask [n, m] densely."""
-    outs, at = [], 0
-    for c in chunks:
-        n = c.end - c.start
-        table = torch.as_tensor(c.block_table, dtype=torch.long)
-        every = torch.arange(c.end)
-        rows = table[every // block_size] * block_size + every % block_size
-        keys, values = k_pool[rows].float(), v_pool[rows].float()  # [m, KV, D]
-        positions = torch.arange(c.start, c.end)
-        mask = torch.arange(c.end)[None, :] <= positions[:, None]  # [n, m]
-        out = F.scaled_dot_product_attention(
-            q[at : at + n].float().transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        outs.append(out[0].transpose(0, 1))
-        at += n
-    return torch.cat(outs)
 
 
 def run_wave(chunks, block_size, capacity, heads, kv_heads, d, dv=None, dtype=torch.float32,

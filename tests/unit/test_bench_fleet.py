@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks import fleet
-from tests.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from wavepp.bench.load import amain, parser, validate, with_arrivals
 from wavepp.serve.server import serve
 from wavepp.state import block_hashes
