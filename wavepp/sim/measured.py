@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from wavepp.model.config import RECURRENT
+from wavepp.model.config import MIXERS, MLPS, RECURRENT
 from wavepp.plan.placement import WaveShape, share_row
 from wavepp.sim.executor import WaveCost, attention_pairs
 from wavepp.sim.profiles import LinkProfile
@@ -38,8 +38,6 @@ from wavepp.sim.profiles import LinkProfile
 SCHEMA = "wavepp.sim.measured/1"
 PREFIX = "measured:"
 MAX_FILE_BYTES = 4 << 20  # a profile holds a few hundred numbers; refuse anything huge
-MIXERS = ("gqa", "gla", "kda", "mla", "gdn", "gattn", "mmattn")  # wavepp.model.config's
-MLPS = ("dense", "moe")
 NOMINAL_PRIOR_D = 1e-3  # the torch executor's prior per-wave cost (TorchExecutor.prior_cost)
 
 
