@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from wavepp.dtypes import FLOATS
 from wavepp.plan.placement import PlacementError, given, parse_counts
 from wavepp.rungs import RUNGS as LADDER
 from wavepp.workload import WORKLOADS
@@ -223,7 +224,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data_plane": ("auto", "local", "gloo"),
     "sim_link": ("nvlink4", "nvlink5", "pcie5", "ib-ndr", "ib-xdr", "roce-400"),
     "weight_format": ("bf16", "fp8", "nvfp4"),
-    "dtype": ("float32", "bfloat16", "float16"),
+    "dtype": FLOATS,
     "handoff_format": ("wavepp", "vllm-example"),
 }  # fmt: skip
 """Options that take one of a few names (checked for every source, like the types)."""

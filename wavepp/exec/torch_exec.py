@@ -48,9 +48,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from wavepp.dtypes import name_of
 from wavepp.exec import compute
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.handoff_send import BandTensor, dtype_name, pool_rows
+from wavepp.exec.handoff_send import BandTensor, pool_rows
 from wavepp.model import cpu_kernel
 from wavepp.model.attention import PagedBatch, paged_attention, to_queries
 from wavepp.model.fused import FusedLayer, fusable
@@ -276,7 +277,7 @@ class TorchExecutor:
                     # on the CPU the bytes go out from the pool's blocks: a view per run
                     pieces = (partial(_pool_pieces, pool, runs) if pool.device.type == "cpu"
                               else None)  # fmt: skip
-                    out.append(BandTensor(i, name, dtype_name(pool.dtype), (n, *pool.shape[1:]),
+                    out.append(BandTensor(i, name, name_of(pool.dtype), (n, *pool.shape[1:]),
                                           partial(_gather, pool, rows), pieces))  # fmt: skip
             else:
                 states = job.states.get(i)

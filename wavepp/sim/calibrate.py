@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from wavepp.dtypes import FLOATS
 from wavepp.exec.device import pick_dtype, set_threads
 from wavepp.exec.layer_costs import measure, wave_times
 from wavepp.exec.torch_exec import TorchExecutor
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None, help="profile file [default: calibration-MODEL.json]")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, as each rank of the runs it predicts uses (0: the cores)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=FLOATS)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7, help="timed waves per point (median)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
