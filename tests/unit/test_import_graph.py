@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -119,11 +121,13 @@ def test_the_check_finds_a_cycle():
 
 # WavePP's layers, lowest first: a module imports only from its own layer and the ones
 # before it. A package's ``__main__`` is its launcher and sits with the launchers, above
-# everything. Every module falls in a layer (the longest name that is it or a package of it).
+# everything. Every module falls in a layer: the longest name that is it or a package of
+# it (``wavepp`` names only the package's ``__init__``).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # leaves: ids, errors, numbers, the machine, the ladder's switches, requests to run
-    ("wavepp", "wavepp.errors", "wavepp.ids", "wavepp.stats", "wavepp.host", "wavepp.rungs",
-     "wavepp.workload"),
+    # leaves: ids, dtype names, errors, numbers, the machine, the ladder's switches,
+    # requests to run
+    ("wavepp", "wavepp.errors", "wavepp.ids", "wavepp.dtypes", "wavepp.stats", "wavepp.host",
+     "wavepp.rungs", "wavepp.workload"),
     ("wavepp.state",),  # the cache's bookkeeping
     ("wavepp.plan",),  # waves and placement
     ("wavepp.policy", "wavepp.queueing"),  # admission policies and their waiting queue
@@ -147,7 +151,7 @@ def layer_of(module: str) -> int:
     if module.rpartition(".")[2] == "__main__":
         return len(LAYERS) - 1
     matches = [(len(name), i) for i, names in enumerate(LAYERS) for name in names
-               if module == name or module.startswith(name + ".")]  # fmt: skip
+               if module == name or (name != "wavepp" and module.startswith(name + "."))]
     if not matches:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS")
     return max(matches)[1]
@@ -194,5 +198,8 @@ def test_the_layer_check_sees_an_upward_import():
     assert layer_of("wavepp.kv_events.index") < layer_of("wavepp.exec.stage")
     assert layer_of("wavepp.launch.backend") < layer_of("wavepp.serve.app")
     assert layer_of("wavepp.serve.__main__") == layer_of("wavepp.main") == len(LAYERS) - 1
+    assert layer_of("benchmarks.matrix") == len(LAYERS) - 1
+    with pytest.raises(AssertionError, match="no layer"):
+        layer_of("wavepp.newcomer")
     source = "def f():\n    from ..engine import Engine\n"
     assert every_import(source, "wavepp.runtime.feed", False) == [(2, "wavepp.engine")]
