@@ -130,14 +130,14 @@ def test_executor_in_bfloat16_on_cpu(model):
     assert all(t.dtype == torch.bfloat16 for pool in ex.pools.values() for t in pool.values())
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 100)
     table = tuple(range(7))
-    first = ChunkWork("r", 0, 64, 100, table[:4], (4,), False, snapshot_keys=(11,),
+    first = ChunkWork("r", 0, 64, 100, table[:4], (4,), False, snapshot_slots=(0,),
                       tokens=tokens[:64])  # fmt: skip
     ex.forward([first], None)
     if "L" in cfg.pattern:
-        for pool in ex.snapshot_pools.values():  # slot 0 took the snapshot keyed 11
+        for pool in ex.snapshot_pools.values():  # slot 0 took the snapshot
             assert all(t.dtype == torch.float32 and t[0].abs().sum() > 0 for t in pool.values())
     ex.live.clear()  # resume from the snapshot, as a new request sharing the prefix would
-    rest = ChunkWork("r", 64, 100, 100, table, (), False, prefix_key=11 if "L" in cfg.pattern
+    rest = ChunkWork("r", 64, 100, 100, table, (), False, resume_slot=0 if "L" in cfg.pattern
                      else None, tokens=tokens[64:])  # fmt: skip
     _, results = ex.forward([rest], None)
     got = ex.last_logits["r"]
