@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from wavepp.dtypes import FLOATS
 from wavepp.plan.placement import PlacementError, given, parse_counts
 from wavepp.rungs import RUNGS as LADDER
 from wavepp.workload import WORKLOADS
@@ -35,7 +36,7 @@ EXECUTOR_DEFAULTS = {
 
 SIM_DEVICES = ("h100", "h200", "b200", "b300", "gb300")  # wavepp.sim.profiles.DEVICES
 # The sim's default wave-time spread (coefficient of variation): the run-to-run spread of
-# the torch runs in the recorded validation (wavepp.bench.validate.run_spread over
+# the torch runs in the recorded validation (benchmarks.validate.run_spread over
 # docs/results/validate-quick.json, rounded; a test keeps the two equal).
 SIM_NOISE = 0.032
 
@@ -139,7 +140,7 @@ HELP: dict[str, str] = {
     "tiny-hybrid, tiny-llama, small-hybrid, small-llama, or a checkpoint directory "
     "(Hugging Face Llama, Kimi Linear, Qwen3-Next, MiniMax-M2; or WavePP's layout)",
     "sim_device": "device profile of the sim executor: h100, h200, b200, b300, gb300, or "
-    "measured:FILE (a profile python -m wavepp.bench.calibrate measured on a machine: the "
+    "measured:FILE (a profile python -m wavepp.sim.calibrate measured on a machine: the "
     "sim then predicts that machine's torch executor for the model it was measured with)",
     "sim_noise": "sim: spread of each wave's time about the cost model's (coefficient of "
     "variation of a lognormal factor, seeded by --seed and the rank; 0: none)",
@@ -223,7 +224,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data_plane": ("auto", "local", "gloo"),
     "sim_link": ("nvlink4", "nvlink5", "pcie5", "ib-ndr", "ib-xdr", "roce-400"),
     "weight_format": ("bf16", "fp8", "nvfp4"),
-    "dtype": ("float32", "bfloat16", "float16"),
+    "dtype": FLOATS,
     "handoff_format": ("wavepp", "vllm-example"),
 }  # fmt: skip
 """Options that take one of a few names (checked for every source, like the types)."""

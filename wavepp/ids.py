@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-MAX_ID_CHARS = 128
+MAX_ID_CHARS = 128  # every id a request carries, wherever it goes (API, server, ranks)
+RETAINED_IDS = 10_000  # a server's ended requests whose ids stay taken (a router's too)
 ID_RULE = (f"a request id is 1 to {MAX_ID_CHARS} printable characters without '/' (a string "
            "in a requests file); it names one request until that request has ended and, on a "
-           "server, 10,000 later ones have too; a repeat meanwhile is refused (409 on the "
-           "server); a rejected request leaves no trace, so its id is free at once")
+           f"server, {RETAINED_IDS:,} later ones have too; a repeat meanwhile is refused (409 "
+           "on the server); a rejected request leaves no trace, so its id is free at once")
 """The one id rule of the Python API, the server and requests files (README, Serving)."""
 
 

@@ -1,5 +1,5 @@
 """Summary statistics the runtime reports (the record, ``/metrics``) and the benchmarks
-share; the runtime never imports ``wavepp.bench``."""
+share; the runtime never imports ``benchmarks``."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import torchrun
+from tests.helpers.run import torchrun
 
 pytestmark = pytest.mark.slow
 

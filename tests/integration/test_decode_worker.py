@@ -15,8 +15,8 @@ import anyio
 import pytest
 import torch
 
-from tests.integration.conftest import ROOT
-from tests.parity.handoff_bands import VOCAB, hf_prefill, make_model, split_bands
+from tests.helpers.handoff_bands import VOCAB, hf_prefill, make_model, split_bands
+from tests.helpers.run import ROOT
 from wavepp.handoff.client import DecodeError, decode, send_band
 from wavepp.handoff.hf import from_transformers_cache
 from wavepp.handoff.wire import Address, parse_address

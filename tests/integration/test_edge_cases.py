@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import ROOT, TORCHRUN
+from tests.helpers.run import ROOT, TORCHRUN
 
 pytestmark = pytest.mark.slow
 

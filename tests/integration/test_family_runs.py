@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.parity.families import hf_last_logits, make_checkpoint
+from tests.helpers.families import hf_last_logits, make_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -9,38 +9,12 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ROOT, TORCHRUN
+from tests.helpers.run import ROOT, TORCHRUN, alive, rank_pids
 
 pytestmark = pytest.mark.slow
-
-
-def rank_pids(tag: str) -> dict[int, int]:
-    pids = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"WAVEPP_TEST_TAG={tag}".encode() in env and b"wavepp.main" in cmd:
-            for item in env:
-                if item.startswith(b"RANK="):
-                    pids[int(item[5:])] = int(entry.name)
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def run_and_break(tmp_path, sig: int, victim: int = 2):

@@ -29,7 +29,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.integration.conftest import ROOT, torchrun
+from tests.helpers.run import ROOT, torchrun
 from wavepp.serve.prom import parse_exposition, sample
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def _wait_for_blocks(client: httpx.Client, replica: str, blocks: int) -> None:
 
 
 def test_prefix_routing_predicts_the_reuse_replicas_grant(fleet, tmp_path):
-    pytest.importorskip("wavepp.fleet.index", reason="the KV-event index (wavepp.fleet.index)")
+    pytest.importorskip("wavepp.kv_events.index", reason="the KV-event index")
     rng = np.random.default_rng(7)
     doc_a, doc_b = _prompt(rng, 40), _prompt(rng, 40)  # 2 full blocks each, 8 tokens over
     prompts = {"a": doc_a, "b": doc_b, "a2": doc_a + _prompt(rng, 13),

@@ -9,8 +9,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.handoff_rig import run_pipeline, write_requests
-from tests.integration.test_vllm_handoff import BLOCK, VOCAB, prompt_cache, tiny_llama
+from tests.helpers.handoff_rig import run_pipeline, write_requests
+from tests.helpers.hf_llama import BLOCK, VOCAB, prompt_cache, tiny_llama
 from wavepp.handoff.vllm_example import folder_lengths, folder_name, kv_cache_tensor, layer_file
 
 pytestmark = pytest.mark.slow

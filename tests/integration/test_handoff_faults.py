@@ -24,7 +24,7 @@ import zlib
 import numpy as np
 import pytest
 
-from tests.handoff_rig import run_pipeline
+from tests.helpers.handoff_rig import run_pipeline
 from wavepp.handoff import wire
 
 pytestmark = pytest.mark.slow

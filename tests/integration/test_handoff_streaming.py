@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.handoff_rig import ReceiverThread, run_pipeline, write_requests
+from tests.helpers.handoff_rig import ReceiverThread, run_pipeline, write_requests
 from wavepp.model import BUILTIN
 from wavepp.runtime.handoff import model_hf_config
 

@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.integration.test_serve import start_server
-from wavepp.fleet.index import ReplicaIndex, subscribe
+from tests.helpers.serve import start_server
+from wavepp.kv_events.index import ReplicaIndex, subscribe
 from wavepp.state import block_hashes, longest_prefix
 
 pytestmark = pytest.mark.slow
@@ -59,11 +59,8 @@ async def latest_seq(replay: str, start: int) -> int:
         ctx.term()
 
 
-def test_predicted_reuse_equals_granted_reuse(tmp_path, monkeypatch):
-    import tests.integration.test_serve as serve_test
-
-    monkeypatch.setattr(serve_test, "MODEL", OPTIONS)
-    server, url, _ = start_server(tmp_path)
+def test_predicted_reuse_equals_granted_reuse(tmp_path):
+    server, url, _ = start_server(tmp_path, OPTIONS)
     try:
         anyio.run(_check, url)
     finally:

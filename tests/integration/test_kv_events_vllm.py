@@ -15,15 +15,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.property.test_kv_view import _run
-from wavepp.fleet.changes import PipelineView, StageLog
-from wavepp.fleet.events import AllBlocksCleared, BlockStored, EventPublisher, decode_batch
-from wavepp.fleet.index import ReplicaIndex
+from tests.helpers.kv_pipeline import BS, run_prompts
+from wavepp.kv_events.changes import PipelineView, StageLog
+from wavepp.kv_events.events import AllBlocksCleared, BlockStored, EventPublisher, decode_batch
+from wavepp.kv_events.index import ReplicaIndex
 from wavepp.policy import DEFAULT
 
 VLLM_PYTHON = os.environ.get("WAVEPP_VLLM_PYTHON", "/tmp/vllm-venv/bin/python")
 DRIVER = Path(__file__).with_name("vllm_events_driver.py")
-BS = 4
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,7 +55,7 @@ def _payloads() -> list[bytes]:
         prompts = [np.concatenate([doc, rng.integers(0, 90, size=n)]).astype(np.int32)
                    for n in (5, 9, 17, 3, 22)]  # fmt: skip
         # the same steps as the property suite, published through the real socket
-        _run(caches, logs, view, ReplicaIndex(BS), prompts, 2, send=pub.publish)
+        run_prompts(caches, logs, view, ReplicaIndex(BS), prompts, 2, send=pub.publish)
         live = []
         while sub.poll(500):
             live.append(sub.recv_multipart()[2])

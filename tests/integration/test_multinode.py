@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import ROOT, torchrun
+from tests.helpers.run import ROOT, torchrun
 
 pytestmark = pytest.mark.slow
 

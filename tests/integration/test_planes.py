@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import torchrun
+from tests.helpers.run import torchrun
 from wavepp.transport.frames import INLINE_MAX_BYTES
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ def test_policy_from_outside_the_package_runs_on_every_rank(run_wavepp, tmp_path
 
 
 def test_an_unknown_policy_is_refused_with_its_name(tmp_path):
-    from tests.integration.conftest import TORCHRUN, run_plain
+    from tests.helpers.run import TORCHRUN, run_plain
 
     proc = run_plain([*TORCHRUN, "--nproc-per-node=1", "-m", "wavepp.main", *SMALL,
                       "--policy", "examples.policies.nope:POLICY"])  # fmt: skip

@@ -10,7 +10,6 @@ server's launcher drains it, the leak check holds on every stage, and the exit c
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -20,56 +19,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import ROOT, torchrun
+from tests.helpers.run import ROOT, torchrun
+from tests.helpers.serve import MAX_BODY, MODEL, start_server
 from wavepp.serve.prom import parse_exposition, sample
 
 pytestmark = pytest.mark.slow
-
-MODEL = ["--model", "tiny-hybrid", "--seed", "0", "--block-size", "16", "--capacity-blocks", "512"]
-MAX_BODY = 64 * 1024
-READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
-
-
-def start_server(tmp_path) -> tuple[subprocess.Popen, str, int]:
-    """python -m wavepp.serve.launch (torchrun --standalone ... -m wavepp.serve under it) on
-    --port 0 (the server binds a free port and names it in its ready line: no window for
-    another process to take it); returns (the launcher's process, url, pid of the serving
-    rank)."""
-    err = open(tmp_path / "server.err", "w")  # noqa: SIM115 (the child holds it)
-    out = open(tmp_path / "server.out", "w")  # noqa: SIM115
-    cmd = [
-        sys.executable,
-        "-m",
-        "wavepp.serve.launch",
-        "--nproc-per-node",
-        "2",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        *MODEL,
-        "--concurrency",
-        "8",
-        "--no-progress",
-        "--max-body-bytes",
-        str(MAX_BODY),
-        "--json",
-        str(tmp_path / "server.json"),
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        match = READY.search((tmp_path / "server.err").read_text())
-        if match:
-            return proc, match.group(1), int(match.group(2))
-        if proc.poll() is not None:
-            break
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(
-        f"server not ready (exit {proc.poll()}):\n{(tmp_path / 'server.err').read_text()[-4000:]}"
-    )
-
 
 def check_bad_input(client: httpx.Client) -> None:
     """Each kind of bad input gets its 4xx with a message, on the real runtime; the server

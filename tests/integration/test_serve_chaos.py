@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import ROOT
+from tests.helpers.run import ROOT
 
 pytestmark = pytest.mark.slow
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")

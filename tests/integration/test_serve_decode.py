@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from tests.integration.test_serve import start_server
+from tests.helpers.serve import start_server
 from wavepp.model import BUILTIN, random_weights
 from wavepp.model.checkpoint import write_checkpoint
 from wavepp.serve.prom import parse_exposition, sample
@@ -37,12 +37,9 @@ def stream_tokens(client: httpx.Client, url: str, body: dict) -> tuple[list[int]
     return tokens, last
 
 
-def test_completions_decode_from_the_handed_off_cache(tmp_path, monkeypatch):
-    import tests.integration.test_serve as serve_test
-
-    monkeypatch.setattr(serve_test, "MODEL", ["--model", "tiny-kimi", "--seed", "0",
-                                              "--decode", "auto"])  # fmt: skip
-    proc, url, _ = start_server(tmp_path)
+def test_completions_decode_from_the_handed_off_cache(tmp_path):
+    proc, url, _ = start_server(tmp_path, ["--model", "tiny-kimi", "--seed", "0", "--decode",
+                                           "auto"])  # fmt: skip
     cfg = BUILTIN["tiny-kimi"]
     write_checkpoint(tmp_path / "kimi", cfg, random_weights(cfg, 0))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kimi").eval()

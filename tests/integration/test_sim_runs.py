@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import torchrun
+from tests.helpers.run import torchrun
 
 pytestmark = pytest.mark.slow
 TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "synthetic_trace.jsonl"

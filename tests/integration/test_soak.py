@@ -1,4 +1,4 @@
-"""A short soak (``python -m wavepp.bench.soak``): 35 s of a reuse workload with cancels and
+"""A short soak (``python -m benchmarks.soak``): 35 s of a reuse workload with cancels and
 disconnects against the server at P = 2 on ``tiny-hybrid``. Fails when a table grows with
 the number of requests served instead of staying within the concurrency, or a rank's
 memory keeps growing, or the server's leak check fails at the end.
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import ROOT
+from tests.helpers.run import ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ MIB = 1024 * 1024
 
 def test_tables_stay_within_the_concurrency_and_memory_levels_off(tmp_path):
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "wavepp.bench.soak", "--duration-s", str(DURATION_S),
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--duration-s", str(DURATION_S),
            "--every-s", "2.5", "--concurrency", str(CONCURRENCY), "--json", str(out),
            "--log", str(tmp_path / "server.log")]  # fmt: skip
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

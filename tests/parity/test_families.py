@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.parity.families import MODELS, hf_last_logits, make_checkpoint
-from tests.parity.harness import Pipeline
+from tests.helpers.families import MODELS, hf_last_logits, make_checkpoint
+from tests.helpers.harness import Pipeline
 from wavepp.model import ModelConfig, reference_logits
 from wavepp.model.checkpoint import load_checkpoint
 

@@ -18,7 +18,7 @@ import anyio
 import pytest
 import torch
 
-from tests.parity.handoff_bands import (
+from tests.helpers.handoff_bands import (
     FAMILIES,
     VOCAB,
     config_dict,

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.handoff_rig import ReceiverThread, run_pipeline, write_requests
-from tests.parity.families import VOCAB
-from tests.parity.handoff_bands import make_model
+from tests.helpers.families import VOCAB
+from tests.helpers.handoff_bands import make_model
+from tests.helpers.handoff_rig import ReceiverThread, run_pipeline, write_requests
 from wavepp.handoff.hf import continue_generation, native_cache
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from tests.parity.harness import Pipeline
+from tests.helpers.harness import Pipeline
 from wavepp.model import BUILTIN, random_weights, reference_logits
 from wavepp.model.checkpoint import load_checkpoint, write_checkpoint
 

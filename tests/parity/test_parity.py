@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.parity.harness import Pipeline
+from tests.helpers.harness import Pipeline
 from wavepp.model import BUILTIN, random_weights, reference_logits
 
 

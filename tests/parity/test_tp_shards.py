@@ -1,7 +1,7 @@
 """Tensor parallelism inside a stage (``wavepp.model.tp``): which counts ``--tp`` must
 divide, what each rank's shard of the checkpoint holds, and — in two real processes over
 Gloo — that a stage split over two ranks computes what the whole stage computes, for
-Llama (with gated linear attention) and the three families (``tests/parity/tp_worker.py``)."""
+Llama (with gated linear attention) and the three families (``tests/helpers/tp_worker.py``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 
-from tests.parity.tp_worker import CONFIGS
+from tests.helpers.tp_worker import CONFIGS
 from wavepp.model import build_stage, random_weights
 from wavepp.model.tp import check_tp, shard_weights
 
@@ -119,7 +119,7 @@ def test_two_ranks_compute_what_one_rank_computes(tmp_path):
     for r, log in enumerate(logs):
         with open(log, "w") as out:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.parity.tp_worker", "--rank", str(r), "--size", "2",
+                [sys.executable, "-m", "tests.helpers.tp_worker", "--rank", str(r), "--size", "2",
                  "--store", str(tmp_path / "store")],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT))  # fmt: skip
     deadline = time.monotonic() + 600  # a hang guard; the run takes seconds

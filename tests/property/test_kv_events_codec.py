@@ -7,7 +7,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wavepp.fleet.events import (
+from wavepp.kv_events.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

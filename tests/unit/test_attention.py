@@ -5,45 +5,13 @@ from __future__ import annotations
 
 import math
 
-import attrs
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.attention import Chunk, copying_reference
 from wavepp.model import attention as attn
 from wavepp.model.attention import PagedBatch, paged_attention, write_paged
-
-
-@attrs.frozen
-class Chunk:
-    start: int
-    end: int
-    block_table: tuple[int, ...]
-
-
-def copying_reference(q, k_pool, v_pool, chunks, block_size, scale):
-    """The executor's attention before the block-table path, kept as the reference:
-    per chunk, copy every row 0..end-1 out of the pool and mask [n, m] densely."""
-    outs, at = [], 0
-    for c in chunks:
-        n = c.end - c.start
-        table = torch.as_tensor(c.block_table, dtype=torch.long)
-        every = torch.arange(c.end)
-        rows = table[every // block_size] * block_size + every % block_size
-        keys, values = k_pool[rows].float(), v_pool[rows].float()  # [m, KV, D]
-        positions = torch.arange(c.start, c.end)
-        mask = torch.arange(c.end)[None, :] <= positions[:, None]  # [n, m]
-        out = F.scaled_dot_product_attention(
-            q[at : at + n].float().transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        outs.append(out[0].transpose(0, 1))
-        at += n
-    return torch.cat(outs)
 
 
 def run_wave(chunks, block_size, capacity, heads, kv_heads, d, dv=None, dtype=torch.float32,
@@ -162,14 +130,14 @@ def test_executor_in_bfloat16_on_cpu(model):
     assert all(t.dtype == torch.bfloat16 for pool in ex.pools.values() for t in pool.values())
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 100)
     table = tuple(range(7))
-    first = ChunkWork("r", 0, 64, 100, table[:4], (4,), False, snapshot_keys=(11,),
+    first = ChunkWork("r", 0, 64, 100, table[:4], (4,), False, snapshot_slots=(0,),
                       tokens=tokens[:64])  # fmt: skip
     ex.forward([first], None)
     if "L" in cfg.pattern:
-        for pool in ex.snapshot_pools.values():  # slot 0 took the snapshot keyed 11
+        for pool in ex.snapshot_pools.values():  # slot 0 took the snapshot
             assert all(t.dtype == torch.float32 and t[0].abs().sum() > 0 for t in pool.values())
     ex.live.clear()  # resume from the snapshot, as a new request sharing the prefix would
-    rest = ChunkWork("r", 64, 100, 100, table, (), False, prefix_key=11 if "L" in cfg.pattern
+    rest = ChunkWork("r", 64, 100, 100, table, (), False, resume_slot=0 if "L" in cfg.pattern
                      else None, tokens=tokens[64:])  # fmt: skip
     _, results = ex.forward([rest], None)
     got = ex.last_logits["r"]

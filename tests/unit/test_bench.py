@@ -4,9 +4,9 @@ import shutil
 
 import pytest
 
-from wavepp.bench.matrix import cell_summaries, expand, preset_cells, tables
-from wavepp.bench.matrix import main as matrix_main
-from wavepp.bench.plot import plot_results
+from benchmarks.matrix import cell_summaries, expand, preset_cells, tables
+from benchmarks.matrix import main as matrix_main
+from benchmarks.plot import plot_results
 
 
 def fake_rows():
@@ -88,7 +88,7 @@ def test_dry_run_names_each_cells_own_rank_count(tmp_path, capsys):
 
 
 def test_retention_traces_arrive_at_their_rate_and_reuse_documents(tmp_path):
-    from wavepp.bench.matrix import retention_cells, retention_trace
+    from benchmarks.matrix import retention_cells, retention_trace
     from wavepp.workload import trace
 
     path = retention_trace(tmp_path / "r.jsonl", rate=10.0, requests=200)
@@ -104,7 +104,7 @@ def test_retention_traces_arrive_at_their_rate_and_reuse_documents(tmp_path):
 
 
 def test_scaling_model_bounds():
-    from wavepp.bench.scaling import model_bounds
+    from benchmarks.scaling import model_bounds
 
     one = model_bounds("qwen3-next-80b", "h200", 1, 131_072, 16_384, 8192)
     four = model_bounds("qwen3-next-80b", "h200", 4, 131_072, 16_384, 8192)
@@ -120,7 +120,7 @@ def test_scaling_model_bounds():
 
 
 def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():
-    from wavepp.bench.scaling import balanced_split, model_bounds
+    from benchmarks.scaling import balanced_split, model_bounds
 
     counts = balanced_split("kimi-k3-class", "gb300", 2, 131_072, 16_384)
     assert sum(counts) == 61 and counts != [31, 30]
@@ -134,7 +134,7 @@ def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():
 def test_vllm_compare_pairs_repeats():
     """The verdict is the median over repeats of best WavePP / vLLM within each repeat,
     not a ratio of medians taken from different moments."""
-    from wavepp.bench.vllm_compare import _tree_cpu_seconds, summarize
+    from benchmarks.vllm_compare import _tree_cpu_seconds, summarize
 
     def run(rep, vllm, p1, p2):
         return {"row": "r", "repeat": rep, "vllm": {"tok_s": vllm}, "wavepp_p1": {"tok_s": p1},
@@ -156,7 +156,7 @@ def test_vllm_compare_pairs_repeats():
 
 
 def test_vllm_compare_counts_first_tokens_that_differ_with_vllms_margin():
-    from wavepp.bench.vllm_compare import first_token_differences, summarize
+    from benchmarks.vllm_compare import first_token_differences, summarize
 
     firsts = {"vllm": [5, 6, 7, 8], "wavepp_p1": [5, 9, 7, 8], "wavepp_p2": [1, 9, 7, 8]}
     differ = first_token_differences(firsts, [2.0, 0.01, 1.5, None])
@@ -175,11 +175,11 @@ def test_vllm_compare_counts_first_tokens_that_differ_with_vllms_margin():
                     reason="the --compile rows need a C++ compiler on CPU")  # fmt: skip
 @pytest.mark.timeout(600)
 def test_torch_exec_bench_rows(tmp_path):
-    """Every kind of row of ``python -m wavepp.bench.torch_exec`` on a tiny model: the
+    """Every kind of row of ``python -m benchmarks.torch_exec`` on a tiny model: the
     sweep against transformers, block table against copying, --compile against eager;
     WavePP's attention kernel against PyTorch's; the rows-only last layer against the
     full one; each with its logits matching."""
-    from wavepp.bench.torch_exec import main as torch_exec_main
+    from benchmarks.torch_exec import main as torch_exec_main
 
     out = tmp_path / "rows.json"
     torch_exec_main(["--model", "tiny-llama", "--lengths", "128", "--attention-lengths", "128",
@@ -204,7 +204,7 @@ def test_torch_exec_bench_rows(tmp_path):
 
 
 def test_short_waves_profiles_a_wave(tmp_path):
-    from wavepp.bench.short_waves import main as short_waves_main
+    from benchmarks.short_waves import main as short_waves_main
 
     out = tmp_path / "sw.json"
     short_waves_main(["--model", "tiny-llama", "--shapes", "3x8x40", "--repeats", "1",

@@ -9,8 +9,8 @@ import attrs
 import numpy as np
 import pytest
 
-from tests.fake_engine import FakeEngine
-from wavepp.bench import fleet
+from benchmarks import fleet
+from tests.helpers.fake_engine import FakeEngine
 from wavepp.bench.load import amain, parser, validate, with_arrivals
 from wavepp.serve.server import serve
 from wavepp.state import block_hashes

@@ -2,7 +2,7 @@
 
 import argparse
 
-from wavepp.bench.tp_vs_pp import LAYOUTS, cells, table
+from benchmarks.tp_vs_pp import LAYOUTS, cells, table
 
 
 def test_every_layout_uses_eight_devices_in_the_same_cells():

@@ -79,3 +79,31 @@ def test_a_relayed_outcome_with_an_impossible_clock_is_refused(ended_at):
         ["a", 1, True, "", "", 8, 0.01, ended_at, 0.005]]})  # fmt: skip
     with pytest.raises(CodecError):
         decode_untrusted(raw, DataMessage)
+
+
+def test_ids_between_ranks_follow_the_one_id_rule():
+    from wavepp.ids import MAX_ID_CHARS, id_problem
+
+    longest, over = "r" * MAX_ID_CHARS, "r" * (MAX_ID_CHARS + 1)
+    assert id_problem(longest) is None and id_problem(over) is not None
+    entry = AdmitEntry(longest, 200, pack_hashes((1,)), 2)
+    assert decode_untrusted(encode(AdmitRound(1, [entry])), RoundMessage).entries == [entry]
+    raw = encode(AdmitRound(1, [AdmitEntry(over, 200, pack_hashes((1,)), 2)]))
+    with pytest.raises(CodecError):
+        decode_untrusted(raw, RoundMessage)
+
+
+def test_one_table_of_dtype_names():
+    import numpy as np
+    import torch
+
+    from wavepp.dtypes import FLOATS, ITEMSIZE, name_of, torch_dtype
+
+    for name in FLOATS:
+        assert name_of(torch_dtype(name)) == name
+        assert torch_dtype(name).itemsize == ITEMSIZE[name]
+    assert name_of(torch.int32) == name_of(np.dtype("int32")) == "int32"
+    with pytest.raises(ValueError, match="int8"):
+        name_of(torch.int8)
+    with pytest.raises(ValueError):
+        torch_dtype("int32")

@@ -22,7 +22,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.test_attention import Chunk, copying_reference
+from tests.helpers.attention import (
+    Chunk,
+    assert_bf16_close,
+    copying_reference,
+    float64_reference,
+    kernel_bf16,
+    random_pools,
+)
 from wavepp.model import cpu_kernel, cpu_kernel_build
 from wavepp.model.attention import PagedBatch, paged_attention
 
@@ -36,13 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def served_by(backend: str):
     return cpu_kernel.off() if backend == "pytorch" else contextlib.nullcontext()
-
-
-def random_pools(rows, kv_heads, d, dv, seed, latent=False):
-    g = torch.Generator().manual_seed(seed)
-    k_pool = torch.randn(rows, kv_heads, d, generator=g)
-    v_pool = k_pool[..., :dv] if latent else torch.randn(rows, kv_heads, dv, generator=g)
-    return k_pool, v_pool, g
 
 
 @st.composite
@@ -222,7 +222,7 @@ def test_a_rank_whose_build_fails_logs_one_line_and_pytorch_serves(tmp_path):
     code = """
         import logging
         import torch
-        from tests.unit.test_attention import Chunk, copying_reference
+        from tests.helpers.attention import Chunk, copying_reference
         from wavepp.model import cpu_kernel
         from wavepp.model.attention import PagedBatch, paged_attention
 
@@ -341,43 +341,6 @@ def test_pools_are_zeroed_and_ask_for_huge_pages():
 # -- bf16: every path this machine has, against float64 ---------------------------------
 
 PATHS = [p for p in cpu_kernel.BF16_PATHS if cpu_kernel._has(p)]
-# Elementwise |kernel - float64| <= ATOL * max|V| + RTOL * |float64|, and the mean error
-# at most MEAN of the mean bound. convert rounds once, at the output (half a bf16 step,
-# 2^-9 of the value); amx and dot also round the weights P to bf16 (each by at most
-# 2^-9 of itself, the weights summing to 1), which moves an output by at most 2^-9 of
-# the largest value it averages. PyTorch's path (its flash attention per part, the
-# parts rounded to bf16 and merged) is held to dot's bounds.
-TOLERANCES = {"convert": (2**-12, 2**-8, 0.5), "dot": (2**-8, 2**-8, 0.25),
-              "amx": (2**-8, 2**-8, 0.25), "pytorch": (2**-8, 2**-8, 0.25)}  # fmt: skip
-
-
-def float64_reference(q, k_pool, v_pool, chunks, block_size, scale):
-    return copying_reference(q.double(), k_pool.double(), v_pool.double(), chunks, block_size,
-                             scale)  # fmt: skip
-
-
-def assert_bf16_close(got, want, path, v_pool):
-    atol, rtol, mean = TOLERANCES[path]
-    assert got.dtype == torch.bfloat16
-    err = (got.double() - want).abs()
-    bound = atol * float(v_pool.abs().max()) + rtol * want.abs()
-    worst = int((err - bound).argmax())
-    assert bool((err <= bound).all()), (
-        f"{path}: error {err.flatten()[worst]:.2e} at {want.flatten()[worst]:.3f}"
-    )
-    assert float(err.mean()) <= mean * float(bound.mean()), (
-        f"{path}: mean error {float(err.mean()):.2e}, mean bound {float(bound.mean()):.2e}"
-    )
-
-
-def kernel_bf16(q, k_pool, v_pool, batch, scale, path):
-    """The wave by the kernel's ``path``, or by the PyTorch path (``path="pytorch"``)."""
-    if path == "pytorch":
-        with cpu_kernel.off():
-            return paged_attention(q, k_pool, v_pool, batch, scale)
-    meta = cpu_kernel.wave_metadata(batch.starts, batch.spans, batch.tables)
-    return cpu_kernel.paged_attention(q, k_pool, v_pool, *meta, batch.block_size, scale,
-                                      path=path)  # fmt: skip
 
 
 @settings(max_examples=25, deadline=None)
@@ -468,7 +431,7 @@ def test_a_build_without_bf16_instructions_converts(tmp_path):
     done = run_python("""
         import os
         import torch
-        from tests.unit.test_cpu_kernel import (
+        from tests.helpers.attention import (
             Chunk, assert_bf16_close, float64_reference, kernel_bf16, random_pools)
         from wavepp.model import cpu_kernel
         from wavepp.model.attention import PagedBatch

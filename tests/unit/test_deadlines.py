@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from wavepp.metrics import summarize
 from wavepp.policy import EDF, POLICIES, Policy, load_policy
 from wavepp.runtime.intake import Intake

@@ -3,18 +3,21 @@ here on the CPU for Llama); on CUDA, the whole check passes."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from wavepp.bench import gpu
+from benchmarks import gpu
+
+ROOT = Path(__file__).resolve().parents[2]  # benchmarks/ runs from the repository's root
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_without_cuda_it_exits_at_once_saying_why(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "wavepp.bench.gpu", "--json",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--json",
                            str(tmp_path / "out.json")], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+                          cwd=ROOT, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr and "ran nothing" in proc.stderr
     assert not (tmp_path / "out.json").exists()
@@ -30,7 +33,7 @@ def test_parity_part_on_cpu(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_gpu_check_passes(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "wavepp.bench.gpu", "--tokens", "4096",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--tokens", "4096",
                            "--repeats", "1", "--json", str(tmp_path / "gpu.json")],
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
+                          capture_output=True, text=True, cwd=ROOT, timeout=1800)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""``wavepp.bench.handoff``'s arithmetic: bandwidth from the wire time, one plain-copy
+"""``benchmarks.handoff``'s arithmetic: bandwidth from the wire time, one plain-copy
 denominator per length (the busy-core rows' too), medians with their min-max, latency
 from the record's stamps."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from wavepp.bench.handoff import _row
+from benchmarks.handoff import _row
 
 
 def test_a_row_divides_each_stages_wire_bandwidth_by_one_plain_copy_median():
@@ -61,7 +61,7 @@ def test_the_stage_sender_alone_delivers_the_bands_the_plain_sender_does(tmp_pat
 
     import anyio.from_thread
 
-    from wavepp.bench.handoff import RECEIVER, LibraryBands, _child
+    from benchmarks.handoff import RECEIVER, LibraryBands, _child
     from wavepp.model import BUILTIN
     from wavepp.runtime.handoff import model_hf_config
 
@@ -82,7 +82,7 @@ def test_the_throughput_interval_follows_the_pairs_not_the_runs():
     """A paired bootstrap: when every pair's ratio is the same the interval is that
     ratio however much the machine's speed moved between pairs; when the ratios spread,
     the interval holds the ratio of the means and is the same from call to call."""
-    from wavepp.bench._stats import ratio_of_means_interval
+    from benchmarks._stats import ratio_of_means_interval
 
     off = [10.0, 30.0, 20.0, 50.0, 15.0]
     low, high = ratio_of_means_interval([0.9 * x for x in off], off)
@@ -104,7 +104,7 @@ def test_the_throughput_interval_follows_the_pairs_not_the_runs():
     (["--repeats", "-1"], "--repeats -1"), (["--samples", "0"], "--samples 0"),
 ])  # fmt: skip
 def test_the_benchmark_refuses_what_it_cannot_measure(argv, names, capsys):
-    from wavepp.bench.handoff import main
+    from benchmarks.handoff import main
 
     with pytest.raises(SystemExit) as stopped:
         main(argv)
@@ -121,7 +121,7 @@ def test_the_throughput_pairs_are_also_given_over_the_pairs_without_cpu_steal(
     import json
     from types import SimpleNamespace
 
-    from wavepp.bench import handoff as bench
+    from benchmarks import handoff as bench
 
     runs = iter([(100.0, 0.0), (80.0, 0.01),  # off, on: quiet
                  (90.0, 0.1), (100.0, 0.0),  # on, off: the on run lost 10%

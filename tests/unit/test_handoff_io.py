@@ -71,7 +71,7 @@ def test_a_read_ends_as_what_is_there_says(sent, closes, n, outcome):
 def test_a_connect_to_a_unix_listener_with_a_full_backlog_waits_for_room(tmp_path):
     """Such a connect fails at once with EAGAIN (a Unix socket never connects in the
     background): it is tried again until the listener takes a connection."""
-    from tests.handoff_rig import fill_backlog
+    from tests.helpers.handoff_rig import fill_backlog
     from wavepp.handoff._io import connect
     from wavepp.handoff.wire import Address
 

@@ -372,7 +372,7 @@ def test_pool_pieces_are_views_of_the_pool_one_per_run(dtype):
 def test_a_band_over_tcp_to_the_library_receiver_is_checked_and_acknowledged(inline):
     """The other transport, against ``wavepp.handoff``'s own Receiver (which checks the
     band against its model before taking it)."""
-    from tests.handoff_rig import ReceiverThread
+    from tests.helpers.handoff_rig import ReceiverThread
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
               "num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 64,
@@ -626,7 +626,7 @@ def test_a_band_whose_reads_wait_on_other_ranks_never_goes_out_from_the_event_lo
 def test_a_thread_band_waits_for_room_in_a_full_unix_backlog(sock_path):
     """A receiver behind on ``accept``: its listener's backlog is full, and a Unix
     connect fails at once (EAGAIN). The band tries again until there is room."""
-    from tests.handoff_rig import fill_backlog
+    from tests.helpers.handoff_rig import fill_backlog
 
     receiver = Receiver(sock_path)  # listening, not accepting yet
     fillers = fill_backlog(sock_path)
@@ -659,7 +659,7 @@ def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload
     over a thousand) and copied tensors into it: the receiver's tensors hold every byte,
     and a second band from the same process is lent the same segment. Each band also
     gets a segment reserved for the stage's next band."""
-    from tests.handoff_rig import ReceiverThread
+    from tests.helpers.handoff_rig import ReceiverThread
     from wavepp.exec.handoff_send import IOV_MAX
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
 
@@ -928,7 +928,7 @@ def test_a_stages_next_band_goes_into_the_segment_reserved_for_it(sock_path):
     """The first band is offered a segment (an answer to wait for before writing); each
     band asks for a segment for the next, which is then written into with no answer
     to wait for: one wait per band, the ack's. Every band arrives whole."""
-    from tests.handoff_rig import ReceiverThread
+    from tests.helpers.handoff_rig import ReceiverThread
 
     waits = []
     real = handoff_send._take_segment
@@ -949,7 +949,7 @@ def test_a_stages_next_band_goes_into_the_segment_reserved_for_it(sock_path):
 def test_a_reservation_a_restarted_receiver_never_made_sends_the_band_on_the_socket(sock_path):
     """The stage holds a segment the receiver before reserved; the one now at that path
     does not know it: it answers size 0 and the band's bytes come over the socket."""
-    from tests.handoff_rig import ReceiverThread
+    from tests.helpers.handoff_rig import ReceiverThread
 
     first = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
     second = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
@@ -969,7 +969,7 @@ def test_a_reservation_a_restarted_receiver_never_made_sends_the_band_on_the_soc
 
 def test_a_reservation_from_a_receiver_gone_since_fails_the_band_as_connect_and_is_let_go(
         sock_path):  # fmt: skip
-    from tests.handoff_rig import ReceiverThread
+    from tests.helpers.handoff_rig import ReceiverThread
 
     rx = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
     rx.__enter__()

@@ -358,7 +358,7 @@ def test_expected_tensors_match_wavepp_layers():
 
 def test_transformers_configs_fingerprint():
     transformers = pytest.importorskip("transformers")
-    from tests.parity.families import kimi_config, minimax_config, qwen_config
+    from tests.helpers.families import kimi_config, minimax_config, qwen_config
 
     assert fingerprint_from_hf_config(kimi_config().to_dict(), "float32").layer_kinds == "LLMLM"
     assert fingerprint_from_hf_config(qwen_config().to_dict(), "float32").layer_kinds == "LLALA"

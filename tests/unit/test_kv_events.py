@@ -10,8 +10,8 @@ import anyio
 import numpy as np
 import pytest
 
-from wavepp.fleet.changes import Announcer, PipelineView, StageLog, report_limit
-from wavepp.fleet.events import (
+from wavepp.kv_events.changes import Announcer, PipelineView, StageLog, report_limit
+from wavepp.kv_events.events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -20,7 +20,7 @@ from wavepp.fleet.events import (
     removed,
     stored,
 )
-from wavepp.fleet.index import ReplicaIndex, subscribe
+from wavepp.kv_events.index import ReplicaIndex, subscribe
 from wavepp.policy import DEFAULT
 from wavepp.rounds.messages import (
     CacheReport,
@@ -177,7 +177,7 @@ def test_the_index_follows_the_groups():
 
 
 def _batch(events):
-    from wavepp.fleet.events import KVEventBatch
+    from wavepp.kv_events.events import KVEventBatch
 
     return KVEventBatch(ts=0.0, events=events)
 

@@ -6,38 +6,15 @@ or one after a single token; attention, MLA and recurrent last layers; MoE MLPs.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from wavepp.exec.base import ChunkWork
+from tests.helpers.waves import MODELS, waves
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.model import BUILTIN, build_stage, llama_config, random_weights
+from wavepp.model import build_stage, random_weights
 from wavepp.model.attention import PagedBatch
 
 BS = 16
-# The last layer: GQA (llama), MLA with a MoE MLP (kimi), gated linear attention.
-RECURRENT_LAST = llama_config(vocab_size=512, d_model=64, num_layers=4, pattern="AL",
-                              num_heads=4, num_kv_heads=2, head_dim=16, d_ff=128,
-                              linear_heads=2, linear_head_dim=16)  # fmt: skip
-MODELS = {"llama": BUILTIN["tiny-llama"], "kimi": BUILTIN["tiny-kimi"],
-          "recurrent-last": RECURRENT_LAST}  # fmt: skip
-
-
-def _chunk(rid, tokens, start, end, table, points=(), slots=()) -> ChunkWork:
-    return ChunkWork(rid, start, end, len(tokens), tuple(table), points, False,
-                     snapshot_slots=slots, tokens=tokens[start:end])  # fmt: skip
-
-
-def _waves(vocab: int) -> list[list[ChunkWork]]:
-    rng = np.random.default_rng(5)
-    a, b, c = (rng.integers(0, vocab, n) for n in (70, 45, 33))
-    ta, tb, tc = list(range(0, 5)), [5, 6, 7], [8, 9, 10]
-    return [
-        [_chunk("a", a, 0, 40, ta, (2,), (0,)), _chunk("c", c, 0, 20, tc)],  # ends none
-        [_chunk("a", a, 40, 70, ta), _chunk("b", b, 0, 45, tb), _chunk("c", c, 20, 32, tc)],
-        [_chunk("c", c, 32, 33, tc)],  # one token, ending c
-    ]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -47,7 +24,7 @@ def test_last_layer_outputs_only_where_read(name):
     full = TorchExecutor(stage, 16, BS, snapshot_capacity=4, full_last_layer=True)
     pruned = TorchExecutor(stage, 16, BS, snapshot_capacity=4)
     ended = []
-    for wave in _waves(cfg.vocab_size):
+    for wave in waves(cfg.vocab_size):
         full.forward(wave, None)
         _, results = pruned.forward(wave, None)
         ended.append(sorted(results))
@@ -67,7 +44,7 @@ def test_last_layer_outputs_only_where_read(name):
 def test_a_middle_stage_passes_every_row_on():
     cfg = MODELS["llama"]
     stage = build_stage(cfg, range(2), True, False, random_weights(cfg, 0))
-    x, _ = TorchExecutor(stage, 16, BS).forward(_waves(cfg.vocab_size)[1], None)
+    x, _ = TorchExecutor(stage, 16, BS).forward(waves(cfg.vocab_size)[1], None)
     assert x.shape == (30 + 45 + 12, cfg.d_model)
 
 

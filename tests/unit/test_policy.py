@@ -24,7 +24,6 @@ from wavepp.policy import (
 from wavepp.rounds import ProtocolError
 from wavepp.rounds.admission import (
     Offer,
-    Policy,
     RoundMode,
     round_over,
     settle,
@@ -92,12 +91,6 @@ def test_policy_builds_caches_with_its_eviction_order():
     lfu = load_policy("examples.policies.lfu:POLICY")
     assert lfu.empty_cache(8).eviction is lfu.eviction
     assert DEFAULT.empty_cache(8, snapshot_capacity=3).snapshot_capacity == 3
-
-
-def test_old_round_mode_name_still_builds_a_round_mode():
-    mode = Policy(block_size=4, linear_probe=True, eager=True)
-    assert isinstance(mode, RoundMode) and mode.eager
-    assert mode.policy.probe is state.probe_linear
 
 
 def test_default_placement_every_interval_and_the_request_end():

@@ -2,7 +2,7 @@
 
 import json
 
-from wavepp.bench.probe import main
+from benchmarks.probe import main
 
 
 def test_hybrid_case_small(tmp_path):

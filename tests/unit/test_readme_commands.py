@@ -13,11 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-MODULES = sorted(set(re.findall(r"-m\s+(wavepp[\w.]*\w)", README)))
+MODULES = sorted(set(re.findall(r"-m\s+((?:wavepp|benchmarks)[\w.]*\w)", README)))
 
 
 def test_the_readme_shows_commands():
-    assert {"wavepp.main", "wavepp.serve", "wavepp.serve.launch", "wavepp.bench.kernels"} <= set(
+    assert {"wavepp.main", "wavepp.serve", "wavepp.serve.launch", "benchmarks.kernels"} <= set(
         MODULES
     )
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fake_engine import FakeEngine, expected_first_token
+from tests.helpers.fake_engine import FakeEngine, expected_first_token
 from wavepp.serve.api import parse_prefill
 from wavepp.serve.app import ServeOptions, build_app
 from wavepp.serve.prom import parse_exposition, sample

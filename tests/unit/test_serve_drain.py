@@ -10,7 +10,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from wavepp.ids import id_problem
 from wavepp.serve.app import ServeOptions
 from wavepp.serve.server import serve

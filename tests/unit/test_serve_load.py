@@ -8,7 +8,7 @@ import anyio
 import numpy as np
 import pytest
 
-from tests.fake_engine import FakeEngine, expected_first_token
+from tests.helpers.fake_engine import FakeEngine, expected_first_token
 from wavepp.bench.load import amain, parser, table, validate
 from wavepp.serve.app import ServeOptions
 from wavepp.serve.server import serve

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from tests.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine
 from wavepp.engine import Engine
 from wavepp.serve.protocol import ServedEngine
 

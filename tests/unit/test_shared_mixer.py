@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.unit.test_last_layer import MODELS, _waves
+from tests.helpers.waves import MODELS, waves
 from wavepp.exec.handoff_send import BandJob
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.model import build_stage, random_weights
@@ -55,7 +55,7 @@ def test_two_stages_sharing_a_mixer_equal_one_stage(name, share):
     cfg = MODELS[name]
     whole, first, rest = _stages(cfg, share)
     k = cfg.pattern.index("A")  # llama: layer 0, kimi (MLA): layer 3
-    for wave in _waves(cfg.vocab_size):
+    for wave in waves(cfg.vocab_size):
         whole.forward(wave, None)
         x, _ = first.forward(wave, None)
         n = sum(c.end - c.start for c in wave)
@@ -90,7 +90,7 @@ def test_what_cannot_be_shared_is_refused():
     with pytest.raises(ValueError, match="without its MLP"):
         TorchExecutor(whole, 16, BS, shared_last=0.5)
     _, _, rest = _stages(llama, 0.5)
-    wave = _waves(llama.vocab_size)[0]
+    wave = waves(llama.vocab_size)[0]
     n = sum(c.end - c.start for c in wave)
     with pytest.raises(ValueError, match="sharing"):  # the earlier stage's rows missing
         rest.forward(wave, torch.zeros(n, llama.d_model))

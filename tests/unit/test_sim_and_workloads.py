@@ -43,6 +43,17 @@ def test_paper_models_have_their_public_sizes():
     assert MODELS["kimi-linear-48b"].pattern.count("M") == 6
 
 
+def test_sim_models_are_the_model_configs_wavepp_reads():
+    from wavepp.model.config import ModelConfig
+
+    for m in MODELS.values():
+        assert isinstance(m.config, ModelConfig)
+        assert m.pattern.replace("M", "A") == m.config.pattern  # M: MLA, paged as A
+        assert m.num_layers == m.config.num_layers and m.vocab == m.config.vocab_size
+    assert MODELS["qwen3-next-80b"].pattern == "LLLA" * 12
+    assert MODELS["glm5-class"].pattern == "M" * 78
+
+
 def test_mla_caches_the_latent_and_the_rotary_key():
     glm = MODELS["glm5-class"]
     assert glm.kv_bytes_per_token(5) == (512 + 64) * 2

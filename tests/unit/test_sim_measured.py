@@ -1,4 +1,4 @@
-"""The measured device profile (wavepp.sim.measured), its fit (wavepp.bench.calibrate),
+"""The measured device profile (wavepp.sim.measured), its fit (wavepp.sim.calibrate),
 the sim's seeded noise and the planner's generic prior."""
 
 import json
@@ -14,11 +14,11 @@ import attrs
 import numpy as np
 import pytest
 
-from wavepp.bench.calibrate import fit_part, nnls
 from wavepp.config import RunConfig
 from wavepp.exec.base import ChunkWork
 from wavepp.launch.backends import DatasheetBackend, backend_for
 from wavepp.plan.placement import WaveShape, share_row
+from wavepp.sim.calibrate import fit_part, nnls
 from wavepp.sim.executor import SimExecutor, StageCostModel, attention_pairs
 from wavepp.sim.measured import (
     MAX_FILE_BYTES,
@@ -244,7 +244,7 @@ def test_the_planners_prior_is_not_the_simulators_cost_function():
 
 def test_calibrate_then_simulate_end_to_end(tmp_path):
     # a two-point calibration of tiny-llama, then a one-stage sim run from its profile
-    from wavepp.bench import calibrate
+    from wavepp.sim import calibrate
 
     grid = ((1, 64, 0), (2, 128, 64), (4, 32, 0), (1, 256, 0))
     record = calibrate.calibrate("tiny-llama", 1, "float32", 16, 2, 0, log=lambda _: None,
@@ -287,7 +287,7 @@ def test_the_sim_noise_default_is_the_validations_measured_spread():
     validation (docs/results/validate-quick.json), not a figure of judgement."""
     from pathlib import Path
 
-    from wavepp.bench.validate import run_spread
+    from benchmarks.validate import run_spread
     from wavepp.config import SIM_NOISE
 
     record = Path(__file__).parents[2] / "docs" / "results" / "validate-quick.json"
@@ -296,7 +296,7 @@ def test_the_sim_noise_default_is_the_validations_measured_spread():
 
 
 def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
-    from wavepp.bench.validate import CORES, Spec, row, run_spread, table
+    from benchmarks.validate import CORES, Spec, row, run_spread, table
 
     def runs(*pairs, util=(0.5, 0.25), waves=(4, 4)):
         return [{"throughput_tok_s": t, "completion_p50_s": p, "makespan_s": 2.0,
@@ -335,7 +335,7 @@ def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
 
 
 def test_a_recorded_validation_prints_again_with_its_notes_worked_out_anew(tmp_path, capsys):
-    from wavepp.bench.validate import main
+    from benchmarks.validate import main
 
     record = Path(__file__).parents[2] / "docs" / "results" / "validate-quick.json"
     out = tmp_path / "again.json"

@@ -22,7 +22,7 @@ from wavepp.exec.tp import (
 from wavepp.launch.setup import preflight
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.rounds.messages import CodecError, decode_untrusted
-from wavepp.state import BlockHash, RequestId
+from wavepp.state import RequestId
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,12 @@ def chunk(**fields) -> ChunkWork:
 
 
 def test_a_chunk_survives_the_wire_exactly():
-    work = chunk(snapshot_keys=(BlockHash(2**63 - 1),), prefix_key=BlockHash(5), handoff=True)
+    work = chunk(handoff=True)
     raw = _ENCODER.encode(RunPost([_posted(work)]))
     post = decode_untrusted(raw, Post)
     back = _work(post.chunks[0])
     for field in ("request_id", "start", "end", "num_tokens", "block_table", "snapshot_points",
-                  "free", "snapshot_slots", "resume_slot", "snapshot_keys", "prefix_key",
-                  "handoff"):  # fmt: skip
+                  "free", "snapshot_slots", "resume_slot", "handoff"):  # fmt: skip
         assert getattr(back, field) == getattr(work, field), field
     assert back.tokens.tolist() == work.tokens.tolist()
 

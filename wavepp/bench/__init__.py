@@ -1,7 +1,6 @@
-"""Benchmarks.
+"""The load generator for a running server or router: ``python -m wavepp.bench.load``.
 
-- ``python -m wavepp.bench``: the (workload x concurrency x rung) matrix (``matrix.py``);
-- ``python -m wavepp.bench.plot``: its pictures;
-- ``python -m wavepp.bench.probe``: the state core at 200K-token scale;
-- ``python -m wavepp.bench.torch_exec``: the torch executor against transformers, PP2.
+The experiments behind ``docs/benchmarks.md`` (the matrix, plots, probes, scaling,
+calibration checks, comparisons) are in the repository's ``benchmarks/``, run from its
+root as ``python -m benchmarks.<name>``; they are not part of the installed package.
 """

@@ -33,9 +33,9 @@ import attrs
 import httpx
 import numpy as np
 
-from wavepp.bench._stats import percentile
 from wavepp.route.prom import fleet_figures
 from wavepp.serve.prom import parse_exposition, sample
+from wavepp.stats import percentile
 from wavepp.workload import (
     RequestSpec,
     cold,

@@ -22,6 +22,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
+from wavepp.dtypes import FLOATS
 from wavepp.handoff import _io
 from wavepp.handoff.client import (
     DECODE_MAGIC,
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0,
                         help="torch CPU threads (default: torch's choice)")  # fmt: skip
     parser.add_argument("--dtype", default="float32",
-                        choices=["float32", "bfloat16", "float16"],
+                        choices=FLOATS,
                         help="the model's and the handed-off attention tensors' dtype "
                         "(the pipeline's --dtype)")  # fmt: skip
     parser.add_argument("--request-timeout-s", type=float, default=300.0,

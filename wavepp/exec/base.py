@@ -28,12 +28,9 @@ class ChunkWork:
     snapshot_points: tuple[int, ...]  # block counts after which to save recurrent state
     free: bool  # warm-up chunk: run for its cache effects, not charged
     # Snapshot pool slot (0..snapshot_capacity-1) to save the state into, per snapshot
-    # point, same order; empty while the stage passes snapshot_keys instead.
+    # point, same order.
     snapshot_slots: tuple[int, ...] = ()
     resume_slot: int | None = None  # slot holding the state after block start/bs - 1
-    # Deprecated (until stage.py passes slots): block-hash keys of the same snapshots.
-    snapshot_keys: tuple[BlockHash, ...] = ()  # hash of block k-1 for each snapshot point k
-    prefix_key: BlockHash | None = None  # hash of block start/bs - 1: the snapshot to resume
     tokens: np.ndarray | None = None  # stage 0: token ids start..end-1
     handoff: bool = False  # the request hands its cache on: on its last chunk, keep its
     #                        final recurrent states for the band (TorchExecutor.take_final)

@@ -6,7 +6,7 @@ thread that starts a parallel region. Once a process's teams hold more threads t
 has cores, libgomp stops letting idle workers spin (about a hundred tries, then sleep),
 so each of a wave's thousands of parallel regions wakes its workers through the kernel.
 Start-up work on the main thread and waves on a compute thread made two teams: at P = 1
-on two cores (two threads), ``bench.vllm_compare``'s shared-4k row through
+on two cores (two threads), ``benchmarks.vllm_compare``'s shared-4k row through
 ``torchrun --nproc-per-node 1 -m wavepp.main`` ran at 41-53K tok/s with 4,400 voluntary
 context switches, and at 58-62K with 600 once everything ran on this thread (three
 interleaved runs each). So a rank does all of its torch work here, and other threads

@@ -7,10 +7,10 @@ import os
 
 import torch
 
+from wavepp.dtypes import torch_dtype
 from wavepp.host import usable_cores
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_device(choice: str) -> torch.device:
@@ -30,9 +30,8 @@ def pick_device(choice: str) -> torch.device:
 
 
 def pick_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    """``--dtype``'s torch dtype (one of ``wavepp.dtypes.FLOATS``)."""
+    return torch_dtype(name)
 
 
 def default_threads() -> int:

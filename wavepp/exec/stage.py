@@ -18,7 +18,7 @@ import torch
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
 from wavepp.exec.handoff_send import BandJob, HandoffSender, HandoffSettings
-from wavepp.fleet.changes import StageLog
+from wavepp.kv_events.changes import StageLog
 from wavepp.policy import DEFAULT, ChunkSpan, Policy
 from wavepp.rounds.admission import Offer, StageBook
 from wavepp.rounds.errors import ProtocolError

@@ -10,14 +10,12 @@ Each layer kind declares its cache (the seam in ``wavepp.model``):
   convolution's state; or one state for gated linear attention). Running requests keep
   a live state; snapshots live in a preallocated pool ``[snapshot_capacity, *part]``
   per layer and part, addressed by slot: ``ChunkWork.snapshot_slots`` to save into,
-  ``resume_slot`` to resume from. While the stage still passes block-hash keys
-  (``snapshot_keys`` / ``prefix_key``), a bounded key -> slot map stands in, its slots
-  freed by ``forget``.
+  ``resume_slot`` to resume from.
 
 The cache effects are exactly the ones the reducers decided: this class only reads and
 writes the slots it is told. Nothing grows without bound: pools are preallocated, live
-states end with their request (or ``cancel``), the key map is bounded by the snapshot
-pool, the last logits kept for inspection by ``KEEP_LOGITS``.
+states end with their request (or ``cancel``), the last logits kept for inspection by
+``KEEP_LOGITS``.
 
 Weights, pools and states live on one device (recurrent states in fp32, pools in the
 weights' dtype). A wave's token-wise work (projections, MLP, experts) runs on all its
@@ -48,11 +46,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from wavepp.dtypes import name_of
 from wavepp.exec import compute
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.handoff_send import BandTensor, dtype_name, pool_rows
+from wavepp.exec.handoff_send import BandTensor, pool_rows
 from wavepp.model import cpu_kernel
-from wavepp.model.attention import PagedBatch, paged_attention, to_queries
+from wavepp.model.attention import PagedBatch, to_queries
 from wavepp.model.fused import FusedLayer, fusable
 from wavepp.rounds.messages import MAX_MESSAGE_BYTES
 from wavepp.state import BlockHash, RequestId
@@ -140,9 +139,6 @@ class TorchExecutor:
         self.block_size = block_size
         weight = next(modules.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        # The attention kernel over the paged pool (swappable: the benchmark compares it
-        # with the old copying path).
-        self.attention = paged_attention
         # Built now (a C++ build of about 15 s, once per machine), not in a wave.
         self.attention_kernel = (cpu_kernel.describe(self.device, self.dtype)
                                  if any(m.paged for m in self._mixers()) else None)  # fmt: skip
@@ -167,8 +163,6 @@ class TorchExecutor:
         # ended requests that hand their cache on: their states after the last token,
         # until the stage's sender takes them (take_final) or the request is cancelled
         self.finals: dict[RequestId, dict[int, State]] = {}
-        self._key_slots: dict[BlockHash, int] = {}  # block-hash key path: hash -> slot
-        self._free_slots = list(range(self.snapshot_capacity - 1, -1, -1))
         self.last_logits: OrderedDict[RequestId, torch.Tensor] = OrderedDict()
         if self.device.type == "cpu":
             keep_freed_memory()
@@ -223,11 +217,7 @@ class TorchExecutor:
         return StageOutput(out, time.perf_counter() - started, results)
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
-        """Blocks dropped by the state; on the key path their snapshots' slots free up."""
-        for block in evicted:
-            slot = self._key_slots.pop(block, None)
-            if slot is not None:
-                self._free_slots.append(slot)
+        """Nothing is kept for a block: the state owns every KV and snapshot slot."""
 
     def prior_cost(self) -> tuple[float, float, float, float]:
         """A rough (a, c, d, floor) prior for the cost planner: FLOPs at 10 GFLOP/s."""
@@ -302,7 +292,7 @@ class TorchExecutor:
                     # on the CPU the bytes go out from the pool's blocks: a view per run
                     pieces = (partial(_pool_pieces, pool, runs) if pool.device.type == "cpu"
                               else None)  # fmt: skip
-                    out.append(BandTensor(i, name, dtype_name(pool.dtype), (n, *pool.shape[1:]),
+                    out.append(BandTensor(i, name, name_of(pool.dtype), (n, *pool.shape[1:]),
                                           partial(_gather, pool, rows), pieces))  # fmt: skip
             else:
                 states = job.states.get(i)
@@ -346,7 +336,7 @@ class TorchExecutor:
         batch = PagedBatch([0], [n], [[0]], self.block_size, self.device)
         x = torch.zeros(n, self.cfg.d_model, device=self.device, dtype=self.dtype)
         for i, fused in self.fused.items():
-            fused(x, batch, self.pools[i], self.attention)
+            fused(x, batch, self.pools[i])
         for pool in self.pools.values():
             for tensor in pool.values():
                 tensor[:n].zero_()
@@ -394,7 +384,7 @@ class TorchExecutor:
         for i in self.m.layer_ids:
             queries = final if i == self.m.layer_ids[-1] else None
             if i in self.fused:
-                x = self.fused[i](x, batch, self.pools[i], self.attention, queries)
+                x = self.fused[i](x, batch, self.pools[i], queries)
                 continue
             layer = self.m.layer(i)
             if done is not None and i == self.m.layer_ids[0]:
@@ -432,7 +422,7 @@ class TorchExecutor:
         h = layer.input_layernorm(x)
         mixer = layer.mixer
         if mixer.paged:
-            mixed = mixer.paged_forward(h, batch, self.pools[i], self.attention, queries)
+            mixed = mixer.paged_forward(h, batch, self.pools[i], queries)
         else:
             mixed = torch.cat([self._recurrent(i, mixer, c, h[a:b])
                                for c, (a, b) in zip(chunks, batch.spans, strict=True)])  # fmt: skip
@@ -452,8 +442,7 @@ class TorchExecutor:
         m = batch.share_row(self.shared_first if later else self.shared_last,
                             self.cfg.d_model // 2)  # fmt: skip
         rows = batch.query_rows(m, n) if later else batch.query_rows(0, m)
-        mixed = layer.mixer.paged_forward(layer.input_layernorm(x), batch, self.pools[i],
-                                          self.attention, rows)  # fmt: skip
+        mixed = layer.mixer.paged_forward(layer.input_layernorm(x), batch, self.pools[i], rows)
         if later:
             return torch.cat([done.to(x.device, x.dtype), x[m:] + mixed])
         return torch.cat([x, x[:m] + mixed])
@@ -466,33 +455,19 @@ class TorchExecutor:
         if c.start == 0:
             return None
         slot = c.resume_slot
-        if slot is None and c.prefix_key is not None:
-            slot = self._key_slots.get(c.prefix_key)
         if slot is None:
             raise RuntimeError(
                 f"{c.request_id}: no recurrent state to resume at token {c.start} on layer {i} "
-                "(no live state, no resume_slot, no snapshot under prefix_key)"
+                "(no live state, no resume_slot)"
             )
         return {part: pool[slot].clone() for part, pool in self.snapshot_pools[i].items()}
 
-    def _save_slots(self, c: ChunkWork) -> list[int]:
-        """Snapshot slots for c.snapshot_points: given, or (key path) taken from the map."""
-        if c.snapshot_slots or not c.snapshot_points:
-            if len(c.snapshot_slots) != len(c.snapshot_points):
-                raise ValueError(f"{c.request_id}: {len(c.snapshot_points)} snapshot points but "
-                                 f"{len(c.snapshot_slots)} slots")  # fmt: skip
-            return list(c.snapshot_slots)
-        slots = []
-        for key in c.snapshot_keys:
-            if key not in self._key_slots:
-                if not self._free_slots:
-                    raise RuntimeError(
-                        f"snapshot pool of {self.snapshot_capacity} slots is full; "
-                        "pass snapshot_slots from the state's snapshot pool"
-                    )
-                self._key_slots[key] = self._free_slots.pop()
-            slots.append(self._key_slots[key])
-        return slots
+    def _save_slots(self, c: ChunkWork) -> tuple[int, ...]:
+        """The snapshot slots of c.snapshot_points, one each."""
+        if len(c.snapshot_slots) != len(c.snapshot_points):
+            raise ValueError(f"{c.request_id}: {len(c.snapshot_points)} snapshot points but "
+                             f"{len(c.snapshot_slots)} slots")  # fmt: skip
+        return c.snapshot_slots
 
     def _recurrent(self, i: int, mixer: nn.Module, c: ChunkWork, h: torch.Tensor) -> torch.Tensor:
         # h: [n, d_model] at positions c.start..c.end-1

@@ -12,7 +12,7 @@ data plane's waves to and from the neighbouring stages' leaders. The other ranks
 **followers**, keep no book and take part in no round: they run exactly what the
 leader's executor is asked to run, in the order it is asked. :class:`TPLeader` wraps the
 leader's executor and posts every call (a wave's chunks with their block tables and
-snapshot slots and the wave's activations; ``forget``; ``cancel``) to each follower,
+snapshot slots and the wave's activations; ``cancel``; a band's shards) to each follower,
 from a thread of its own, before running it itself; :func:`follow_leader` runs them on a
 follower. So the T ranks hold the same cache decisions because there is one decider.
 The posts travel as the data plane's frames over Gloo pair groups (leader -> follower):
@@ -146,18 +146,12 @@ class PostedChunk(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     free: bool
     snapshot_slots: list[int]
     resume_slot: int | None
-    snapshot_keys: list[int]
-    prefix_key: int | None
     tokens: list[int] | None
     handoff: bool
 
 
 class RunPost(msgspec.Struct, tag="run", array_like=True, forbid_unknown_fields=True):
     chunks: list[PostedChunk]
-
-
-class ForgetPost(msgspec.Struct, tag="forget", array_like=True, forbid_unknown_fields=True):
-    blocks: list[int]
 
 
 class CancelPost(msgspec.Struct, tag="cancel", array_like=True, forbid_unknown_fields=True):
@@ -176,7 +170,7 @@ class StopPost(msgspec.Struct, tag="stop", array_like=True, forbid_unknown_field
     pass
 
 
-Post = RunPost | ForgetPost | CancelPost | BandPost | StopPost
+Post = RunPost | CancelPost | BandPost | StopPost
 
 
 class Shard(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -197,19 +191,14 @@ def _posted(c: ChunkWork) -> PostedChunk:
     tokens = None if c.tokens is None else np.asarray(c.tokens).tolist()
     return PostedChunk(c.request_id, c.start, c.end, c.num_tokens, list(c.block_table),
                        list(c.snapshot_points), c.free, list(c.snapshot_slots), c.resume_slot,
-                       [int(k) for k in c.snapshot_keys],
-                       None if c.prefix_key is None else int(c.prefix_key), tokens,
-                       c.handoff)  # fmt: skip
+                       tokens, c.handoff)  # fmt: skip
 
 
 def _work(c: PostedChunk) -> ChunkWork:
     tokens = None if c.tokens is None else np.asarray(c.tokens, dtype=np.int64)
     return ChunkWork(RequestId(c.request_id), c.start, c.end, c.num_tokens,
                      tuple(c.block_table), tuple(c.snapshot_points), c.free,
-                     tuple(c.snapshot_slots), c.resume_slot,
-                     tuple(BlockHash(k) for k in c.snapshot_keys),
-                     None if c.prefix_key is None else BlockHash(c.prefix_key), tokens,
-                     c.handoff)  # fmt: skip
+                     tuple(c.snapshot_slots), c.resume_slot, tokens, c.handoff)  # fmt: skip
 
 
 class PostError(RuntimeError):
@@ -349,8 +338,7 @@ class _Digest:
         self._hash.update((0 if tensor is None else tensor.shape[0]).to_bytes(8, "little"))
 
     def final(self, executor: TorchExecutor) -> bytes:
-        state = {"live": sorted(executor.live), "finals": sorted(executor.finals),
-                 "key_slots": sorted(executor._key_slots.items())}  # fmt: skip
+        state = {"live": sorted(executor.live), "finals": sorted(executor.finals)}
         self._hash.update(msgspec.json.encode(state))
         return self._hash.digest()
 
@@ -410,7 +398,8 @@ class TPLeader:
         return await self.local.run(chunks, activations)
 
     def forget(self, evicted: Sequence[BlockHash]) -> None:
-        self._post(ForgetPost([int(b) for b in evicted]))
+        """Nothing to tell the followers: the state owns every slot (``forget`` keeps
+        nothing on a torch executor)."""
         self.local.forget(evicted)
 
     def cancel(self, rid: RequestId) -> None:
@@ -494,8 +483,6 @@ def follow_leader(executor: TorchExecutor, groups: StageGroups, tp: int,
                 raise PostError("stage 0 embeds its tokens; later stages take activations")
             check_chunks(post.chunks, executor, None if tensor is None else tensor.shape[0])
             executor.forward([_work(c) for c in post.chunks], tensor)
-        elif isinstance(post, ForgetPost):
-            executor.forget([BlockHash(b) for b in post.blocks])
         elif isinstance(post, CancelPost):
             executor.cancel(RequestId(post.request_id))
         elif isinstance(post, BandPost):

@@ -1,32 +1,4 @@
-"""A fleet of pipelines: KV events in vLLM's format and the index a router keeps of them
-(``docs/fleet.md``). ``python -m wavepp.fleet`` launches a fleet (``__main__``).
-
-Importing this package loads neither ZMQ nor torch: the publisher and the subscriber
-import pyzmq when they start.
+"""The fleet launcher: ``python -m wavepp.fleet`` starts N pipelines and a router on one
+node (``__main__``, ``docs/fleet.md``). The KV events the replicas publish and the router
+indexes are ``wavepp.kv_events``.
 """
-
-from wavepp.fleet.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventPublisher,
-    EventsError,
-    KVEventBatch,
-    decode_batch,
-    encode_batch,
-)
-from wavepp.fleet.index import Feed, ReplicaIndex, subscribe
-
-__all__ = [
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "EventPublisher",
-    "EventsError",
-    "Feed",
-    "KVEventBatch",
-    "ReplicaIndex",
-    "decode_batch",
-    "encode_batch",
-    "subscribe",
-]

@@ -16,7 +16,8 @@ from wavepp.exec import compute
 from wavepp.exec.base import Executor
 from wavepp.exec.stage import Stage
 from wavepp.exec.tp import StageGroups, StagePlan, send_plan
-from wavepp.fleet.changes import StageLog, report_limit
+from wavepp.ids import RETAINED_IDS
+from wavepp.kv_events.changes import StageLog, report_limit
 from wavepp.launch.backends import Backend
 from wavepp.launch.lifecycle import FAULT_GRACE_S, Lifecycle, reason
 from wavepp.launch.log import log
@@ -36,7 +37,6 @@ from wavepp.runtime.planning import WavePlanner
 from wavepp.transport.planes import Planes
 from wavepp.transport.watchdog import Watchdog
 
-RETAIN_ENDED = 10_000  # a server: ended requests whose ids stay taken (wavepp.ids.ID_RULE)
 Client = Callable[[Engine], Awaitable[None]]
 
 
@@ -93,8 +93,8 @@ def stage_plan(c: RunConfig, rank: int, world: int, setup: Setup) -> StagePlan:
 
 def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool):
     """Rank 0 with --kv-events: the publisher (bound now) and what feeds it."""
-    from wavepp.fleet.changes import Announcer, PipelineView
-    from wavepp.fleet.events import EventPublisher
+    from wavepp.kv_events.changes import Announcer, PipelineView
+    from wavepp.kv_events.events import EventPublisher
 
     try:
         publisher = EventPublisher(c.kv_events, kv_events_replay(c), topic=c.kv_events_topic,
@@ -129,7 +129,7 @@ class RankZero:
             min_capacity=setup.min_capacity, vocab_size=setup.vocab,
             ring=c.ring or 2 * world, max_batch=c.max_batch, heartbeat_s=c.heartbeat_s,
             log=log, num_stages=world, handoff_target=parts.handoff_targets,
-            events=announcer, retain_ended=None if client is None else RETAIN_ENDED,
+            events=announcer, retain_ended=None if client is None else RETAINED_IDS,
             timeline=bool(c.trace_out),
         )  # fmt: skip
         self.engine = Engine(self.coordinator, vocab_size=setup.vocab,

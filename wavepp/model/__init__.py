@@ -24,7 +24,7 @@ The layer-kind seam the executor (``wavepp.exec.torch_exec``) relies on, every m
 - a **paged** kind (``paged = True``) declares ``cache_layout() -> {name: entry shape}``,
   the per-token entries it keeps in the paged pool (``k``/``v`` ``[KV, hd]`` for GQA, a
   compressed ``latent`` ``[1, rank + rope]`` for MLA), and runs a whole wave with
-  ``paged_forward(h [T, d_model], batch, pools, attention, queries=None) -> [T, d_model]``:
+  ``paged_forward(h [T, d_model], batch, pools, queries=None) -> [T, d_model]``:
   it writes every new token's entries, and with ``queries``
   (``PagedBatch.last_tokens``) attends for those rows only and returns ``[R, d_model]``;
 - a **recurrent** kind (``paged = False``) declares ``state_shapes() -> {part: shape}``

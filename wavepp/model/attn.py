@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from wavepp.model.attention import to_queries, write_paged
+from wavepp.model.attention import paged_attention, to_queries, write_paged
 from wavepp.model.common import RMSNorm, apply_rope, rope_tables
 from wavepp.model.tp import NO_TP, TPGroup
 
@@ -161,22 +161,20 @@ class GQAttention(nn.Module):
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
 
-    def paged_attend(self, q, gate, k, v, batch, pools, attention,
-                     queries=None) -> torch.Tensor:  # fmt: skip
+    def paged_attend(self, q, gate, k, v, batch, pools, queries=None) -> torch.Tensor:
         """Store the wave's k/v in the pools, attend: [T, H * hd] (or [R, H * hd], the rows
         of ``queries``), gated, before ``o_proj``."""
         write_paged(pools["k"], batch, k)
         write_paged(pools["v"], batch, v)
         batch, q, gate = to_queries(batch, queries, q, gate)
-        out = attention(q, pools["k"], pools["v"], batch, self.head_dim**-0.5)  # [T, H, hd]
+        out = paged_attention(q, pools["k"], pools["v"], batch, self.head_dim**-0.5)  # [T, H, hd]
         return self.apply_gate(out.flatten(1), gate)
 
-    def paged_forward(self, h: torch.Tensor, batch, pools, attention,
-                      queries=None) -> torch.Tensor:  # fmt: skip
+    def paged_forward(self, h: torch.Tensor, batch, pools, queries=None) -> torch.Tensor:
         # h: [T, d_model], the wave's new tokens; their prefixes are in the pools;
         # with queries, the output is for their rows only ([R, d_model])
         q, gate, k, v = self.qkv(h, self.wave_rope(batch, h.dtype))
-        return self.o_proj(self.paged_attend(q, gate, k, v, batch, pools, attention, queries))
+        return self.o_proj(self.paged_attend(q, gate, k, v, batch, pools, queries))
 
 
 class LatentAttention(nn.Module):
@@ -246,8 +244,7 @@ class LatentAttention(nn.Module):
     def cache_layout(self) -> dict[str, tuple[int, ...]]:
         return {"latent": (1, self.rank + self.rope_dim)}
 
-    def paged_forward(self, h: torch.Tensor, batch, pools, attention,
-                      queries=None) -> torch.Tensor:  # fmt: skip
+    def paged_forward(self, h: torch.Tensor, batch, pools, queries=None) -> torch.Tensor:
         """Absorbed form: queries move into the latent space, so attention reads the
         latent pool as keys ([latent, k_shared]) and its leading ``rank`` dims as values.
         With ``queries``, the output is for their rows only ([R, d_model])."""
@@ -260,6 +257,7 @@ class LatentAttention(nn.Module):
         q_nope, q_shared = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_k)  # [T, H, rank]
         query = torch.cat([q_latent, q_shared], dim=-1)  # [T, H, rank + rope]
-        out = attention(query, pool, pool[..., : self.rank], batch, self.scale)  # [T, H, rank]
+        # out: [T, H, rank]
+        out = paged_attention(query, pool, pool[..., : self.rank], batch, self.scale)
         out = torch.einsum("thr,hvr->thv", out, w_v)  # [T, H, v]
         return self.o_proj(out.flatten(1))

@@ -84,7 +84,7 @@ class FusedLayer:
         self.layer = layer
         self.pre, self.post = _compiled("gqa_pre"), _compiled("swiglu_post")
 
-    def __call__(self, x: torch.Tensor, batch, pools, attention, queries=None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch, pools, queries=None) -> torch.Tensor:
         """x: [T, d_model] -> [T, d_model] (or [R, d_model], the rows of ``queries``, as
         ``paged_forward``), the same as the eager layer to fp32 rounding."""
         layer, mixer, mlp = self.layer, self.layer.mixer, self.layer.ffn
@@ -94,7 +94,7 @@ class FusedLayer:
         q, k, v = pre(x, norm.weight, norm.eps, mixer.q_proj.weight, mixer.k_proj.weight,
                       mixer.v_proj.weight, cos, sin, mixer.num_heads, mixer.num_kv_heads,
                       mixer.head_dim)  # fmt: skip
-        out = mixer.paged_attend(q, None, k, v, batch, pools, attention, queries)
+        out = mixer.paged_attend(q, None, k, v, batch, pools, queries)
         _, x = to_queries(batch, queries, x)
         if not x.shape[0]:
             return x

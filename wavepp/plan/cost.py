@@ -33,7 +33,7 @@ never a simulator's own cost function); waves at the floor measure d alone.
 Tuning cells. The rules of :func:`choose_budget` that were chosen by measuring — counting
 waves in flight and waiting work, the waiting work only where the admitted work lasts
 until it comes — were chosen on the three cells of the ``smoke`` preset
-(``wavepp.bench.matrix``; Qwen3-Next-80B on H200, P = 4, SIMULATED): ``cold-8k``
+(``benchmarks.matrix``; Qwen3-Next-80B on H200, P = 4, SIMULATED): ``cold-8k``
 c = 16, ``seeded-8k`` c = 16, ``short-suffix-8k`` c = 32.
 Judge R5 elsewhere: the ``paper-cells`` preset and the conversation workload were not
 used to choose them (docs/benchmarks.md).

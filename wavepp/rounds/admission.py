@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import attrs
 
@@ -51,7 +51,6 @@ from wavepp.state import (
     block_table,
     num_blocks_for,
     point_from_mask,
-    probe_linear,
     reuse_mask,
 )
 
@@ -74,22 +73,6 @@ class RoundMode:
     block_size: int  # tokens per block
     eager: bool = False  # R1/R2: allocate and evict at admission, not at first execution
     policy: _Rules = DEFAULT  # every decision point; see wavepp.policy
-
-
-def Policy(
-    block_size: int,
-    linear_probe: bool = False,
-    eager: bool = False,
-    probe_fn: Callable[[StageCache, Sequence[BlockHash], int | None], int] | None = None,
-    policy: _Rules = DEFAULT,
-) -> RoundMode:
-    """Deprecated: build a :class:`RoundMode` (R1's linear walk and ``--probe`` become
-    the policy's ``probe``)."""
-    if probe_fn is not None:
-        policy = attrs.evolve(policy, probe=probe_fn)
-    elif linear_probe:
-        policy = attrs.evolve(policy, probe=probe_linear)
-    return RoundMode(block_size=block_size, eager=eager, policy=policy)
 
 
 def check_eviction(cache: StageCache, mode: RoundMode) -> None:

@@ -13,12 +13,13 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from wavepp.ids import MAX_ID_CHARS
+
 MAX_MESSAGE_BYTES = 64 << 20  # one round or wave descriptor; more is refused undecoded
 MAX_ENTRIES = 65_536  # requests in one round / chunks in one wave
 MAX_STAGES = 4096  # pipeline stages
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 MAX_HASH_BYTES = 8 << 22  # 4M blocks: a 268M-token prompt at block 64
-MAX_ID_CHARS = 256
 MAX_ADDRESS_CHARS = 4096  # a handoff target: unix:/path, tcp://host:port, dir:/path
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
@@ -117,7 +118,7 @@ MAX_REPORT_HASHES = 1 << 20  # block hashes in one stage's CacheReport (8 MiB pa
 
 class CacheReport(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """One stage's cache changes since its last report, for rank 0's KV events
-    (``wavepp.fleet.changes``; docs/fleet.md). Every list is packed <u8 block hashes; each
+    (``wavepp.kv_events.changes``; docs/fleet.md). Every list is packed <u8 block hashes; each
     entry is a transition of the stage's reported view (stored: was not in it, is now),
     so rank 0 can count, per block, the stages that hold it."""
 

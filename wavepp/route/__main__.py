@@ -53,9 +53,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _events():
-    """The KV-event index and subscriber (wavepp.fleet.index), or (None, None) without them."""
+    """The KV-event index and subscriber (wavepp.kv_events.index), or (None, None) without them."""
     try:
-        from wavepp.fleet.index import ReplicaIndex, subscribe
+        from wavepp.kv_events.index import ReplicaIndex, subscribe
     except ImportError as error:
         log(f"no KV-event index ({error}): predicted reuse is 0 everywhere")
         return None, None

@@ -19,7 +19,8 @@ import msgspec
 import numpy as np
 
 from wavepp.ids import id_problem
-from wavepp.serve.api import MAX_DEADLINE_S, PRIORITY_RANGE
+from wavepp.serve.api import PRIORITY_RANGE
+from wavepp.workload import MAX_DEADLINE_S
 
 ID_FIELD = {"/v1/prefill": "id", "/v1/completions": "request_id"}
 

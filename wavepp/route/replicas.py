@@ -34,7 +34,7 @@ STATES = ("starting", "up", "draining", "out")
 
 
 class Index(Protocol):
-    """What the router asks of a replica's index (``wavepp.fleet.index.ReplicaIndex``)."""
+    """What the router asks of a replica's index (``wavepp.kv_events.index.ReplicaIndex``)."""
 
     num_blocks: int
 
@@ -203,7 +203,7 @@ class Replica:
                 replay = self.events.get("replay")
                 replay = events_endpoint(replay, self.url) if replay else None
                 feed = subscribe(endpoint, replay, self.index, self.events.get("topic") or "")
-                self.feed = feed  # wavepp.fleet's: awaitable, and shows last_seq, connected
+                self.feed = feed  # wavepp.kv_events': awaitable, and shows last_seq, connected
                 if inspect.isawaitable(feed):
                     tg.start_soon(_await, feed)
             self.state = "up"

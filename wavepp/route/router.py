@@ -41,6 +41,7 @@ import httpx
 import msgspec
 from starlette.responses import Response, StreamingResponse
 
+from wavepp.ids import RETAINED_IDS
 from wavepp.route.body import Peek, read_answer, with_deadline
 from wavepp.route.policies import ReplicaView, RouteRequest
 from wavepp.route.prom import RouteMetrics
@@ -48,7 +49,7 @@ from wavepp.route.replicas import Flight, Replica
 from wavepp.serve.api import ApiError
 from wavepp.state import block_hashes
 
-RECENT_IDS = 10_000  # ids remembered with the replicas that saw them (the server's window)
+RECENT_IDS = RETAINED_IDS  # ids remembered with the replicas that saw them (the server's)
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a replica's non-streamed answer, at most
 CANCEL_TIMEOUT_S = 2.0  # DELETE /v1/requests/{id} to a replica taken out
 

@@ -20,7 +20,7 @@ import anyio
 import attrs
 
 from wavepp.exec.stage import Stage
-from wavepp.fleet.changes import Announcer
+from wavepp.kv_events.changes import Announcer
 from wavepp.rounds.admission import RoundCounters, RoundMode
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import Rung

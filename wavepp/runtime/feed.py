@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import anyio
 
@@ -19,8 +19,19 @@ from wavepp.host import cpu_times
 from wavepp.runtime.records import RequestRejected
 from wavepp.workload import RequestSpec
 
-if TYPE_CHECKING:
-    from wavepp.engine import Engine, Handle
+
+class Handle(Protocol):
+    """A submitted request: its result, awaited."""
+
+    async def result(self) -> object: ...
+
+
+class Engine(Protocol):
+    """What the feed asks of rank 0's API (``wavepp.engine.Engine``): submit, cancel."""
+
+    def submit_spec(self, spec: RequestSpec) -> Handle: ...
+
+    def cancel(self, request_id: str) -> bool: ...
 
 
 class Progress:

@@ -91,7 +91,7 @@ async def follow_waves(
                 output, ended = await stage.execute(wave, tensor)
                 times = [*wave.stage_s, stage.last_wave_s]
                 # this stage's cache changes ride on to rank 0, with --kv-events
-                # (wavepp.fleet.changes); its bands' outcomes went on as they settled
+                # (wavepp.kv_events.changes); its bands' outcomes went on as they settled
                 report = stage.take_cache_report()
                 cache = wave.cache if report is None else [*wave.cache, report]
                 if outbound is not None:

@@ -22,9 +22,8 @@ from wavepp.rounds.admission import Offer
 from wavepp.runtime.records import Record, RequestRejected
 from wavepp.runtime.table import HandoffTarget, RequestTable
 from wavepp.state import RequestId, block_hashes, num_blocks_for
-from wavepp.workload import RequestSpec
+from wavepp.workload import MAX_DEADLINE_S, RequestSpec
 
-MAX_DEADLINE_S = 1e6  # a deadline is at most this many seconds after submission
 NO_VOCAB_LIMIT = 2**31  # the sim executor: any int32 id
 
 

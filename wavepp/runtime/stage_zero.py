@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from wavepp.exec.stage import Stage
-from wavepp.fleet.changes import Announcer
+from wavepp.kv_events.changes import Announcer
 from wavepp.plan import Wave
 from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,

@@ -18,12 +18,12 @@ import msgspec
 import numpy as np
 
 from wavepp.ids import MAX_ID_CHARS, id_problem
+from wavepp.workload import MAX_DEADLINE_S
 
 PRIORITY_RANGE = (-1000, 1000)
 
 RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])]
-MAX_DEADLINE_S = 1e6
 Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
 """``deadline_s``: the result is due this many seconds after the server submitted the
 request to the engine (the result's ``timings.submitted_at``)."""

@@ -1,5 +1,5 @@
 """What the server asks of an engine: exactly the members of :class:`wavepp.engine.Engine`
-it uses, so that a stand-in (``tests/fake_engine.py``) and the real engine are held to one
+it uses, so that a stand-in (``tests/helpers/fake_engine.py``) and the real engine are held to one
 contract (``tests/unit/test_serve_protocol.py`` checks both against it)."""
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ class StageCostModel:
             if kind == "M":  # prefill expands the cached latent of the prefix to K and V
                 gemm += 2.0 * m.kv_up_params() * sum(s for s, _ in chunks)
         # Chunked linear attention: per token and value head, update and read a
-        # head_dim x head_dim state.
-        recurrent = 4.0 * tokens * m.linear_v_dim * m.linear_head_dim * kinds.count("L")
+        # key x value state.
+        recurrent = 4.0 * tokens * m.state_elements() * kinds.count("L")
         # Bytes: every weight of the stage once (MoE: the experts the tokens can touch),
         # the cached KV of every chunk's prefix, and the activations.
         expert_bytes = 0.0

@@ -1,6 +1,6 @@
 """A device profile measured on this machine (``--sim-device measured:FILE``).
 
-``python -m wavepp.bench.calibrate`` times each part of a built-in model on the torch
+``python -m wavepp.sim.calibrate`` times each part of a built-in model on the torch
 executor — every mixer kind and MLP kind, the model's last layer as the last stage runs
 it, the embedding and the head — on a small grid of waves, and fits each part to
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from wavepp.model.config import RECURRENT
+from wavepp.model.config import MIXERS, MLPS, RECURRENT
 from wavepp.plan.placement import WaveShape, share_row
 from wavepp.sim.executor import WaveCost, attention_pairs
 from wavepp.sim.profiles import LinkProfile
@@ -38,8 +38,6 @@ from wavepp.sim.profiles import LinkProfile
 SCHEMA = "wavepp.sim.measured/1"
 PREFIX = "measured:"
 MAX_FILE_BYTES = 4 << 20  # a profile holds a few hundred numbers; refuse anything huge
-MIXERS = ("gqa", "gla", "kda", "mla", "gdn", "gattn", "mmattn")  # wavepp.model.config's
-MLPS = ("dense", "moe")
 NOMINAL_PRIOR_D = 1e-3  # the torch executor's prior per-wave cost (TorchExecutor.prior_cost)
 
 
@@ -64,7 +62,7 @@ class PartCost:
 
 @attrs.frozen
 class MeasuredProfile:
-    """What :mod:`wavepp.bench.calibrate` wrote: one model on one machine."""
+    """What :mod:`wavepp.sim.calibrate` wrote: one model on one machine."""
 
     model: str
     d_model: int
@@ -169,7 +167,7 @@ def parse_profile(data: object, source: str = "profile") -> MeasuredProfile:
         raise ProfileError(f"{source}: not a JSON object")
     if data.get("schema") != SCHEMA:
         raise ProfileError(f"{source}: schema {data.get('schema')!r}, expected {SCHEMA!r} "
-                           "(write it with python -m wavepp.bench.calibrate)")  # fmt: skip
+                           "(write it with python -m wavepp.sim.calibrate)")  # fmt: skip
     model = data.get("model")
     if not isinstance(model, str) or not 0 < len(model) <= 200:
         raise ProfileError(f"{source}: model must be a name, got {model!r}")

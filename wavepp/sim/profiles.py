@@ -1,9 +1,10 @@
 """Device and model profiles for the simulated executor (DESIGN §6).
 
 Device figures are datasheet peaks (dense, no sparsity) per GPU, with the share of them
-a prefill really gets stated beside each profile. Model figures are the public shapes of
-each family (``config.json`` on the Hugging Face Hub, or the defaults of the config class
-``transformers`` ships for it); each profile names its source.
+a prefill really gets stated beside each profile. A model is its ``config.json`` (on the
+Hugging Face Hub, or the defaults of the config class ``transformers`` ships for it),
+read into a ``ModelConfig`` as ``wavepp.model`` reads a checkpoint's; each profile names
+its source.
 
 Weights are stored in one format per run (``WEIGHT_FORMATS``): it sets the bytes a wave
 streams per parameter and the matrix rate of the projection and MLP/MoE GEMMs.
@@ -17,7 +18,12 @@ measured). ``wavepp.sim.links`` places the stages on them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
+
+from wavepp.model.config import ModelConfig
+from wavepp.model.registry import config_from_hf
 
 # Bytes per weight parameter. nvfp4: 4-bit values plus one FP8 (E4M3) scale per 16 values
 # (the per-tensor FP32 scale is negligible); fp8: E4M3 with per-block scales (negligible).
@@ -171,95 +177,110 @@ DEVICES: dict[str, DeviceProfile] = {
 
 @attrs.frozen
 class ModelProfile:
-    """Per-layer shapes of a decoder LM.
+    """A simulated model: its ``ModelConfig`` (the one description of a model's layers,
+    widths, heads and experts, as ``wavepp.model`` reads a Hugging Face ``config.json``)
+    priced per layer, with what only the cost model adds.
 
-    ``pattern`` gives each layer's mixer, repeated over the layers (or one letter per
-    layer): ``A`` GQA attention, ``M`` multi-head latent attention (MLA), ``L`` linear
-    attention (Gated DeltaNet, or KDA when ``linear_gate_rank`` > 0).
+    A layer's kind here is ``A`` (attention with a per-head KV cache), ``M`` (multi-head
+    latent attention, MLA: one latent cached for every head) or ``L`` (a recurrent layer:
+    Gated DeltaNet, KDA or gated linear attention, a state per request).
     """
 
     name: str
-    num_layers: int
-    pattern: str
-    d_model: int
-    num_heads: int  # attention query heads (A and M layers)
-    num_kv_heads: int  # A layers
-    head_dim: int  # A layers
-    attn_q_factor: int  # 2 when the query projection also yields an output gate
-    mlp_active_params: int  # active MLP/MoE parameters per layer (per token)
-    mlp_total_params: int  # all MLP/MoE parameters per layer (weights read per wave)
-    linear_qk_dim: int  # L layers: total key (= query) width
-    linear_v_dim: int  # L layers: total value width
-    linear_heads: int  # L layers: value heads (each with a head_dim x head_dim state)
-    linear_head_dim: int
-    vocab: int
-    linear_gate_rank: int = 0  # KDA: rank of the low-rank forget and output gates (0: GDN)
-    q_lora_rank: int = 0  # M layers: query down-projection rank (0: a full query projection)
-    kv_lora_rank: int = 0  # M layers: the cached latent's width
-    qk_nope_dim: int = 0  # M layers, per head
-    qk_rope_dim: int = 0  # M layers: the shared rotary key, also cached
-    v_head_dim: int = 0  # M layers, per head
-    dense_layers: int = 0  # the first layers have a dense MLP instead of the MoE
-    dense_mlp_params: int = 0  # parameters of that dense MLP
-    sparse_topk: int = 0  # DSA: keys each query attends to at most (0: dense attention)
-    indexer_width: int = 0  # DSA: indexer heads x dim, scored against every prefix key
+    config: ModelConfig
     weight_format: str = "bf16"  # default format of the run (--weight-format overrides)
     source: str = ""  # where the shapes come from
+    sparse_topk: int = 0  # DSA: keys each query attends to at most (0: dense attention)
+    indexer_width: int = 0  # DSA: indexer heads x dim, scored against every prefix key
+    router_counted: bool = False  # the MoE router's d_model x experts weights are priced
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def pattern(self) -> str:
+        return "".join(self.kind(i) for i in range(self.num_layers))
 
     def kind(self, layer: int) -> str:
-        return self.pattern[layer % len(self.pattern)]
+        return "M" if self.config.mixers[layer] == "mla" else self.config.kind(layer)
 
-    def attn_params(self) -> int:
-        d, q = self.d_model, self.num_heads * self.head_dim
-        return d * q * self.attn_q_factor + 2 * d * self.num_kv_heads * self.head_dim + q * d
+    def attn_params(self, layer: int) -> int:
+        c, d = self.config, self.config.d_model
+        q = c.num_heads * c.head_dim
+        gates = 2 if c.mixers[layer] == "gattn" else 1  # the query also yields an output gate
+        return d * q * gates + 2 * d * c.num_kv_heads * c.head_dim + q * d
 
     def mla_params(self) -> int:
-        d, h = self.d_model, self.num_heads
-        qk = self.qk_nope_dim + self.qk_rope_dim
-        q = (d + h * qk) * self.q_lora_rank if self.q_lora_rank else d * h * qk
-        kv_a = d * (self.kv_lora_rank + self.qk_rope_dim)
-        return q + kv_a + self.kv_up_params() + h * self.v_head_dim * d
+        c, d, h = self.config, self.config.d_model, self.config.num_heads
+        qk = c.nope_dim + c.rope_dim
+        q = (d + h * qk) * c.q_lora_rank if c.q_lora_rank else d * h * qk
+        kv_a = d * (c.kv_lora_rank + c.rope_dim)
+        return q + kv_a + self.kv_up_params() + h * c.v_dim * d
 
     def kv_up_params(self) -> int:
         """M layers: the latent's up-projection to per-head keys and values."""
-        return self.kv_lora_rank * self.num_heads * (self.qk_nope_dim + self.v_head_dim)
+        c = self.config
+        return c.kv_lora_rank * c.num_heads * (c.nope_dim + c.v_dim)
 
-    def linear_params(self) -> int:
-        d = self.d_model
-        qk, v = self.linear_qk_dim, self.linear_v_dim
-        if self.linear_gate_rank:  # KDA: q, k, v, low-rank forget and output gates, beta, out
-            r = self.linear_gate_rank
-            return d * (2 * qk + v) + 2 * (d * r + r * v) + d * self.linear_heads + v * d
-        return d * (2 * qk + 2 * v + 2 * self.linear_heads) + v * d  # q,k,v,gate,a,b,out
+    def linear_params(self, layer: int) -> int:
+        c, d, heads = self.config, self.config.d_model, self.config.linear_heads
+        qk = (c.linear_k_heads or heads) * c.linear_k_dim  # total key (= query) width
+        v = heads * c.linear_v_dim  # total value width
+        mixer = c.mixers[layer]
+        if mixer == "kda":  # q, k, v, forget and output gates of rank head_dim, beta, out
+            r = c.linear_k_dim
+            return d * (2 * qk + v) + 2 * (d * r + r * v) + d * heads + v * d
+        if mixer == "gdn":
+            return d * (2 * qk + 2 * v + 2 * heads) + v * d  # q,k,v,gate,a,b,out
+        return d * (2 * qk + 2 * v + heads) + v * d  # gla: q,k,v,a,gate,out
 
     def mixer_params(self, layer: int) -> int:
         kind = self.kind(layer)
         if kind == "A":
-            return self.attn_params()
+            return self.attn_params(layer)
         if kind == "M":
             return self.mla_params()
-        return self.linear_params()
+        return self.linear_params(layer)
 
     def mlp_params(self, layer: int) -> tuple[int, int]:
-        """(active, total) MLP parameters of a layer."""
-        if layer < self.dense_layers:
-            return self.dense_mlp_params, self.dense_mlp_params
-        return self.mlp_active_params, self.mlp_total_params
+        """(active, total) MLP parameters of a layer: a MoE's routed experts a token
+        uses against all of them, plus its shared expert (and router where counted)."""
+        c, d = self.config, self.config.d_model
+        if c.mlps[layer] == "dense":
+            return 3 * d * c.d_ff, 3 * d * c.d_ff
+        expert = 3 * d * c.d_expert
+        always = 3 * d * c.shared_ff + (d * c.num_experts if self.router_counted else 0)
+        return c.top_k * expert + always, c.num_experts * expert + always
 
     def attention_pair_flops(self, layer: int) -> int:
         """FLOPs per (query, key) pair of an A or M layer: QK plus PV over all heads."""
+        c = self.config
         if self.kind(layer) == "M":
-            return 2 * self.num_heads * (self.qk_nope_dim + self.qk_rope_dim + self.v_head_dim)
-        return 4 * self.num_heads * self.head_dim
+            return 2 * c.num_heads * (c.nope_dim + c.rope_dim + c.v_dim)
+        return 4 * c.num_heads * c.head_dim
+
+    def state_elements(self) -> int:
+        """An L layer's recurrent state: a key x value matrix per value head."""
+        c = self.config
+        return c.linear_heads * c.linear_k_dim * c.linear_v_dim
 
     def kv_bytes_per_token(self, layer: int) -> int:
         """Cached bytes per token of a layer: K and V per KV head (A); the latent plus the
         rotary key (M); nothing per token for L (its state is per request)."""
-        kind = self.kind(layer)
+        kind, c = self.kind(layer), self.config
         if kind == "A":
-            return 2 * self.num_kv_heads * self.head_dim * KV_BYTES
+            return 2 * c.num_kv_heads * c.head_dim * KV_BYTES
         if kind == "M":
-            return (self.kv_lora_rank + self.qk_rope_dim) * KV_BYTES
+            return (c.kv_lora_rank + c.rope_dim) * KV_BYTES
         return 0
 
     def kv_shards(self, layer: int, tp: int) -> int:
@@ -267,7 +288,7 @@ class ModelProfile:
         cache: A layers by KV head (replicated beyond ``num_kv_heads``); an M layer's
         latent serves every head, so each device keeps all of it."""
         if self.kind(layer) == "A":
-            return min(tp, self.num_kv_heads)
+            return min(tp, self.config.num_kv_heads)
         return 1 if self.kind(layer) == "M" else tp
 
     def total_params(self) -> int:
@@ -278,49 +299,60 @@ class ModelProfile:
         return sum(self.mixer_params(i) + self.mlp_params(i)[0] for i in range(self.num_layers))
 
 
-def _llama3_70b() -> ModelProfile:
-    d, ff = 8192, 28672
-    return ModelProfile(
-        name="llama3-70b", num_layers=80, pattern="A", d_model=d, num_heads=64,
-        num_kv_heads=8, head_dim=128, attn_q_factor=1, mlp_active_params=3 * d * ff,
-        mlp_total_params=3 * d * ff, linear_qk_dim=0, linear_v_dim=0, linear_heads=0,
-        linear_head_dim=0, vocab=128_256, source="meta-llama/Meta-Llama-3-70B config.json",
-    )  # fmt: skip
+def _layer_types(num_layers: int, full: Callable[[int], bool]) -> list[str]:
+    return ["full_attention" if full(i) else "linear_attention" for i in range(num_layers)]
 
 
-def _qwen3_next_80b() -> ModelProfile:
+def _glm_moe_dsa(data: dict) -> ModelConfig:
+    """GLM-5's ``glm_moe_dsa`` config (DeepSeek V3.2's layout: MLA on every layer, a MoE
+    after ``first_k_dense_replace`` dense layers) read as the Kimi Linear layout it
+    shares those layers with. No WavePP executor runs the family; the sim prices it."""
+    n, dense = data["num_hidden_layers"], data["first_k_dense_replace"]
+    return config_from_hf({
+        **data, "model_type": "kimi_linear", "layer_types": ["full_attention"] * n,
+        "mlp_layer_types": ["dense"] * dense + ["sparse"] * (n - dense),
+        "num_experts": data["n_routed_experts"], "linear_num_heads": 0, "linear_head_dim": 0,
+    })  # fmt: skip
+
+
+def _kimi_linear(n: int, d: int, heads: int, q_lora: int | None, dense_ff: int,
+                 experts: int, expert_ff: int) -> dict:  # fmt: skip
+    """A Kimi Linear ``config.json``: MLA at every 4th layer after the first (0-based 4,
+    8, ...), KDA with ``heads`` heads of 128 elsewhere; MLA latent 512, nope 128 + rope 64,
+    v 128; a MoE of 8 routed + 1 shared expert after one dense layer."""
+    return {
+        "model_type": "kimi_linear", "vocab_size": 163_840, "hidden_size": d,
+        "num_hidden_layers": n, "num_attention_heads": heads, "num_key_value_heads": heads,
+        "layer_types": _layer_types(n, lambda i: i > 0 and i % 4 == 0),
+        "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1), "q_lora_rank": q_lora,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "linear_attn_config": {"num_heads": heads, "head_dim": 128},
+        "intermediate_size": dense_ff, "moe_intermediate_size": expert_ff,
+        "num_experts": experts, "num_experts_per_token": 8, "num_shared_experts": 1,
+    }  # fmt: skip
+
+
+def _sim_models() -> dict[str, ModelProfile]:
+    # Each model's config.json fields (the Hugging Face Hub's, or the defaults of the
+    # config class transformers ships), read into a ModelConfig by wavepp.model.registry.
+    llama3_70b = {
+        "model_type": "llama", "vocab_size": 128_256, "hidden_size": 8192,
+        "intermediate_size": 28_672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "rope_theta": 500_000.0, "rms_norm_eps": 1e-5,
+    }  # fmt: skip
     # 48 layers, full_attention_interval 4, gated attention (16 heads x 256, 2 KV heads),
     # Gated DeltaNet (16 key heads, 32 value heads, 128 dims), MoE of 512 experts x 512,
     # 10 routed + 1 shared per token.
-    d, expert = 2048, 3 * 2048 * 512
-    return ModelProfile(
-        name="qwen3-next-80b", num_layers=48, pattern="LLLA", d_model=d, num_heads=16,
-        num_kv_heads=2, head_dim=256, attn_q_factor=2, mlp_active_params=11 * expert + d * 512,
-        mlp_total_params=513 * expert + d * 512, linear_qk_dim=16 * 128,
-        linear_v_dim=32 * 128, linear_heads=32, linear_head_dim=128, vocab=151_936,
-        source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json",
-    )  # fmt: skip
-
-
-def _kimi_linear_48b() -> ModelProfile:
-    # KimiLinearConfig defaults in transformers 5.24 (= moonshotai/Kimi-Linear-48B-A3B):
-    # 27 layers, MLA at layers 4, 8, ..., 24 (0-based; 6 of 27), KDA elsewhere; MLA with
-    # 32 heads, no query LoRA, latent 512, nope 128 + rope 64, v 128; KDA 32 heads x 128
-    # with rank-128 gates; MoE 256 experts x 1024, 8 routed + 1 shared, layer 0 dense 9216.
-    d, expert = 2304, 3 * 2304 * 1024
-    pattern = "".join("M" if i and i % 4 == 0 else "L" for i in range(27))
-    return ModelProfile(
-        name="kimi-linear-48b", num_layers=27, pattern=pattern, d_model=d, num_heads=32,
-        num_kv_heads=32, head_dim=128, attn_q_factor=1, mlp_active_params=9 * expert,
-        mlp_total_params=257 * expert, linear_qk_dim=32 * 128, linear_v_dim=32 * 128,
-        linear_heads=32, linear_head_dim=128, vocab=163_840, linear_gate_rank=128,
-        kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, dense_layers=1,
-        dense_mlp_params=3 * d * 9216, weight_format="bf16",
-        source="transformers KimiLinearConfig defaults (moonshotai/Kimi-Linear-48B-A3B)",
-    )  # fmt: skip
-
-
-def _kimi_k3_class() -> ModelProfile:
+    qwen3_next_80b = {
+        "model_type": "qwen3_next", "vocab_size": 151_936, "hidden_size": 2048,
+        "intermediate_size": 5120, "num_hidden_layers": 48,
+        "layer_types": _layer_types(48, lambda i: (i + 1) % 4 == 0),
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "partial_rotary_factor": 0.25, "rope_theta": 10_000_000.0,
+        "linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "num_experts": 512, "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    }  # fmt: skip
     # Kimi K3's config is not public. Its public relatives: Kimi K2 (moonshotai/
     # Kimi-K2-Instruct config.json: 61 layers, d 7168, MLA 64 heads with query LoRA 1536,
     # latent 512, nope 128 + rope 64, v 128; MoE 384 experts x 2048, 8 routed + 1 shared;
@@ -328,62 +360,57 @@ def _kimi_k3_class() -> ModelProfile:
     # heads and rank-128 gates). This profile is K2's shapes with Kimi Linear's mix: 15 MLA
     # + 46 KDA layers (64 heads x 128). ≈ 1.0T parameters against K3's 2.8T: compute per
     # token is K2's (≈ 32B active), the per-wave weight stream is about 2.7x smaller.
-    d, expert = 7168, 3 * 7168 * 2048
-    pattern = "".join("M" if i and i % 4 == 0 else "L" for i in range(61))
-    return ModelProfile(
-        name="kimi-k3-class", num_layers=61, pattern=pattern, d_model=d, num_heads=64,
-        num_kv_heads=64, head_dim=128, attn_q_factor=1, mlp_active_params=9 * expert,
-        mlp_total_params=385 * expert, linear_qk_dim=64 * 128, linear_v_dim=64 * 128,
-        linear_heads=64, linear_head_dim=128, vocab=163_840, linear_gate_rank=128,
-        q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-        dense_layers=1, dense_mlp_params=3 * d * 18432, weight_format="nvfp4",
-        source="Kimi K2 shapes (moonshotai/Kimi-K2-Instruct) + Kimi Linear's 3 KDA : 1 MLA mix",
-    )  # fmt: skip
-
-
-def _glm5_class() -> ModelProfile:
+    kimi_k3_class = _kimi_linear(61, 7168, 64, 1536, 18_432, 384, 2048)
     # GlmMoeDsaConfig defaults in transformers 5.24 (glm_moe_dsa, GLM-5's architecture; the
-    # paper ran GLM 5.2, whose config is not public): 78 layers, d 6144, MLA 64 heads with
-    # query LoRA 2048, latent 512, nope 192 + rope 64, v 256; DeepSeek sparse attention,
-    # top-2048 keys per query picked by a 32 x 128 indexer; MoE 256 experts x 2048,
-    # 8 routed + 1 shared; first 3 layers dense 12288.
-    d, expert = 6144, 3 * 6144 * 2048
-    return ModelProfile(
-        name="glm5-class", num_layers=78, pattern="M", d_model=d, num_heads=64,
-        num_kv_heads=64, head_dim=64, attn_q_factor=1, mlp_active_params=9 * expert,
-        mlp_total_params=257 * expert, linear_qk_dim=0, linear_v_dim=0, linear_heads=0,
-        linear_head_dim=0, vocab=154_880, q_lora_rank=2048, kv_lora_rank=512,
-        qk_nope_dim=192, qk_rope_dim=64, v_head_dim=256, dense_layers=3,
-        dense_mlp_params=3 * d * 12288, sparse_topk=2048, indexer_width=32 * 128,
-        weight_format="nvfp4", source="transformers GlmMoeDsaConfig defaults (GLM-5)",
-    )  # fmt: skip
-
-
-def _minimax_m2_class() -> ModelProfile:
+    # paper ran GLM 5.2, whose config is not public): DeepSeek sparse attention, top-2048
+    # keys per query picked by a 32 x 128 indexer.
+    glm5 = {
+        "model_type": "glm_moe_dsa", "vocab_size": 154_880, "hidden_size": 6144,
+        "intermediate_size": 12_288, "num_hidden_layers": 78, "num_attention_heads": 64,
+        "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+        "qk_rope_head_dim": 64, "v_head_dim": 256, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+        "first_k_dense_replace": 3, "index_topk": 2048, "index_n_heads": 32,
+        "index_head_dim": 128,
+    }  # fmt: skip
     # MiniMaxM2Config defaults in transformers 5.24 (= MiniMaxAI/MiniMax-M2; the paper ran
-    # M2.7): 62 layers, d 3072, GQA 48 heads x 128 with 8 KV heads, MoE 256 experts x 1536,
-    # 8 routed, no shared expert.
-    d, expert = 3072, 3 * 3072 * 1536
-    return ModelProfile(
-        name="minimax-m2-class", num_layers=62, pattern="A", d_model=d, num_heads=48,
-        num_kv_heads=8, head_dim=128, attn_q_factor=1, mlp_active_params=8 * expert,
-        mlp_total_params=256 * expert, linear_qk_dim=0, linear_v_dim=0, linear_heads=0,
-        linear_head_dim=0, vocab=200_064, weight_format="nvfp4",
-        source="transformers MiniMaxM2Config defaults (MiniMaxAI/MiniMax-M2)",
+    # M2.7): GQA 48 heads x 128 with 8 KV heads, MoE 256 experts x 1536, 8 routed, no
+    # shared expert.
+    minimax_m2 = {
+        "model_type": "minimax_m2", "vocab_size": 200_064, "hidden_size": 3072,
+        "intermediate_size": 1536, "num_hidden_layers": 62, "num_attention_heads": 48,
+        "num_key_value_heads": 8, "head_dim": 128, "rotary_dim": 64, "rope_theta": 5e6,
+        "num_local_experts": 256, "num_experts_per_tok": 8,
+    }  # fmt: skip
+    profiles = (
+        ModelProfile("llama3-70b", config_from_hf(llama3_70b),
+                     source="meta-llama/Meta-Llama-3-70B config.json"),
+        # its profile has always priced the router's 2048 x 512 weights; the others' not
+        ModelProfile("qwen3-next-80b", config_from_hf(qwen3_next_80b),
+                     source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json", router_counted=True),
+        # KimiLinearConfig defaults in transformers 5.24 (= moonshotai/Kimi-Linear-48B-A3B):
+        # 27 layers, MLA at layers 4, 8, ..., 24 (6 of 27), KDA 32 heads elsewhere; MoE
+        # 256 experts x 1024, layer 0 dense 9216.
+        ModelProfile("kimi-linear-48b",
+                     config_from_hf(_kimi_linear(27, 2304, 32, None, 9216, 256, 1024)),
+                     source="transformers KimiLinearConfig defaults "
+                            "(moonshotai/Kimi-Linear-48B-A3B)"),
+        ModelProfile("kimi-k3-class", config_from_hf(kimi_k3_class), "nvfp4",
+                     "Kimi K2 shapes (moonshotai/Kimi-K2-Instruct) + Kimi Linear's 3 KDA : 1 "
+                     "MLA mix"),
+        ModelProfile("glm5-class", _glm_moe_dsa(glm5), "nvfp4",
+                     "transformers GlmMoeDsaConfig defaults (GLM-5)",
+                     sparse_topk=glm5["index_topk"],
+                     indexer_width=glm5["index_n_heads"] * glm5["index_head_dim"]),
+        ModelProfile("minimax-m2-class", config_from_hf(minimax_m2), "nvfp4",
+                     "transformers MiniMaxM2Config defaults (MiniMaxAI/MiniMax-M2)"),
     )  # fmt: skip
+    for profile in profiles:
+        profile.config.validate()
+    return {profile.name: profile for profile in profiles}
 
 
-MODELS: dict[str, ModelProfile] = {
-    m.name: m
-    for m in (
-        _llama3_70b(),
-        _qwen3_next_80b(),
-        _kimi_linear_48b(),
-        _kimi_k3_class(),
-        _glm5_class(),
-        _minimax_m2_class(),
-    )
-}
+MODELS: dict[str, ModelProfile] = _sim_models()
 
 
 def stage_weight_bytes(
@@ -412,9 +439,9 @@ POOL_HEADROOM = 0.9  # share of HBM the weights and caches may take (activations
 
 def snapshot_bytes(model: ModelProfile, layers: range, tp: int = 1) -> float:
     """Bytes of one recurrent-state snapshot on one device of a stage holding ``layers``
-    over ``tp`` devices: a ``head_dim x head_dim`` state per value head of each L layer,
-    fp32, the heads split over the devices."""
-    per_layer = model.linear_heads * model.linear_head_dim**2 * STATE_BYTES
+    over ``tp`` devices: a key x value state per value head of each L layer, fp32, the
+    heads split over the devices."""
+    per_layer = model.state_elements() * STATE_BYTES
     return per_layer * sum(1 for i in layers if model.kind(i) == "L") / tp
 
 

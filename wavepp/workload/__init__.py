@@ -1,6 +1,7 @@
 """Request generators and trace readers (DESIGN §7). Deterministic by seed."""
 
 from wavepp.workload.generators import (
+    MAX_DEADLINE_S,
     WORKLOADS,
     RequestSpec,
     cold,
@@ -14,6 +15,7 @@ from wavepp.workload.requests_file import read_requests_file
 from wavepp.workload.trace import read_trace, trace
 
 __all__ = [
+    "MAX_DEADLINE_S",
     "WORKLOADS",
     "RequestSpec",
     "cold",

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 
 VOCAB = 32_000
+MAX_DEADLINE_S = 1e6  # a request's deadline_s is at most this (every entry point checks it)
 
 
 @attrs.frozen

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from wavepp.ids import id_problem
-from wavepp.workload.generators import RequestSpec
+from wavepp.workload.generators import MAX_DEADLINE_S, RequestSpec
 
 
 def read_requests_file(
@@ -79,9 +79,9 @@ def read_requests_file(
                 deadline_s = row.get("deadline_s")
                 if deadline_s is not None and (
                     not isinstance(deadline_s, int | float) or isinstance(deadline_s, bool)
-                    or not 0 < deadline_s <= 1e6
+                    or not 0 < deadline_s <= MAX_DEADLINE_S
                 ):  # fmt: skip
-                    raise ValueError(f"'deadline_s' must be seconds in (0, 1e6], "
+                    raise ValueError(f"'deadline_s' must be seconds in (0, {MAX_DEADLINE_S:g}], "
                                      f"got {deadline_s!r}")
             except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
                 rejected.append({"line": number, "id": rid, "error": f"{path}:{number}: {error}"})

@@ -1,5 +1,5 @@
 """What tensor parallelism inside a stage costs on this machine:
-``python -m wavepp.bench.tp --json out.json``.
+``python -m benchmarks.tp --json out.json``.
 
 The same workload on the same number of ranks, run as TP x PP (``--tp T``, stages =
 ranks / T) and as a plain pipeline of as many stages as ranks, interleaved ``--repeats``
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from wavepp.bench._stats import emit, percentile
+from benchmarks._stats import emit, percentile
 
 
 def _run(out: Path, ranks: int, options: list[str]) -> dict:
@@ -29,12 +29,12 @@ def _run(out: Path, ranks: int, options: list[str]) -> dict:
            str(out), *options]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
-        raise SystemExit(f"wavepp.bench.tp: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"benchmarks.tp: {' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.tp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--tp", type=int, default=2)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "tp", "ranks": args.ranks, "model": args.model,
         "workload": f"seeded, {args.requests} requests of {args.prompt_tokens} tokens",
-        "command": " ".join(["python -m wavepp.bench.tp", "--ranks", str(args.ranks), "--tp",
+        "command": " ".join(["python -m benchmarks.tp", "--ranks", str(args.ranks), "--tp",
                              str(args.tp), "--repeats", str(args.repeats), "--model",
                              args.model, *passed]),
         f"tp{args.tp}_pp{stages}_tok_s": runs["tp"], f"pp{args.ranks}_tok_s": runs["pp"],

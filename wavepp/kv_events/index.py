@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from wavepp.fleet.events import (
+from wavepp.kv_events.events import (
     MAX_BATCH_BYTES,
     SNAPSHOT_GROUP,
     AllBlocksCleared,
@@ -30,7 +30,7 @@ from wavepp.fleet.events import (
 )
 from wavepp.state import BlockHash, longest_prefix, snapshot_floor_linear
 
-logger = logging.getLogger("wavepp.fleet")
+logger = logging.getLogger("wavepp.kv_events")
 
 
 class ReplicaIndex:

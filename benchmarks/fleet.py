@@ -1,4 +1,4 @@
-"""``python -m wavepp.bench.fleet``: a fleet of simulated pipelines behind the router, per
+"""``python -m benchmarks.fleet``: a fleet of simulated pipelines behind the router, per
 routing policy, at rising offered load (issue 33, item 5). Every figure is SIMULATED.
 
 For each fleet size N (``--replicas 2,4``) and workload (the Mooncake trace the repository
@@ -91,7 +91,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _log(text: str) -> None:
-    print(f"[bench.fleet] {text}", file=sys.stderr, flush=True)
+    print(f"[benchmarks.fleet] {text}", file=sys.stderr, flush=True)
 
 
 class Processes:
@@ -133,13 +133,13 @@ def _wait_healthy(url: str, child: subprocess.Popen, name: str, procs: Processes
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise SystemExit(f"bench.fleet: {name} exited {child.returncode}:\n"
+            raise SystemExit(f"benchmarks.fleet: {name} exited {child.returncode}:\n"
                              f"{procs.tail(name)}")  # fmt: skip
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                 return
         time.sleep(0.5)
-    raise SystemExit(f"bench.fleet: {name} not healthy after {START_TIMEOUT_S:g} s:\n"
+    raise SystemExit(f"benchmarks.fleet: {name} not healthy after {START_TIMEOUT_S:g} s:\n"
                      f"{procs.tail(name)}")  # fmt: skip
 
 
@@ -466,7 +466,7 @@ def _floats(text: str) -> list[float]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.fleet",
+        prog="python -m benchmarks.fleet",
         description="SIMULATED fleets (N replicas x P stages) behind the router, per routing "
         "policy, at rising offered load: throughput, good-hit, reuse, completion, SLO "
         "attainment; one pipeline with N times the pool as the ceiling.",
@@ -510,12 +510,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     setup = setup_from(args)
     if args.stages < 1 or args.time_scale <= 0 or not setup.loads or min(setup.loads) <= 0:
-        raise SystemExit("bench.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")
+        raise SystemExit("benchmarks.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")
     if args.closed_loop is not None and args.closed_loop < 1:
-        raise SystemExit("bench.fleet: --closed-loop C needs C ≥ 1")
+        raise SystemExit("benchmarks.fleet: --closed-loop C needs C ≥ 1")
     unknown = set(setup.policies) - set(POLICIES)
     if unknown:
-        raise SystemExit(f"bench.fleet: unknown policies {sorted(unknown)}; "
+        raise SystemExit(f"benchmarks.fleet: unknown policies {sorted(unknown)}; "
                          f"one of {', '.join(POLICIES)}")  # fmt: skip
     logs = Path(args.logs) if args.logs else Path(os.environ.get("TMPDIR", "/tmp")) / (
         f"wavepp-bench-fleet-{os.getpid()}")
@@ -526,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     record = run_bench(setup, logs)
     record["wall_s"] = time.time() - started
-    record["command"] = "python -m wavepp.bench.fleet " + " ".join(argv or sys.argv[1:])
+    record["command"] = "python -m benchmarks.fleet " + " ".join(argv or sys.argv[1:])
     print(table(record))
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")

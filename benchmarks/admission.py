@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from wavepp.bench._stats import emit
+from benchmarks._stats import emit
 
 COMMAND = ["--executor", "sim", "--workload", "cold", "--prompt-tokens", "2048",
            "--block-size", "64", "--requests", "1024", "--concurrency", "256",
@@ -24,7 +24,7 @@ COMMAND = ["--executor", "sim", "--workload", "cold", "--prompt-tokens", "2048",
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.admission", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.admission", description=__doc__)
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command only")

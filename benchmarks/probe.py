@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from wavepp.bench._stats import emit, percentile
+from benchmarks._stats import emit, percentile
 from wavepp.state import (
     attention_hit,
     audit,
@@ -205,7 +205,7 @@ def run_hybrid(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.probe",
+        prog="python -m benchmarks.probe",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

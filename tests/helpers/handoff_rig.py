@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import anyio.from_thread
 
-from tests.integration.conftest import torchrun
+from tests.helpers.run import torchrun
 from wavepp.handoff.receive import Handoff, Receiver
 
 

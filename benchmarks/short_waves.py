@@ -7,7 +7,7 @@ wave's seconds (median of ``--repeats``), new tokens per second, and the profile
 wave (``torch.profiler``) grouped into the attention kernel, matrix products, rotary and
 norms, and the rest, each as a share of the profiled time, plus the costliest ops.
 
-    python -m wavepp.bench.short_waves --shapes 16x128x2048,64x128x2048,16x512x32768 \\
+    python -m benchmarks.short_waves --shapes 16x128x2048,64x128x2048,16x512x32768 \\
         --json out.json
 """
 
@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from wavepp.bench._stats import emit
-from wavepp.bench.torch_exec import MODELS
+from benchmarks._stats import emit
+from benchmarks.torch_exec import MODELS
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.device import default_threads
 from wavepp.exec.torch_exec import TorchExecutor
@@ -110,7 +110,7 @@ def run_shape(stage, shape: tuple[int, int, int], block: int, repeats: int, top:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.short_waves", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.short_waves", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default="bench-llama", choices=sorted(MODELS))
     p.add_argument("--shapes", default="16x128x2048,64x128x2048,16x512x2048,16x256x32768",

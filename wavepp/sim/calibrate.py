@@ -1,6 +1,6 @@
 """Measure the torch executor on this machine and write a device profile for the sim.
 
-    python -m wavepp.bench.calibrate --model tiny-kimi --threads 1 --out profile.json
+    python -m wavepp.sim.calibrate --model tiny-kimi --threads 1 --out profile.json
     python -m wavepp.main --executor sim --model tiny-kimi --sim-device measured:profile.json
 
 Each part of the model — every mixer kind and MLP kind, the last layer as the last stage
@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from wavepp.dtypes import FLOATS
 from wavepp.exec.device import pick_dtype, set_threads
 from wavepp.exec.layer_costs import measure, wave_times
 from wavepp.exec.torch_exec import TorchExecutor
@@ -248,13 +249,13 @@ def _cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.calibrate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m wavepp.sim.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-kimi", choices=sorted(BUILTIN))
     p.add_argument("--out", default=None, help="profile file [default: calibration-MODEL.json]")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads, as each rank of the runs it predicts uses (0: the cores)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="float32", choices=FLOATS)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=7, help="timed waves per point (median)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")

@@ -1,7 +1,7 @@
-"""``python -m wavepp.bench.plot RESULTS --out DIR``: pictures of a results file.
+"""``python -m benchmarks.plot RESULTS --out DIR``: pictures of a results file.
 
 - ``throughput_<workload>.png``: median throughput against concurrency, one line per
-  rung (the oracle: the best planner's, see :mod:`wavepp.bench.matrix`);
+  rung (the oracle: the best planner's, see :mod:`benchmarks.matrix`);
 - ``ladder_<workload>.png``: the ablation ladder as bars of medians at the highest
   concurrency (like the paper's Fig. 14), the runs' min–max as error bars, with Δ% over
   the rung below;
@@ -20,7 +20,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from wavepp.bench.matrix import RUNGS, cell_summaries, load_results, row_planner
+from benchmarks.matrix import RUNGS, cell_summaries, load_results, row_planner
 
 
 def _title(base: str, rows: list[dict]) -> str:
@@ -107,11 +107,11 @@ def _save(fig, path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.plot",
+        prog="python -m benchmarks.plot",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("results", help="JSONL written by python -m wavepp.bench")
+    p.add_argument("results", help="JSONL written by python -m benchmarks")
     p.add_argument("--out", default="plots", help="directory for the PNGs")
     args = p.parse_args(argv)
     for path in plot_results(Path(args.results), Path(args.out)):

@@ -1,4 +1,4 @@
-"""``python -m wavepp.bench``: the paper's experiment matrix, one torchrun per cell.
+"""``python -m benchmarks``: the paper's experiment matrix, one torchrun per cell.
 
 Runs (workload x concurrency x rung) cells of a preset, ``--repeat N`` times each,
 appends one JSON line per run to the results file (top-level ``workload``,
@@ -393,7 +393,7 @@ def expand(cells: list[Cell], repeat: int) -> list[Cell]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench",
+        prog="python -m benchmarks",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

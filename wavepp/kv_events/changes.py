@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from wavepp.fleet.events import (
+from wavepp.kv_events.events import (
     ATTENTION_GROUP,
     SNAPSHOT_GROUP,
     Event,

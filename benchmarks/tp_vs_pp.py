@@ -1,4 +1,4 @@
-"""``python -m wavepp.bench.tp_vs_pp``: tensor against pipeline parallelism at 8 devices,
+"""``python -m benchmarks.tp_vs_pp``: tensor against pipeline parallelism at 8 devices,
 in the simulator, beside the paper's figures.
 
 Runs the paper's three layouts of 8 devices — TP8/EP8 (one stage over 8 devices,
@@ -9,7 +9,7 @@ PP4), with cold, seeded-reuse (90%) and mixed (75% warm 131K, 25% cold 262K) cel
 c = 8 and 32, one ``torchrun`` each with the same runtime and rung (WavePP's, ``--rung``),
 so the layouts differ only in where the devices' work and transfers go
 (docs/design.md §6). Pipelines of several stages split their layers by predicted cost
-(``wavepp.bench.scaling.balanced_split``).
+(``benchmarks.scaling.balanced_split``).
 
 Prints the throughput table, the geometric mean of PP8 over TP8/EP8 and of TP2×PP4 over
 TP8/EP8 per model, and the paper's figures beside them (copied below with their source).
@@ -26,8 +26,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from wavepp.bench.matrix import _RUNG_PLANNER, Cell, run_cell
-from wavepp.bench.scaling import balanced_split
+from benchmarks.matrix import _RUNG_PLANNER, Cell, run_cell
+from benchmarks.scaling import balanced_split
 
 # The paper: "WavePP: High-Throughput Pipeline Parallel LLM Prefill under Prefix Reuse"
 # (Baseten), Kimi K3 on 8 GB300 (two 4-GPU nodes), input tok/s at c = 32 of WavePP
@@ -127,7 +127,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.tp_vs_pp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp_vs_pp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="requests = c in every cell (default 2 x c)")  # fmt: skip
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     if a.json:
         given = sys.argv[1:] if argv is None else argv
-        command = shlex.join(["python", "-m", "wavepp.bench.tp_vs_pp", *given])
+        command = shlex.join(["python", "-m", "benchmarks.tp_vs_pp", *given])
         record = {"simulated": True, "command": command, "config": vars(a), "rows": rows,
                   "paper": {"source": PAPER_SOURCE, "kimi_pp8_c32_tok_s": PAPER_KIMI_PP8_C32,
                             "geomean_pct": dict(PAPER_GEOMEANS)}}  # fmt: skip

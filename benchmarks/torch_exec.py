@@ -49,11 +49,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from wavepp.bench._stats import emit
+from benchmarks._stats import emit
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.device import default_threads
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.model import cpu_kernel
+from wavepp.model import attn, cpu_kernel
 from wavepp.model.attention import PagedBatch, paged_attention
 from wavepp.model.registry import BUILTIN, llama_config
 from wavepp.model.stage import build_stage, random_weights
@@ -172,13 +172,15 @@ class Sweep:
         return seconds
 
     def copying_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
-        """:meth:`ours_seconds` with the old copying attention (its logits kept aside)."""
-        self.ours.attention = copying_attention
+        """:meth:`ours_seconds` with the old copying attention (its logits kept aside):
+        the model's attention layers look ``paged_attention`` up in ``wavepp.model.attn``,
+        which this swaps for the copying path while it runs."""
+        attn.paged_attention = copying_attention
         try:
             seconds = self.ours_seconds(tokens, cached, chunk)
             self.copy_logits = self.ours.last_logits["bench"].clone()
         finally:
-            self.ours.attention = paged_attention
+            attn.paged_attention = paged_attention
         return seconds
 
     @torch.inference_mode()
@@ -394,7 +396,7 @@ def pipeline_throughput(stages: int, args: argparse.Namespace) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.torch_exec",
+        prog="python -m benchmarks.torch_exec",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

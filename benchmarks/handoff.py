@@ -1,4 +1,4 @@
-"""``python -m wavepp.bench.handoff``: what handing caches on costs (``docs/handoff.md``).
+"""``python -m benchmarks.handoff``: what handing caches on costs (``docs/handoff.md``).
 
 Three measurements, each a ratio or a time from this invocation's own runs:
 
@@ -43,7 +43,7 @@ Three measurements, each a ratio or a time from this invocation's own runs:
   with every request handing its cache to the receiver process (``--handoff-all``)
   against the same job without, ``--repeats`` alternating pairs: the median of the
   pairs' ratios, and the mean throughput on over the mean off with its 95% interval (a
-  paired bootstrap: ``wavepp.bench._stats.ratio_of_means_interval``). Each run's CPU
+  paired bootstrap: ``benchmarks._stats.ratio_of_means_interval``). Each run's CPU
   steal (``cpu_steal_share`` in its record: the share of the machine's CPU time the
   hypervisor gave other guests while it measured) is printed and recorded, and the same
   figures are given again over the **quiet pairs**, those where neither run lost more
@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wavepp.bench._stats import emit, ratio_of_means_interval
+from benchmarks._stats import emit, ratio_of_means_interval
 
 RECEIVER = """
 import json, sys, anyio
@@ -524,7 +524,7 @@ def throughput(args, tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m wavepp.bench.handoff",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.handoff",
                                      description=__doc__.split("\n\n")[0])  # fmt: skip
     parser.add_argument("--lengths", default="4096,32768",
                         help="prompt lengths of the bandwidth and latency runs (empty: "

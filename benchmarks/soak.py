@@ -1,4 +1,4 @@
-"""Soak benchmark: ``python -m wavepp.bench.soak --duration-s S [--every-s N] [server options]``.
+"""Soak benchmark: ``python -m benchmarks.soak --duration-s S [--every-s N] [server options]``.
 
 Starts the server (``python -m wavepp.serve.launch --nproc-per-node P --port 0 ...``;
 options this command does not know go to it, after ``--model tiny-hybrid`` and the
@@ -273,7 +273,7 @@ def start_server(args: argparse.Namespace, server_args: list[str], log: Path) ->
             break
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit(f"wavepp.bench.soak: the server did not start:\n{log.read_text()[-3000:]}")
+    raise SystemExit(f"benchmarks.soak: the server did not start:\n{log.read_text()[-3000:]}")
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -302,7 +302,7 @@ async def drive(args: argparse.Namespace, url: str, launcher: int) -> tuple[Soak
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.soak",
+        prog="python -m benchmarks.soak",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -347,7 +347,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args, server_args = parser().parse_known_args(argv)
     if args.cancel_fraction + args.disconnect_fraction > 1 or args.duration_s <= 0:
-        raise SystemExit("wavepp.bench.soak: fractions must sum to ≤ 1, --duration-s be > 0")
+        raise SystemExit("benchmarks.soak: fractions must sum to ≤ 1, --duration-s be > 0")
     proc, url = start_server(args, server_args, Path(args.log))
     print(f"soak: server at {url}, launcher pid {proc.pid}; {args.duration_s:g} s of load at "
           f"c = {args.concurrency}, a sample every {args.every_s:g} s", flush=True)  # fmt: skip

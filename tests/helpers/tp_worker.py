@@ -8,7 +8,7 @@ logits must agree; the shard's pools hold its heads; every wave makes exactly on
 all-reduce per mixer and per MLP (plus one per MiniMax-M2 attention, for its q/k norms).
 A failed check raises: the process exits non-zero.
 
-    python -m tests.parity.tp_worker --rank R --size T --store FILE
+    python -m tests.helpers.tp_worker --rank R --size T --store FILE
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.model import ModelConfig, build_stage, llama_config, random_weights
 from wavepp.model.tp import NO_TP, DistTPGroup
 
-# The sizes of tests/parity/families.py's checkpoints (and a Llama with gated linear
+# The sizes of tests/helpers/families.py's checkpoints (and a Llama with gated linear
 # attention layers), every split count even.
 CONFIGS = {
     "llama": llama_config(vocab_size=300, d_model=64, num_layers=4, pattern="LA", num_heads=4,

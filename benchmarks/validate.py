@@ -1,13 +1,13 @@
 """The simulator against real runs: the same workloads on the torch executor and on the
 sim with this machine's measured profile, predicted against measured side by side.
 
-    python -m wavepp.bench.validate --quick --json validation.json
+    python -m benchmarks.validate --quick --json validation.json
 
-Each cell (model x workload x P) runs as ``python -m wavepp.bench`` runs a cell (torchrun,
+Each cell (model x workload x P) runs as ``python -m benchmarks`` runs a cell (torchrun,
 ``--json``), once with ``--executor torch`` and once with ``--executor sim --sim-device
 measured:FILE``, every other option the same, ``--repeat`` times each (medians).
 Profiles come from ``--profile FILE`` (one per model), else ``python -m
-wavepp.bench.calibrate`` measures them first. Every rank runs one torch thread (the
+wavepp.sim.calibrate`` measures them first. Every rank runs one torch thread (the
 profiles are measured so): on a 2-core machine, P = 4 runs four ranks on two cores,
 which the simulator models as every wave taking P / 2 times as long (all stages busy at
 once, sharing the cores evenly: ``MeasuredProfile.core_sharing``). Goal: throughput
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import attrs
 
-from wavepp.bench.matrix import Cell, run_cell
+from benchmarks.matrix import Cell, run_cell
 from wavepp.host import usable_cores
 
 TOK_S_GOAL = 0.10
@@ -190,12 +190,12 @@ def table(rows: list[dict]) -> str:
 
 
 def ensure_profile(model: str, given: dict[str, str], workdir: Path) -> str:
-    """The profile of ``model``: given, or measured now by wavepp.bench.calibrate."""
+    """The profile of ``model``: given, or measured now by wavepp.sim.calibrate."""
     if model in given:
         return given[model]
     out = workdir / f"calibration-{model}.json"
     print(f"calibrating {model} -> {out}", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "wavepp.bench.calibrate", "--model", model,
+    subprocess.run([sys.executable, "-m", "wavepp.sim.calibrate", "--model", model,
                     "--threads", "1", "--out", str(out)], check=True)  # fmt: skip
     return str(out)
 
@@ -217,7 +217,7 @@ def reprint(path: Path, out: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.validate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"{len(QUICK)} cells, one run each (a few minutes here)")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)  # fmt: skip
     print(table(rows), flush=True)
     if a.json:
-        record = {"command": "python -m wavepp.bench.validate " + " ".join(argv or sys.argv[1:]),
+        record = {"command": "python -m benchmarks.validate " + " ".join(argv or sys.argv[1:]),
                   "profiles": profiles, "repeat": repeat, "run_spread": run_spread(rows),
                   "rows": rows}  # fmt: skip
         Path(a.json).write_text(json.dumps(record, indent=1) + "\n")

@@ -10,7 +10,7 @@ layer's own q, k, v, gate and beta, both normalizing q and k); the other rows ti
 whole layers, whose projections and convolutions are the same matrix products on both
 sides. Printed per row: best-of-N CPU seconds of each (one thread, interleaved runs),
 the ratio transformers / WavePP (> 1: WavePP faster) and the max abs difference of the
-outputs. ``python -m wavepp.bench.kernels [--tokens 2048] [--repeats 7]``.
+outputs. ``python -m benchmarks.kernels [--tokens 2048] [--repeats 7]``.
 
 Needs ``transformers`` (the ``dev`` extra).
 """
@@ -181,7 +181,7 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.kernels",
+        prog="python -m benchmarks.kernels",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

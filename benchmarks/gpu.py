@@ -1,7 +1,7 @@
-"""The GPU check (issue 13): run on a CUDA machine, ``python -m wavepp.bench.gpu --json out.json``.
+"""The GPU check (issue 13): run on a CUDA machine, ``python -m benchmarks.gpu --json out.json``.
 
 (a) **Parity on the GPU**: for each model family the project loads (Llama, and the
-    families of ``wavepp.model`` whose tiny configs ``tests/parity/families.py``
+    families of ``wavepp.model`` whose tiny configs ``tests/helpers/families.py``
     provides when the repository's tests are present), a tiny random checkpoint written
     by ``transformers``; WavePP's executor (one stage, prefix-reusing chunks through the
     paged pool) against ``transformers``' forward on the same GPU. fp32: max |Δlogit| ≤
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from wavepp.bench._stats import emit
+from benchmarks._stats import emit
 
 FP32_TOL = 1e-3
 BF16_REL_TOL = 0.05
@@ -42,7 +42,7 @@ BF16_REL_TOL = 0.05
 
 def require_cuda() -> None:
     if not torch.cuda.is_available():
-        print("wavepp.bench.gpu: no CUDA device is visible to torch "
+        print("benchmarks.gpu: no CUDA device is visible to torch "
               f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
               "this check needs a GPU and ran nothing", file=sys.stderr)  # fmt: skip
         sys.exit(2)
@@ -73,9 +73,9 @@ def checkpoints(tmp: Path, seed: int, families: bool) -> dict[str, tuple[object,
     if not families:
         return out
     try:  # the families' tiny configs live with the parity tests
-        from tests.parity.families import MODELS, make_checkpoint
+        from tests.helpers.families import MODELS, make_checkpoint
     except ImportError:
-        print("  (tests/parity/families.py not importable: Llama only)", file=sys.stderr)
+        print("  (tests/helpers/families.py not importable: Llama only)", file=sys.stderr)
         return out
     for family in MODELS:
         out[family] = make_checkpoint(family, tmp / family, seed)
@@ -230,7 +230,7 @@ def tensor_parallel(tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m wavepp.bench.gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--tokens", type=int, default=16384, help="prompt of the throughput part")
     p.add_argument("--chunk", type=int, default=4096)

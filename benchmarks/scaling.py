@@ -1,4 +1,4 @@
-"""``python -m wavepp.bench.scaling``: strong scaling of cold prefill in the simulator.
+"""``python -m benchmarks.scaling``: strong scaling of cold prefill in the simulator.
 
 Runs the same cold workload (default: 32 prompts of 131,072 tokens at concurrency 16)
 at P = 1, 2, 4, 8 pipeline stages, one ``torchrun`` each, and prints
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wavepp.bench.matrix import _RUNG_PLANNER, Cell, run_cell
+from benchmarks.matrix import _RUNG_PLANNER, Cell, run_cell
 from wavepp.config import EXECUTOR_DEFAULTS
 from wavepp.plan import PLANNERS, CostModel, Pending, PlanContext
 from wavepp.plan.placement import whole_layers
@@ -127,7 +127,7 @@ def _cell(a: argparse.Namespace, ranks: int, concurrency: int, requests: int, bu
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m wavepp.bench.scaling",
+        prog="python -m benchmarks.scaling",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

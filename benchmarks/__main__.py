@@ -1,0 +1,3 @@
+from benchmarks.matrix import main
+
+main()

@@ -1,3 +1,0 @@
-from wavepp.bench.matrix import main
-
-main()
