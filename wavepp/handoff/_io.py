@@ -1,10 +1,14 @@
-"""One connection's bytes: exact reads straight into caller memory, each wait bounded.
+"""Sockets for handoffs, both sides: every write-all and read-exactly loop of the package.
 
-Reads and writes go to the raw non-blocking socket (no intermediate buffer), so a
-band's payload lands directly in the tensors allocated for it. Every wait for the peer
-is bounded by ``timeout_s`` without a byte (up to 1.25 x): a peer that stops sending half
-way costs that timeout, no more. Errors: ``TimeoutError`` (no progress in time),
-``ConnectionError`` (closed early).
+Async (an event loop's non-blocking socket, :class:`Connection`): exact reads straight
+into caller memory and scatter-gather writes, each wait for the peer bounded by
+``timeout_s`` without a byte (reads: up to 1.25 x), so a peer that stops half way costs
+that timeout, no more. Blocking (a worker thread's socket, whose deadline the caller
+keeps by the socket's timeout or by shutting it): :func:`sendmsg_all` and
+:func:`recv_exactly`. Reads and writes go to the raw socket (no intermediate buffer), so
+a band's payload lands directly in the tensors allocated for it and leaves straight from
+the pool. Errors: ``TimeoutError`` (no progress in time), ``ConnectionError`` (closed
+early), any other ``OSError`` as the socket raises it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from wavepp.handoff.wire import Address
 
 DRAIN_CHUNK = 1 << 20
 UNIX_RETRY_S = 0.002  # a connect to a Unix listener whose backlog is full, tried again
+IOV_MAX = 1024  # buffers per sendmsg call (Linux)
 
 
 class Connection:
@@ -80,13 +85,22 @@ class Connection:
         return bytes(buf)
 
     async def send(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        while view:
+        await self.sendmsg([data])
+
+    async def sendmsg(self, views: list[memoryview]) -> None:
+        """Every byte of ``views``, in order: as many as the send buffer takes per
+        ``sendmsg`` (``IOV_MAX`` buffers a call); a wait for room is bounded by
+        ``timeout_s``."""
+        queue = _queue(views)
+        first = 0
+        while first < len(queue):
             try:
-                view = view[self.sock.send(view) :]
+                sent = self.sock.sendmsg(queue[first : first + IOV_MAX])
             except BlockingIOError:
                 with anyio.fail_after(self.timeout_s):
                     await anyio.wait_writable(self.sock)
+                continue
+            first = _step(queue, first, sent)
 
     async def send_fd(self, data: bytes, fd: int) -> None:
         """``data`` with the file ``fd`` passed alongside (``SCM_RIGHTS``; a Unix
@@ -123,6 +137,66 @@ class Connection:
 
     def close(self) -> None:
         close_socket(self.sock)
+
+
+def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Every byte of ``views`` through a blocking socket, in as few ``sendmsg`` calls as
+    the iovec limit allows: the calling thread wakes (and takes the GIL) once per call,
+    not once per socket buffer's worth."""
+    queue = _queue(views)
+    first = 0  # an index, not pops from the front: a 32K-token band has 16K buffers
+    while first < len(queue):
+        first = _step(queue, first, sock.sendmsg(queue[first : first + IOV_MAX]))
+
+
+def recv_exactly(sock: socket.socket, n: int, fds: list[int] | None = None,
+                 max_fds: int = 0) -> bytes:  # fmt: skip
+    """The next ``n`` bytes from a blocking socket; ``ConnectionError`` if the peer closes
+    first. With ``fds``, the files passed alongside (``SCM_RIGHTS``, a Unix socket) are
+    appended to it, descriptors the caller closes; ``FilesTruncated`` when more than
+    ``max_fds`` came, or none could be taken here."""
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        if fds is None:
+            k = sock.recv_into(view[got:])
+        else:
+            k, ancillary, flags, _ = sock.recvmsg_into(
+                [view[got:]], socket.CMSG_SPACE(max_fds * 4), socket.MSG_CMSG_CLOEXEC)
+            for level, kind, raw in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    passed = array.array("i")
+                    passed.frombytes(raw[: len(raw) - len(raw) % passed.itemsize])
+                    fds.extend(passed)
+            if flags & socket.MSG_CTRUNC:
+                raise FilesTruncated(f"more than {max_fds} files passed, or this process is "
+                                     "at its limit of open files")  # fmt: skip
+        if not k:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return bytes(data)
+
+
+class FilesTruncated(OSError):
+    """Files passed with a message that this side could not take (all of)."""
+
+
+def _queue(views: list) -> list[memoryview]:
+    """Flat byte views of ``views`` (buffers of any kind), the empty ones left out."""
+    return [m for v in views if (m := memoryview(v).cast("B")).nbytes]
+
+
+def _step(queue: list[memoryview], first: int, sent: int) -> int:
+    """Step over ``sent`` bytes of ``queue[first:]``; a partly sent buffer keeps its
+    tail. Returns the new first index."""
+    while sent:
+        if sent >= queue[first].nbytes:
+            sent -= queue[first].nbytes
+            first += 1
+        else:
+            queue[first] = queue[first][sent:]
+            sent = 0
+    return first
 
 
 def peer_process(sock: socket.socket) -> tuple[int, int] | None:
