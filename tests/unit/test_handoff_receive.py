@@ -247,7 +247,7 @@ def test_garbage_and_broken_senders_cost_only_their_band():
         bad_version = b"WPHB" + struct.pack("<HHI", 9, 0, 10)
         acks["version"] = await anyio.to_thread.run_sync(raw_exchange, address, bad_version)
         acks["junk header"] = await anyio.to_thread.run_sync(
-            raw_exchange, address, b"WPHB" + struct.pack("<HHI", 1, 0, 5) + b"\xc1" * 5
+            raw_exchange, address, b"WPHB" + struct.pack("<HHI", 3, 0, 5) + b"\xc1" * 5
         )
         # header then half the payload, then silence (the socket stays open)
         half = prefix + p[0].numpy().tobytes()[:10]
@@ -259,7 +259,7 @@ def test_garbage_and_broken_senders_cost_only_their_band():
 
     acks, handoff = run_with(receiver, client)
     assert acks["garbage"].error.startswith("unknown magic b'\\x00\\x00\\x00\\x00'")
-    assert acks["version"].error == "wire version 9 is not supported (this side speaks 1, 2, 3)"
+    assert acks["version"].error == "wire version 9 is not supported (this side speaks 3)"
     assert acks["junk header"].error.startswith("band header does not decode")
     assert acks["stalled"] == Ack("r1", 0, False, "the sender stopped sending mid-band")
     assert acks["closed"] == Ack("r1", 0, False, "the sender went away mid-band")
@@ -390,7 +390,7 @@ def test_a_sender_that_breaks_its_segment_exchange_costs_only_its_band():
     assert receiver.counts["bands_refused"] == receiver.counts["bands_broken"] == 1
 
 
-# -- reservations (wire version 3): a segment for the sender's next band ---------------
+# -- reservations: a segment for the sender's next band ----------------------------------
 
 
 def _segment_answer(sock: socket.socket, magic: bytes) -> tuple[int, int, int | None]:

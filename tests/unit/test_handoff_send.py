@@ -793,39 +793,6 @@ def test_a_lent_segment_is_checked_before_a_byte_is_written(sock_path, mode, rea
             assert payload[at : at + spec.nbytes] == tensor.read().numpy().tobytes()
 
 
-class OldReceiver(Receiver):
-    """A receiver from before segments: it reads wire version 1 only, and refuses any
-    other version at the prefix (an ack with no request id)."""
-
-    refused = 0
-
-    def _serve(self, conn: socket.socket) -> None:
-        prefix = conn.recv(wire.PREFIX_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
-        version = int.from_bytes(prefix[4:6], "little")
-        if version != 1:
-            self.refused += 1
-            conn.sendall(wire.encode_ack(wire.Ack("", -1, False, f"wire version {version} "
-                                                  "is not supported (this side speaks 1)")))
-            return
-        super()._serve(conn)
-
-
-def test_a_receiver_from_before_segments_gets_the_band_plain_and_is_not_offered_again(
-        sock_path):  # fmt: skip
-    receiver = OldReceiver(sock_path)
-    receiver.start()
-    try:  # budget 1: the bands go one after the other
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=40),
-                                       job("b", f"unix:{sock_path}", n=40)],
-                                      budget=1, segments=True)  # fmt: skip
-    finally:
-        receiver.close()
-    assert all(outcome.ok for outcome in outcomes.values()), outcomes
-    assert sorted(released) == ["a", "b"] and len(receiver.bands) == 2
-    # the first band's offers (version 3, then 2); the second is sent plain
-    assert receiver.refused == 2
-
-
 def test_a_segment_this_stage_cannot_map_for_want_of_memory_is_its_own_error(monkeypatch):
     """A mapping refused for this process's own shortage (ENOMEM, open files) fails the
     band as this stage's error, not as the receiver's bad answer."""
@@ -889,7 +856,7 @@ def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go
         os.close(b)
 
 
-# -- reservations (wire version 3): the next band's segment, lent with the band before --
+# -- reservations: the next band's segment, lent with the band before -------------------
 
 
 def run_in_turn(steps, *, band=band_of, out=None) -> dict:
@@ -989,34 +956,6 @@ def test_a_reservation_from_a_receiver_gone_since_fails_the_band_as_connect_and_
     sender._maps.tidy()
     # nothing mapped but a's own segment, kept unused (the band was taken)
     assert all(not entry[1] for entry in sender._maps._maps.values())
-
-
-class V2Receiver(Lender):
-    """A receiver from before reservations: wire versions 1 and 2 only."""
-
-    refused = 0
-
-    def _serve(self, conn: socket.socket) -> None:
-        prefix = conn.recv(wire.PREFIX_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
-        version = int.from_bytes(prefix[4:6], "little")
-        if version > 2:
-            self.refused += 1
-            conn.sendall(wire.encode_ack(wire.Ack("", -1, False, f"wire version {version} "
-                                                  "is not supported (this side speaks 1, 2)")))
-            return
-        super()._serve(conn)
-
-
-def test_a_receiver_from_before_reservations_is_offered_segments_as_version_2(sock_path):
-    receiver = V2Receiver(sock_path, "ok")
-    receiver.start()
-    try:
-        outcomes = run_in_turn([job(rid, f"unix:{sock_path}", n=40) for rid in "ab"])
-    finally:
-        receiver.close()
-    assert all(o.ok for o in outcomes.values()) and len(outcomes) == 2, outcomes
-    assert receiver.refused == 1  # the first band's version 3; then 2, for both
-    assert [h.request_id for h, _ in receiver.bands] == ["a", "b"]
 
 
 @pytest.mark.parametrize("mode", ["unsealed", "two"])

@@ -106,15 +106,13 @@ def test_band_round_trip(config):
     header = band(config, stage=1, num_stages=2, layers=tuple(range(1, n)), t=9)
     prefix = encode_band_prefix(header)
     assert prefix[:4] == b"WPHB"
-    assert struct.unpack("<HHI", prefix[4:12]) == (1, 0, len(prefix) - PREFIX_BYTES)
+    assert struct.unpack("<HHI", prefix[4:12]) == (3, 0, len(prefix) - PREFIX_BYTES)
     assert header_length(prefix[:PREFIX_BYTES]) == len(prefix) - PREFIX_BYTES
     assert decode_header(prefix[PREFIX_BYTES:]) == header
-    offer = encode_band_prefix(header, FLAG_SEGMENT)  # flags: version 2
-    assert struct.unpack("<HH", offer[4:8]) == (2, FLAG_SEGMENT)
+    offer = encode_band_prefix(header, FLAG_SEGMENT)  # every prefix is version 3
+    assert struct.unpack("<HH", offer[4:8]) == (3, FLAG_SEGMENT)
     assert parse_prefix(offer[:PREFIX_BYTES]) == (len(prefix) - PREFIX_BYTES, FLAG_SEGMENT)
-    # a version 1 prefix (no flags) is still read
-    assert parse_prefix(b"WPHB" + struct.pack("<HHI", 1, 0, 7)) == (7, 0)
-    # version 3: a reservation asked for, or a reserved segment named after the header
+    # a reservation asked for, or a reserved segment named after the header
     ask = encode_band_prefix(header, FLAG_SEGMENT | wire.FLAG_RESERVE)
     assert struct.unpack("<HH", ask[4:8]) == (3, FLAG_SEGMENT | wire.FLAG_RESERVE)
     assert ask[PREFIX_BYTES:] == prefix[PREFIX_BYTES:]
@@ -144,15 +142,15 @@ def test_ack_round_trip_and_long_error_cut():
 @pytest.mark.parametrize(
     ("prefix", "match"),
     [
-        (b"WPHX" + struct.pack("<HHI", 1, 0, 10), "magic"),
-        (b"WPHB" + struct.pack("<HHI", 4, 0, 10), "version 4"),
-        (b"WPHB" + struct.pack("<HHI", 1, 1, 10), "version 1 prefix has flags"),
-        (b"WPHB" + struct.pack("<HHI", 2, 3, 10), "version 2 prefix has flags 0x3"),
+        (b"WPHX" + struct.pack("<HHI", 3, 0, 10), "magic"),
+        (b"WPHB" + struct.pack("<HHI", 4, 0, 10), r"version 4 is not supported \(.* speaks 3\)"),
+        (b"WPHB" + struct.pack("<HHI", 1, 0, 10), "version 1 is not supported"),
+        (b"WPHB" + struct.pack("<HHI", 2, 1, 10), "version 2 is not supported"),
         (b"WPHB" + struct.pack("<HHI", 3, 8, 10), "unknown band flags 0x8"),
         (b"WPHB" + struct.pack("<HHI", 3, 5, 10), "at most one"),
         (b"WPHB" + struct.pack("<HHI", 3, 2, 10), "FLAG_RESERVE without"),
-        (b"WPHB" + struct.pack("<HHI", 1, 0, 0), "header_len 0"),
-        (b"WPHB" + struct.pack("<HHI", 1, 0, MAX_HEADER_BYTES + 1), "header_len"),
+        (b"WPHB" + struct.pack("<HHI", 3, 0, 0), "header_len 0"),
+        (b"WPHB" + struct.pack("<HHI", 3, 0, MAX_HEADER_BYTES + 1), "header_len"),
         (b"WPHB", "prefix is 4 bytes"),
     ],
 )

@@ -29,9 +29,9 @@ checked before a byte goes in, mapped here and the runs copied into it — one c
 all, where the socket takes two (the sender's into the kernel, the receiver's out of
 it). A receiver lends a stage the same segment again once its last band is taken, so
 the mapping is kept (``SegmentMaps``) and its pages are not faulted in again. Each such
-band also asks the receiver to reserve a segment for the stage's next band (wire
-version 3): a band with a reservation in hand writes into it as it connects, with no
-answer to wait for before the bytes go in — one round trip per band, not two.
+band also asks the receiver to reserve a segment for the stage's next band: a band with
+a reservation in hand writes into it as it connects, with no answer to wait for before
+the bytes go in — one round trip per band, not two.
 
 A ``dir:`` target is a folder in vLLM's ``ExampleConnector`` layout
 (``wavepp.handoff.vllm_example``): the stage writes one file per attention layer; the
@@ -157,8 +157,6 @@ class HandoffSender:
         self._threads = anyio.CapacityLimiter(BAND_THREADS)
         self._budget_freed = anyio.Event()
         self._maps = SegmentMaps(settings.budget_bytes)  # lent segments, kept mapped
-        self._no_offers: set[str] = set()  # targets that refused a segment offer's version
-        self._no_reserve: set[str] = set()  # ...and those that refused version 3's
         self.outcomes: list[HandoffOutcome] = []  # settled since the last take_outcomes()
         self.num_pending = 0  # jobs submitted and not settled
         # called (on the event loop) after each band settles: the runtime sends the
@@ -266,21 +264,8 @@ class HandoffSender:
             prefix = wire.encode_band_prefix(header)
             ack = await _exchange_inline(address, prefix, tensors, job.target, wire_s)
             return self._check_ack(job, ack, tensors)
-        target = job.target
-        offer = self.settings.segments and address.kind == "unix" and target not in self._no_offers
-        reserve = offer and target not in self._no_reserve
-        ack = await self._over_socket(job, address, header, tensors, wire_s, offer, reserve)
-        while offer and _version_refused(ack):
-            # a receiver from before reservations (or before segments) refuses the wire
-            # version: the band again as the older version reads it (as every later one
-            # to that target)
-            if reserve:
-                self._no_reserve.add(target)
-                reserve = False
-            else:
-                self._no_offers.add(target)
-                offer = False
-            ack = await self._over_socket(job, address, header, tensors, wire_s, offer, reserve)
+        offer = self.settings.segments and address.kind == "unix"
+        ack = await self._over_socket(job, address, header, tensors, wire_s, offer, offer)
         return self._check_ack(job, ack, tensors)
 
     async def _over_socket(self, job: BandJob, address: wire.Address, header: wire.BandHeader,
@@ -590,11 +575,6 @@ def _final_answer(sock: socket.socket, target: str, plan: SegmentPlan | None,
                 os.close(lent[0])
 
 
-def _version_refused(ack: wire.Ack) -> bool:
-    """The ack of a receiver that could not read the band's prefix for its version."""
-    return not ack.ok and ack.stage < 0 and ack.error.startswith("wire version")
-
-
 MAX_FDS = 4  # files a segment answer may carry before it is refused as garbage
 MAX_KEPT_MAPS = 8  # lent segments kept mapped unused, at most
 MAP_IDLE_S = 300.0  # and each for this long since its last band
@@ -726,7 +706,7 @@ class SegmentMaps:
     the receiver has let it go), the oldest let go first, and none unused for ``idle_s``
     (the receiver closes a segment free for 5 minutes: ``wavepp.handoff.receive``). A band
     that failed lets its mapping go.
-    Segments reserved for this stage's next bands (wire version 3) are held here too,
+    Segments reserved for this stage's next bands are held here too,
     mapped, until a band takes one (:meth:`take_reserved`) or ``RESERVED_USE_S`` has
     passed.
     Safe to write: a mapping is only made of a memfd whose size is sealed, so it cannot

@@ -8,8 +8,8 @@ problem. ``docs/handoff.md`` is the contract in prose.
 
 One band (one connection per band)::
 
-    b"WPHB" | u16 LE version (3; 2 with FLAG_SEGMENT alone; 1 without flags) |
-    u16 LE flags | u32 LE header_len | header | [u64 LE segment id] | payload
+    b"WPHB" | u16 LE version (3) | u16 LE flags | u32 LE header_len | header |
+    [u64 LE segment id] | payload
 
 The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``). A
 band whose flags hold ``FLAG_SEGMENT`` (a Unix socket only) offers to write its payload
@@ -17,13 +17,13 @@ into memory the receiver lends: before the payload, the receiver answers
 ``b"WPHM" | u64 LE size | u64 LE segment id``, with a memfd of ``size`` bytes passed
 alongside (size 0 and no file: the payload follows on the socket as usual); the sender
 writes the payload into it at :func:`payload_layout`'s offsets and sends ``b"WPHD"``.
-Version 3 saves that round trip: a band with ``FLAG_RESERVE`` asks the receiver to
+A band with ``FLAG_RESERVE`` saves that round trip: it asks the receiver to
 reserve a segment for the sender's next band, and the receiver answers
 ``b"WPHR" | u64 LE size | u64 LE segment id`` (and the memfd) before its ack; the next
 band, with ``FLAG_RESERVED``, names that segment after its header and is written into
 it with no answer to wait for (the receiver answers ``b"WPHM"`` of size 0 when it no
-longer holds that reservation: the payload then follows on the socket). Versions 1 and
-2 are still accepted.
+longer holds that reservation: the payload then follows on the socket). Version 3 is
+the only one: a prefix of any other is refused.
 """
 
 from __future__ import annotations
@@ -37,16 +37,15 @@ from typing import Annotated
 import attrs
 import msgspec
 
-WIRE_VERSION = 3
-VERSIONS = (1, 2, 3)  # accepted; 1 has no flags (the field is 0), 2 only FLAG_SEGMENT
+WIRE_VERSION = 3  # the only one read and written
 BAND_MAGIC = b"WPHB"
 ACK_MAGIC = b"WPHA"
 SEGMENT_MAGIC = b"WPHM"  # the receiver's answer to a segment offer
 RESERVE_MAGIC = b"WPHR"  # the receiver reserves a segment for the sender's next band
 DONE_MAGIC = b"WPHD"  # the sender: the payload is in the segment
 FLAG_SEGMENT = 1  # the sender offers to write the payload into a lent segment
-FLAG_RESERVE = 2  # v3: reserve a segment for my next band (with one of the other two)
-FLAG_RESERVED = 4  # v3: the payload is in the segment reserved for me; its id follows
+FLAG_RESERVE = 2  # reserve a segment for my next band (with one of the other two)
+FLAG_RESERVED = 4  # the payload is in the segment reserved for me; its id follows
 FLAGS = FLAG_SEGMENT | FLAG_RESERVE | FLAG_RESERVED  # every flag this side knows
 PREFIX_BYTES = 12  # magic, version, flags, header_len
 SEGMENT_ID_BYTES = 8  # after the header of a FLAG_RESERVED band
@@ -151,9 +150,7 @@ def encode_band_prefix(header: BandHeader, flags: int = 0, segment_id: int | Non
         raise ValueError("a segment id goes with FLAG_RESERVED, and only with it")
     raw = _ENCODER.encode(header)
     decode_header(raw)  # the sender's own check: never send what a receiver refuses
-    # the oldest version that has the flags: what receivers from before them read too
-    version = 1 if not flags else 2 if flags == FLAG_SEGMENT else WIRE_VERSION
-    prefix = _PREFIX.pack(BAND_MAGIC, version, flags, len(raw)) + raw
+    prefix = _PREFIX.pack(BAND_MAGIC, WIRE_VERSION, flags, len(raw)) + raw
     if segment_id is not None:
         prefix += _SEGMENT_ID.pack(segment_id)
     return prefix
@@ -182,13 +179,9 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
     magic, version, flags, length = _PREFIX.unpack(prefix)
     if magic != BAND_MAGIC:
         raise WireError(f"bad band magic {magic!r}, expected {BAND_MAGIC!r}")
-    if version not in VERSIONS:
+    if version != WIRE_VERSION:
         raise WireError(f"wire version {version} is not supported (this side speaks "
-                        f"{', '.join(map(str, VERSIONS))})")  # fmt: skip
-    if version == 1 and flags:
-        raise WireError(f"version 1 prefix has flags {flags:#x} (its reserved field): expected 0")
-    if version == 2 and flags & ~FLAG_SEGMENT:
-        raise WireError(f"version 2 prefix has flags {flags:#x}: only FLAG_SEGMENT")
+                        f"{WIRE_VERSION})")  # fmt: skip
     _check_flags(flags, WireError)
     if not 1 <= length <= MAX_HEADER_BYTES:
         raise WireError(f"header_len {length} outside 1..{MAX_HEADER_BYTES}")
