@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from wavepp.handoff.receive import BandBuffers
+from wavepp.handoff.buffers import BandBuffers
 
 
 def _address(tensor: torch.Tensor) -> int:

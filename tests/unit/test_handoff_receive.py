@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from wavepp.handoff import _io
+from wavepp.handoff.assembly import HandoffError
 from wavepp.handoff.client import build_band, send_band
-from wavepp.handoff.receive import RESERVATION_S, HandoffError, Receiver
+from wavepp.handoff.lending import RESERVATION_S
+from wavepp.handoff.receive import Receiver
 from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
     DONE_MAGIC,
@@ -515,14 +517,14 @@ def test_a_reservation_is_its_peers_only_and_closed_once_it_lapses():
         segment_id, ack = await anyio.to_thread.run_sync(ask)
         assert ack.ok
         await receiver.wait("r1", 5)  # and dropped: its segment is free again
-        mine = receiver._reserved[segment_id].peer
-        assert receiver._unreserve(segment_id, ("someone", "else")) is None
-        assert receiver._unreserve(segment_id, None) is None
-        kept = segment_id in receiver._reserved
+        mine = receiver._lender._reserved[segment_id].peer
+        assert receiver._lender._unreserve(segment_id, ("someone", "else")) is None
+        assert receiver._lender._unreserve(segment_id, None) is None
+        kept = segment_id in receiver._lender._reserved
         receiver.expire(now=time.monotonic() + RESERVATION_S + 1)
         gc.collect()
         receiver._buffers.tidy()
-        return mine, kept, segment_id in receiver._reserved, receiver._buffers.num_segments
+        return mine, kept, segment_id in receiver._lender._reserved, receiver._buffers.num_segments
 
     mine, kept, still, segments = run_with(receiver, client)
     assert mine == (os.getpid(), _io.process_start(os.getpid()))

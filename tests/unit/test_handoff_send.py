@@ -687,7 +687,7 @@ def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload
                                       band=band)  # fmt: skip
         buffers = rx.receiver._buffers
         assert buffers.num_segments == 2  # a's, and one reserved for the next band
-        got = {key: t.clone() for key, t in rx.receiver._pending["a"].bands[1].items()}
+        got = {key: t.clone() for key, t in rx.receiver._assembly._pending["a"].bands[1].items()}
         # a's tensors dropped, and the reservation (this sender is gone: nothing used it)
         assert rx.receiver.expire(now=time.monotonic() + 1e6) == ["a"]
         outcomes2, _ = run_jobs([job("b", f"unix:{sock_path}", n=n)], segments=True, band=band)
@@ -884,7 +884,7 @@ def run_in_turn(steps, *, band=band_of, out=None) -> dict:
 
 
 def _received(rx, rid: str) -> dict:
-    return {key: t.clone() for key, t in rx.receiver._pending[rid].bands[1].items()}
+    return {key: t.clone() for key, t in rx.receiver._assembly._pending[rid].bands[1].items()}
 
 
 def _expected(n: int) -> dict:

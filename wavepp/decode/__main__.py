@@ -23,6 +23,7 @@ import anyio.from_thread
 import anyio.to_thread
 
 from wavepp.handoff import _io
+from wavepp.handoff.assembly import HandoffError
 from wavepp.handoff.client import (
     DECODE_MAGIC,
     TOKENS_MAGIC,
@@ -32,7 +33,7 @@ from wavepp.handoff.client import (
     encode_frame,
     frame_length,
 )
-from wavepp.handoff.receive import HandoffError, Receiver
+from wavepp.handoff.receive import Receiver
 from wavepp.handoff.wire import WireError, fingerprint_from_hf_config, parse_address
 
 log = logging.getLogger("wavepp.decode")
