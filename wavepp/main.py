@@ -40,7 +40,6 @@ from wavepp.config import (
 from wavepp.engine import Engine
 from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype, set_threads
-from wavepp.exec.handoff_send import INLINE_BYTES, HandoffSettings
 from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.stage import Stage
 from wavepp.exec.torch_exec import TorchExecutor
@@ -55,6 +54,8 @@ from wavepp.exec.tp import (
     send_plan,
 )
 from wavepp.fleet.changes import StageLog, report_limit
+from wavepp.handoff.base import HandoffSettings
+from wavepp.handoff.socket_send import INLINE_BYTES
 from wavepp.host import steal_share
 from wavepp.metrics import summarize, table
 from wavepp.model import BUILTIN, build_stage, random_weights

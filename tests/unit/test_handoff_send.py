@@ -24,16 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from wavepp.exec import handoff_send
-from wavepp.exec.handoff_send import (
-    INLINE_BYTES,
-    BandJob,
-    BandTensor,
-    HandoffSender,
-    HandoffSettings,
-    pool_rows,
-)
-from wavepp.handoff import wire
+from wavepp.exec.torch_exec import pool_rows
+from wavepp.handoff import _io, segments, socket_send, wire
+from wavepp.handoff.base import BandJob, BandTensor, HandoffSettings
+from wavepp.handoff.send import HandoffSender
+from wavepp.handoff.socket_send import INLINE_BYTES
 
 FP = wire.Fingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_size=8,
                       vocab_size=64, layer_kinds="AA", num_heads=2, num_kv_heads=1,
@@ -135,11 +130,11 @@ def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.0
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
             for j in jobs:
-                sender.submit(j)
+                sender.send(j)
             if cancel:
                 await anyio.sleep(cancel_after)
                 for rid in cancel:
-                    sender.cancel(rid)
+                    sender.abort(rid)
             with anyio.fail_after(60):  # hang guard
                 while sender.num_pending:
                     if peak is not None:
@@ -148,10 +143,10 @@ def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.0
             tg.cancel_scope.cancel()
 
     # an inline band never reaches the worker thread's exchange
-    with mock.patch.object(handoff_send, "_send_band", side_effect=AssertionError) if inline \
+    with mock.patch.object(socket_send, "_exchange", side_effect=AssertionError) if inline \
             else contextlib.nullcontext():  # fmt: skip
         anyio.run(main)
-    outcomes = {o.request_id: o for o in sender.take_outcomes()}
+    outcomes = {o.request_id: o for o in sender.poll()}
     assert not any("AssertionError" in o.detail for o in outcomes.values()), outcomes
     return outcomes, released
 
@@ -170,7 +165,7 @@ def send_one(receiver: Receiver, band, one: BandJob) -> bytes:
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
-            sender.submit(one)
+            sender.send(one)
             await _until(lambda: not sender.num_pending)
             tg.cancel_scope.cancel()
 
@@ -178,7 +173,7 @@ def send_one(receiver: Receiver, band, one: BandJob) -> bytes:
         anyio.run(main)
     finally:
         receiver.close()
-    (outcome,) = sender.take_outcomes()
+    (outcome,) = sender.poll()
     assert outcome.ok, outcome
     ((_, payload),) = receiver.bands
     return payload
@@ -250,7 +245,7 @@ def test_an_inline_band_goes_into_the_send_buffer_whole_without_waiting(sock_pat
                 for t in band_of(one)]  # fmt: skip
 
     try:
-        with mock.patch.object(handoff_send.anyio, "wait_writable", counting):
+        with mock.patch.object(_io.anyio, "wait_writable", counting):
             outcomes, _ = run_jobs([job("a", f"unix:{sock_path}", n=n)], inline=True,
                                    band=band)  # fmt: skip
     finally:
@@ -325,10 +320,9 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
 def test_a_band_of_more_runs_than_one_sendmsg_takes_arrives_whole_and_in_order(sock_path):
     """Every other slot of the pool: one run per row, more than IOV_MAX of them, with a
     copied tensor (a recurrent state's kind) between two layers' runs."""
-    from wavepp.exec.handoff_send import IOV_MAX
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
 
-    n = IOV_MAX + 300
+    n = _io.IOV_MAX + 300
     pool = torch.randn(2 * n, 1, 4)
     table = tuple(range(0, 2 * n, 2))  # block size 1: no two rows adjacent
     runs = _row_runs(table, 1, n)
@@ -422,9 +416,9 @@ def test_a_cancelled_band_is_released_only_after_its_thread_stops_reading(sock_p
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
-            sender.submit(job("a", f"unix:{sock_path}"))
+            sender.send(job("a", f"unix:{sock_path}"))
             await _until(band.entered.is_set)  # the thread is inside the second read
-            sender.cancel("a")
+            sender.abort("a")
             await anyio.sleep(0.2)  # the event loop is free to settle the band...
             assert released == [] and sender.num_pending == 1  # ...and must not yet
             band.gate.set()
@@ -435,7 +429,7 @@ def test_a_cancelled_band_is_released_only_after_its_thread_stops_reading(sock_p
         anyio.run(main)
     finally:
         receiver.close()
-    (outcome,) = sender.take_outcomes()
+    (outcome,) = sender.poll()
     assert outcome.reason == "cancelled" and released == ["a"] and band.reads == 1
 
 
@@ -467,7 +461,7 @@ def test_a_stage_keeps_a_cancelled_requests_blocks_until_its_band_has_stopped():
         async with anyio.create_task_group() as tg:
             tg.start_soon(stage.handoffs.run)
             stage.handing_off.add("a")
-            stage.handoffs.submit(job("a", f"unix:{path}"))
+            stage.handoffs.send(job("a", f"unix:{path}"))
             await _until(band.entered.is_set)
             stage.drop("a")
             assert "a" in stage.book.cache.claims  # still held: the thread reads them
@@ -485,7 +479,7 @@ def test_a_stage_keeps_a_cancelled_requests_blocks_until_its_band_has_stopped():
             receiver.close()
     assert "a" not in stage.book.cache.claims and not stage.handing_off
     assert usage(stage.book.cache).num_free == 8
-    (outcome,) = stage.take_handoff_outcomes()
+    (outcome,) = stage.handoffs.poll()
     assert outcome.reason == "cancelled"
 
 
@@ -543,7 +537,7 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
     band waits for one. Timed out or cancelled there, it settles and is released at once
     without its thread ever reading it; the planes' threads (anyio's default limiter) are
     untouched throughout."""
-    from wavepp.exec.handoff_send import BAND_THREADS
+    from wavepp.handoff.send import BAND_THREADS
 
     receiver = Receiver(sock_path)
     receiver.start()
@@ -564,16 +558,16 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
             for i in range(BAND_THREADS):
-                sender.submit(job(f"stuck-{i}", f"unix:{sock_path}"))
+                sender.send(job(f"stuck-{i}", f"unix:{sock_path}"))
             await _until(lambda: sender._threads.borrowed_tokens == BAND_THREADS)
             assert default.borrowed_tokens == 0
             late = job("late", f"unix:{sock_path}")
             if how == "timeout":  # its last chunk ended 29.8 s ago: 0.2 s left
                 late = attrs.evolve(late, ended_at=late.ended_at - 29.8)
-            sender.submit(late)
+            sender.send(late)
             if how == "cancel":
                 await anyio.sleep(0.1)
-                sender.cancel("late")
+                sender.abort("late")
             await _until(lambda: "late" in released)
             assert sender.num_pending == BAND_THREADS  # the stuck ones are still on
             stuck.gate.set()
@@ -585,7 +579,7 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
     finally:
         stuck.gate.set()
         receiver.close()
-    outcomes = {o.request_id: o for o in sender.take_outcomes()}
+    outcomes = {o.request_id: o for o in sender.poll()}
     assert outcomes["late"].reason == ("timeout" if how == "timeout" else "cancelled")
     assert reads == [] and released.count("late") == 1
     assert all(outcomes[f"stuck-{i}"].ok for i in range(BAND_THREADS))
@@ -603,23 +597,25 @@ def test_a_band_whose_reads_wait_on_other_ranks_never_goes_out_from_the_event_lo
 
     sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 20, inline_bytes=INLINE_BYTES),
                            band, lambda rid: None)  # fmt: skip
-    assert not sender._inline(band(None))
+    transport = sender._transports["unix"]
+    assert not transport.inline(band(None))
     plain = [BandTensor(0, "k", "float32", (4, 1, 4), lambda: k)]
-    assert sender._inline(plain)  # the same band without the wait would go inline
+    assert transport.inline(plain)  # the same band without the wait would go inline
 
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
-            sender.submit(job("tp", f"unix:{sock_path}", n=4))
+            sender.send(job("tp", f"unix:{sock_path}", n=4))
             await _until(lambda: not sender.num_pending)
             tg.cancel_scope.cancel()
 
     try:
-        with mock.patch.object(handoff_send, "_exchange_inline", side_effect=AssertionError):
+        with mock.patch.object(socket_send.SocketTransport, "_on_loop",
+                               side_effect=AssertionError):  # fmt: skip
             anyio.run(main)
     finally:
         receiver.close()
-    (outcome,) = sender.take_outcomes()
+    (outcome,) = sender.poll()
     assert outcome.ok, outcome
 
 
@@ -660,10 +656,9 @@ def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload
     and a second band from the same process is lent the same segment. Each band also
     gets a segment reserved for the stage's next band."""
     from tests.handoff_rig import ReceiverThread
-    from wavepp.exec.handoff_send import IOV_MAX
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
 
-    n = IOV_MAX + 100
+    n = _io.IOV_MAX + 100
     pool = torch.randn(2 * n, 1, 4)
     table = tuple(range(0, 2 * n, 2))  # no two rows adjacent: one piece a row
     rows = partial(pool_rows, table, 1, n)
@@ -679,9 +674,9 @@ def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload
                            partial(_pool_pieces, pool, runs))]  # fmt: skip
 
     sent = []
-    real_sendmsg = handoff_send._sendmsg_all
+    real_sendmsg = _io.sendmsg_all
     with ReceiverThread(LLAMA_FP, "float32", Path(sock_path)) as rx, \
-            mock.patch.object(handoff_send, "_sendmsg_all",
+            mock.patch.object(_io, "sendmsg_all",
                               side_effect=lambda s, v: sent.append(v) or real_sendmsg(s, v)):
         outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=n)], segments=True,
                                       band=band)  # fmt: skip
@@ -799,7 +794,8 @@ def test_a_segment_this_stage_cannot_map_for_want_of_memory_is_its_own_error(mon
     import errno
     import mmap as mmap_module
 
-    from wavepp.exec.handoff_send import BandFailed, SegmentMaps
+    from wavepp.handoff.base import BandFailed
+    from wavepp.handoff.segments import SegmentMaps
 
     def short(*args, **kwargs):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
@@ -816,7 +812,7 @@ def test_a_segment_this_stage_cannot_map_for_want_of_memory_is_its_own_error(mon
 
 
 def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go():
-    from wavepp.exec.handoff_send import SegmentMaps
+    from wavepp.handoff.segments import SegmentMaps
 
     now = [0.0]
     maps = SegmentMaps(keep_bytes=8192, idle_s=30.0, clock=lambda: now[0])
@@ -875,12 +871,17 @@ def run_in_turn(steps, *, band=band_of, out=None) -> dict:
                 if callable(step):
                     step()
                     continue
-                sender.submit(step)
+                sender.send(step)
                 await _until(lambda: not sender.num_pending)
             tg.cancel_scope.cancel()
 
     anyio.run(main)
-    return {o.request_id: o for o in sender.take_outcomes()}
+    return {o.request_id: o for o in sender.poll()}
+
+
+def maps_of(sender: HandoffSender) -> segments.SegmentMaps:
+    """The segments a sender's socket transport keeps mapped."""
+    return sender._transports["unix"]._segments.maps
 
 
 def _received(rx, rid: str) -> dict:
@@ -898,10 +899,10 @@ def test_a_stages_next_band_goes_into_the_segment_reserved_for_it(sock_path):
     from tests.handoff_rig import ReceiverThread
 
     waits = []
-    real = handoff_send._take_segment
+    real = segments.SegmentRoute._lent
     with ReceiverThread(LLAMA_FP, "float32", Path(sock_path)) as rx, \
-            mock.patch.object(handoff_send, "_take_segment",
-                              side_effect=lambda *a: waits.append(a) or real(*a)):
+            mock.patch.object(segments.SegmentRoute, "_lent",
+                              lambda *a: waits.append(a) or real(*a)):
         outcomes = run_in_turn([job(rid, f"unix:{sock_path}", n=40) for rid in "abc"])
         got = {rid: _received(rx, rid) for rid in "abc"}
         counts = rx.receiver.counts
@@ -943,7 +944,7 @@ def test_a_reservation_from_a_receiver_gone_since_fails_the_band_as_connect_and_
     senders = []
     try:
         outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40),
-                                lambda: senders.append(len(senders[0]._maps._reserved)),
+                                lambda: senders.append(len(maps_of(senders[0])._reserved)),
                                 lambda: rx.__exit__(None, None, None),
                                 job("b", f"unix:{sock_path}", n=40)], out=senders)
     finally:
@@ -952,10 +953,11 @@ def test_a_reservation_from_a_receiver_gone_since_fails_the_band_as_connect_and_
     assert outcomes["a"].ok and outcomes["b"].reason == "connect", outcomes
     sender, held_before = senders
     assert held_before == 1  # a's reservation, for the next band
-    assert not sender._maps._reserved
-    sender._maps.tidy()
+    maps = maps_of(sender)
+    assert not maps._reserved
+    maps.tidy()
     # nothing mapped but a's own segment, kept unused (the band was taken)
-    assert all(not entry[1] for entry in sender._maps._maps.values())
+    assert all(not entry[1] for entry in maps._maps.values())
 
 
 @pytest.mark.parametrize("mode", ["unsealed", "two"])
@@ -1002,7 +1004,7 @@ class BadReserver(Lender):
 
 
 def test_segment_maps_hold_reservations_until_taken_or_stale():
-    from wavepp.exec.handoff_send import MAX_RESERVED_MAPS, RESERVED_USE_S, SegmentMaps
+    from wavepp.handoff.segments import MAX_RESERVED_MAPS, RESERVED_USE_S, SegmentMaps
 
     now = [0.0]
     maps = SegmentMaps(keep_bytes=0, clock=lambda: now[0])

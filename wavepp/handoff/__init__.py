@@ -1,7 +1,20 @@
-"""Handing a request's cache on: the wire format of a stage's band (``wire``), the
-receiving side (``receive``), the ``transformers`` cache built from it (``hf``) and the
-decode worker's client (``client``). Imports nothing of WavePP's runtime: a decode engine
-can use it alone. ``docs/handoff.md`` is the contract.
+"""Handing a request's cache on, both sides; ``docs/handoff.md`` is the contract.
+
+- the wire format of a stage's band (``wire``, pure) and the sockets it goes over
+  (``_io``);
+- sending: a stage's one sender (``send``), the seam between it and each transport
+  (``base``), WavePP's wire over a socket (``socket_send``, with ``segments`` where a
+  receiver on this host lends memory) and vLLM's ``ExampleConnector`` files
+  (``vllm_example``);
+- receiving: the server (``receive``) and the band's way through it — checked before
+  anything is allocated (``gate``), claimed and assembled (``assembly``), read into
+  recycled buffers (``buffers``) or written by its sender into a lent one (``lending``);
+  the ``transformers`` cache built from a request's bands (``hf``) and the decode
+  worker's client (``client``).
+
+The receiving side imports nothing else of WavePP: a decode engine can use it alone. The
+sending side takes its outcome message and ids from ``wavepp.rounds`` and
+``wavepp.state``. This module exports the wire's names only (no torch).
 """
 
 from wavepp.handoff.wire import (

@@ -18,14 +18,10 @@ import attrs
 import numpy as np
 import torch
 
+from wavepp.handoff.base import DTYPE_NAMES
 from wavepp.handoff.wire import BandHeader
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int32": torch.int32,
-}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 MAX_SEGMENTS = 64  # segments open at once (two descriptors each: the memfd, its mapping's)
 SEGMENT_BYTES = 1 << 30  # their bytes at most (lent, in use or kept)
