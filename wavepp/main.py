@@ -703,8 +703,7 @@ def build_stage_parts(c: RunConfig, rank: int, world: int, setup: Setup, planes:
         on_cpu = pick_device(c.device).type == "cpu"
         handoff = HandoffSettings(rank, world, fingerprint(c.model, executor.cfg, c.dtype),
                                   c.handoff_timeout_s, c.handoff_budget_mib << 20,
-                                  c.handoff_block_size, INLINE_BYTES if on_cpu else 0,
-                                  c.handoff_segments)  # fmt: skip
+                                  c.handoff_block_size, INLINE_BYTES if on_cpu else 0)  # fmt: skip
         handoff_targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
                                          c.handoff_block_size, handoff.fingerprint.layer_kinds)
     cache_log = (StageLog(rank, recurrent, report_limit(world)) if c.kv_events

@@ -78,8 +78,7 @@ import json, sys, anyio
 from wavepp.handoff.receive import Receiver
 
 async def main():
-    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None,
-                  lend_segments=sys.argv[3] == "lend")
+    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None)
     async with anyio.create_task_group() as tg:
         await tg.start(rx.serve, sys.argv[1])
         print("ready", flush=True)
@@ -306,8 +305,7 @@ class LibraryBands:
                     for (layer, name), t in self._tensors[stage].items()]  # fmt: skip
 
         settings = HandoffSettings(stage, self.stages, self._fp, timeout_s=60.0,
-                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES,
-                                   segments=True)  # fmt: skip
+                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES)
         return HandoffSender(settings, band, release=lambda rid: None)
 
     def close(self) -> None:

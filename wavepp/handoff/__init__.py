@@ -3,14 +3,12 @@
 - the wire format of a stage's band (``wire``, pure) and the sockets it goes over
   (``_io``);
 - sending: a stage's one sender (``send``), the seam between it and each transport
-  (``base``), WavePP's wire over a socket (``socket_send``, with ``segments`` where a
-  receiver on this host lends memory) and vLLM's ``ExampleConnector`` files
-  (``vllm_example``);
-- receiving: the server (``receive``) and the band's way through it — checked before
-  anything is allocated (``gate``), claimed and assembled (``assembly``), read into
-  recycled buffers (``buffers``) or written by its sender into a lent one (``lending``);
-  the ``transformers`` cache built from a request's bands (``hf``) and the decode
-  worker's client (``client``).
+  (``base``), WavePP's wire over a socket (``socket_send``) and vLLM's
+  ``ExampleConnector`` files (``vllm_example``);
+- receiving: the server (``receive``, which reads each band into a recycled buffer) and
+  the band's way through it — checked before anything is allocated (``gate``), claimed
+  and assembled (``assembly``); the ``transformers`` cache built from a request's bands
+  (``hf``) and the decode worker's client (``client``).
 
 The receiving side imports nothing else of WavePP: a decode engine can use it alone. The
 sending side takes its outcome message and ids from ``wavepp.rounds`` and
@@ -22,9 +20,6 @@ from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
     BAND_MAGIC,
     DTYPES,
-    FLAG_RESERVE,
-    FLAG_RESERVED,
-    FLAG_SEGMENT,
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
     WIRE_VERSION,
@@ -44,7 +39,6 @@ from wavepp.handoff.wire import (
     fingerprint_from_hf_config,
     header_length,
     parse_address,
-    parse_prefix,
     payload_layout,
 )
 
@@ -53,9 +47,6 @@ __all__ = [
     "ACK_PREFIX_BYTES",
     "BAND_MAGIC",
     "DTYPES",
-    "FLAG_RESERVE",
-    "FLAG_RESERVED",
-    "FLAG_SEGMENT",
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "WIRE_VERSION",
@@ -75,6 +66,5 @@ __all__ = [
     "fingerprint_from_hf_config",
     "header_length",
     "parse_address",
-    "parse_prefix",
     "payload_layout",
 ]

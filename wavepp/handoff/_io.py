@@ -13,13 +13,11 @@ early), any other ``OSError`` as the socket raises it.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import os
 import socket
 import stat
-import struct
 import time
 
 import anyio
@@ -102,19 +100,6 @@ class Connection:
                 continue
             first = _step(queue, first, sent)
 
-    async def send_fd(self, data: bytes, fd: int) -> None:
-        """``data`` with the file ``fd`` passed alongside (``SCM_RIGHTS``; a Unix
-        socket): the peer gets its own descriptor of the same file."""
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-        while True:
-            try:
-                sent = self.sock.sendmsg([data], rights)
-                break
-            except BlockingIOError:
-                with anyio.fail_after(self.timeout_s):
-                    await anyio.wait_writable(self.sock)
-        await self.send(memoryview(data)[sent:])  # the file went with the first byte
-
     async def drain(self, n: int) -> None:
         """Read and drop up to ``n`` bytes (a refused band's payload), so that closing
         does not reset a sender still writing; stops early if the peer closes."""
@@ -149,36 +134,17 @@ def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
         first = _step(queue, first, sock.sendmsg(queue[first : first + IOV_MAX]))
 
 
-def recv_exactly(sock: socket.socket, n: int, fds: list[int] | None = None,
-                 max_fds: int = 0) -> bytes:  # fmt: skip
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
     """The next ``n`` bytes from a blocking socket; ``ConnectionError`` if the peer closes
-    first. With ``fds``, the files passed alongside (``SCM_RIGHTS``, a Unix socket) are
-    appended to it, descriptors the caller closes; ``FilesTruncated`` when more than
-    ``max_fds`` came, or none could be taken here."""
+    first."""
     data = bytearray(n)
     view, got = memoryview(data), 0
     while got < n:
-        if fds is None:
-            k = sock.recv_into(view[got:])
-        else:
-            k, ancillary, flags, _ = sock.recvmsg_into(
-                [view[got:]], socket.CMSG_SPACE(max_fds * 4), socket.MSG_CMSG_CLOEXEC)
-            for level, kind, raw in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    passed = array.array("i")
-                    passed.frombytes(raw[: len(raw) - len(raw) % passed.itemsize])
-                    fds.extend(passed)
-            if flags & socket.MSG_CTRUNC:
-                raise FilesTruncated(f"more than {max_fds} files passed, or this process is "
-                                     "at its limit of open files")  # fmt: skip
+        k = sock.recv_into(view[got:])
         if not k:
             raise ConnectionError(f"peer closed after {got} of {n} bytes")
         got += k
     return bytes(data)
-
-
-class FilesTruncated(OSError):
-    """Files passed with a message that this side could not take (all of)."""
 
 
 def _queue(views: list) -> list[memoryview]:
@@ -197,36 +163,6 @@ def _step(queue: list[memoryview], first: int, sent: int) -> int:
             queue[first] = queue[first][sent:]
             sent = 0
     return first
-
-
-def peer_process(sock: socket.socket) -> tuple[int, int] | None:
-    """The process at the other end of a Unix socket (as it was when it connected): its
-    pid and its start time (clock ticks after boot, ``/proc/<pid>/stat``), which tell it
-    from a later process given the same pid. None for any other socket, or when the peer
-    is already gone (or its start time cannot be read)."""
-    if sock.family != socket.AF_UNIX:
-        return None
-    pid, _, _ = _CREDENTIALS.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    if not pid:
-        return None
-    started = process_start(pid)
-    return None if started is None else (pid, started)
-
-
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot); None if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read(4096)
-        # the fields after the command name (which may hold spaces and parentheses);
-        # the start time is the 22nd field, the 20th after the name
-        return int(text[text.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 def close_socket(sock: socket.socket) -> None:

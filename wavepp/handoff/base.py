@@ -106,9 +106,6 @@ class HandoffSettings:
     # bands of up to this many bytes go out from the event loop, without a worker thread
     # (0: never; a CPU stage's: INLINE_BYTES; a GPU stage's rows need copies to the host)
     inline_bytes: int = 0
-    # a larger band to a unix: target offers to write its payload into a segment the
-    # receiver lends (wire.FLAG_SEGMENT): one copy of the bytes instead of two
-    segments: bool = False
 
 
 @attrs.define(eq=False)

@@ -1,7 +1,7 @@
 """Where a band's connection is read and checked before any of its payload is allocated.
 
 :meth:`Gate.admit` is the one place a receiver reads what precedes a band's payload —
-the prefix, the header, a reserved segment's id — and checks it: the wire's own checks
+the prefix and the header — and checks it: the wire's own checks
 (bounds, internal consistency: ``wavepp.handoff.wire``), then against this receiver's
 model (the fingerprint field by field, each layer's tensors by name, dtype and shape) and
 its byte limit. A band that passes is then claimed in its request (``assembly``) and only
@@ -18,17 +18,14 @@ import torch
 from wavepp.handoff import _io
 from wavepp.handoff.wire import (
     BAND_MAGIC,
-    FLAG_RESERVED,
     PREFIX_BYTES,
-    SEGMENT_ID_BYTES,
     BandHeader,
     Fingerprint,
     WireError,
     band_bytes,
     decode_header,
     expected_tensors,
-    parse_prefix,
-    parse_segment_id,
+    header_length,
 )
 
 
@@ -37,9 +34,7 @@ class Arrival:
     """What a band's connection said before its payload, as far as it was read (a
     refusal acks with the header's request and stage when there is one)."""
 
-    flags: int = 0  # the prefix's: how the payload comes (wire.FLAG_*)
     header: BandHeader | None = None
-    segment_id: int | None = None  # FLAG_RESERVED: the reserved segment it names
 
 
 class Gate:
@@ -52,14 +47,11 @@ class Gate:
         self.max_band_bytes = max_band_bytes
 
     async def admit(self, conn: _io.Connection, arrival: Arrival) -> BandHeader:
-        """Read the rest of a band's prefix (its magic is read), its header and trailer
-        into ``arrival``, and check them; ``WireError`` naming the first problem. Reads
-        at most ``wire.MAX_HEADER_BYTES`` and some; allocates nothing for the payload."""
-        length, arrival.flags = parse_prefix(BAND_MAGIC +
-                                             await conn.read_exactly(PREFIX_BYTES - 4))
+        """Read the rest of a band's prefix (its magic is read) and its header into
+        ``arrival``, and check them; ``WireError`` naming the first problem. Reads at most
+        ``wire.MAX_HEADER_BYTES`` and some; allocates nothing for the payload."""
+        length = header_length(BAND_MAGIC + await conn.read_exactly(PREFIX_BYTES - 4))
         arrival.header = header = decode_header(await conn.read_exactly(length))
-        if arrival.flags & FLAG_RESERVED:
-            arrival.segment_id = parse_segment_id(await conn.read_exactly(SEGMENT_ID_BYTES))
         self.check(header)
         return header
 

@@ -6,12 +6,11 @@ prefix and the header are read and checked (``gate``: bounds, internal consisten
 model's fingerprint field by field, each layer's tensors by name, dtype and shape, the
 byte limit), the band is claimed in its request (``assembly``: duplicates, coverage, the
 bytes held); only then is the band's buffer allocated — one per band, its tensors views
-into it, memory of released bands reused (``buffers``) — and the payload read straight
-into it, or written into it by a sender on this host it is lent to (``lending``). The
-receiver answers every band with one ack — ok, or the reason — and closes. A refused
-band's payload is drained (up to ``max_band_bytes``) so the sender reads its ack instead
-of a reset. A peer that stops half way or sends garbage costs that band only: each read
-waits at most ``read_timeout_s``.
+into it, memory of released bands reused (:class:`BandBuffers`) — and the payload read
+straight into it. The receiver answers every band with one ack — ok, or the reason —
+and closes. A refused band's payload is drained (up to ``max_band_bytes``) so the
+sender reads its ack instead of a reset. A peer that stops half way or sends garbage
+costs that band only: each read waits at most ``read_timeout_s``.
 
 A complete request goes to ``on_complete`` when one is given, else it waits for
 ``await receiver.wait(request_id, timeout_s)``.
@@ -25,16 +24,18 @@ import logging
 import os
 import sys
 import time
-from collections import Counter
+import weakref
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
+import numpy as np
+import torch
 
 from wavepp.handoff import _io
 from wavepp.handoff.assembly import Assembly, Handoff
-from wavepp.handoff.buffers import SEGMENT_BYTES, BandBuffers, views
+from wavepp.handoff.base import DTYPE_NAMES
 from wavepp.handoff.gate import Arrival, Gate
-from wavepp.handoff.lending import SegmentLender
 from wavepp.handoff.wire import (
     BAND_MAGIC,
     Ack,
@@ -51,6 +52,8 @@ from wavepp.handoff.wire import (
 log = logging.getLogger("wavepp.handoff")
 
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 
 Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
@@ -60,13 +63,9 @@ class Receiver:
     """Receives bands for one model (its Hugging Face ``config.json`` dict and the
     attention tensors' ``dtype``). ``handlers`` maps other 4-byte magics to coroutines
     that serve such connections on the same address (the decode worker's requests).
-    Up to ``keep_free_bytes`` of released band buffers are kept for reuse.
-    ``lend_segments``: accept senders' offers to write bands into lent memfds (Unix
-    sockets only; otherwise every band's payload comes on the socket), up to
-    ``segment_bytes`` of them open at once (``BandBuffers``: a band over it comes on the
-    socket). Bytes held (incomplete and uncollected requests) stay under
-    ``max_held_bytes``; a request not complete — or not taken — within
-    ``request_timeout_s`` is dropped."""
+    Up to ``keep_free_bytes`` of released band buffers are kept for reuse. Bytes held
+    (incomplete and uncollected requests) stay under ``max_held_bytes``; a request not
+    complete — or not taken — within ``request_timeout_s`` is dropped."""
 
     def __init__(
         self,
@@ -80,8 +79,6 @@ class Receiver:
         max_requests: int = 4096,
         max_connections: int = 256,
         keep_free_bytes: int = 256 << 20,
-        lend_segments: bool = True,
-        segment_bytes: int = SEGMENT_BYTES,
         on_complete: OnComplete | None = None,
         handlers: Mapping[bytes, Handler] | None = None,
     ) -> None:
@@ -99,8 +96,7 @@ class Receiver:
             self.fingerprint, max_requests=max_requests, request_timeout_s=request_timeout_s,
             max_held_bytes=4 * max_band_bytes if max_held_bytes is None else max_held_bytes,
             counts=self.counts)  # fmt: skip
-        self._buffers = BandBuffers(keep_free_bytes, segment_bytes)
-        self._lender = SegmentLender(self._buffers, lend_segments, self.counts)
+        self._buffers = BandBuffers(keep_free_bytes)
         self._slots = anyio.Semaphore(max_connections)
 
     @property
@@ -115,7 +111,6 @@ class Receiver:
         address (a tcp port 0 becomes the real port)."""
         where = parse_address(address) if isinstance(address, str) else address
         listener, bound = _io.listen(where)
-        self._buffers.closed = False
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._expire_loop)
@@ -131,7 +126,6 @@ class Receiver:
         finally:
             _io.close_socket(listener)
             self._buffers.close()
-            self._lender.close()
             if bound.kind == "unix":
                 _unlink_quietly(bound.path)
 
@@ -171,11 +165,7 @@ class Receiver:
             header = await self._gate.admit(conn, arrival)  # checked: nothing allocated
             entry = self._assembly.claim(header)
             try:
-                tensors = None
-                if SegmentLender.involved(arrival):
-                    tensors = await self._lender.receive(conn, arrival)
-                if tensors is None:
-                    tensors = await self._read_payload(conn, header)
+                tensors = await self._read_payload(conn, header)
                 self._gate.check_tokens(tensors)
                 complete = self._assembly.store(entry, header, tensors)
             except BaseException:
@@ -183,7 +173,6 @@ class Receiver:
                 raise
         except WireError as error:
             self.counts["bands_refused"] += 1
-            self._lender.refused(conn, arrival)
             header = arrival.header
             rid, stage = (header.request_id, header.stage) if header else ("", -1)
             log.info("band refused (%r stage %d): %s", rid, stage, error)
@@ -248,17 +237,74 @@ class Receiver:
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop requests incomplete, or complete but not taken, for longer than
-        ``request_timeout_s``, and segments reserved too long; returns the requests'
-        ids."""
-        now = time.monotonic() if now is None else now
-        self._lender.expire(now)
-        return self._assembly.expire(now)
+        ``request_timeout_s``; returns their ids."""
+        return self._assembly.expire(time.monotonic() if now is None else now)
 
     async def _expire_loop(self) -> None:
         while True:
             await anyio.sleep(min(1.0, self.request_timeout_s / 4))
             self.expire()
             self._buffers.tidy()
+
+
+class BandBuffers:
+    """Memory for bands, recycled. Fresh memory costs a page fault per 4 KiB on its
+    first write, which can take as long as the socket copy itself, so a buffer whose
+    tensors are all gone (its ``Handoff`` dropped, every tensor of it freed) is kept,
+    and the next band of up to its size and at least half of it takes it, the latest
+    returned first (the likeliest still in cache). Kept up to ``keep_bytes``, the oldest
+    let go first, counted at each ``take`` and ``tidy``.
+    Not thread-safe but for the return of a buffer, which may happen on any thread."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []  # uint8, oldest first
+        self._free_bytes = 0
+        self._returned: deque[np.ndarray] = deque()  # by finalizers
+
+    def take(self, size: int) -> torch.Tensor:
+        """``size`` bytes (uint8, contents undefined), back here once unreferenced."""
+        self.tidy()
+        for i in reversed(range(len(self._free))):  # the latest returned: likely in cache
+            memory = self._free[i]
+            if size <= memory.nbytes <= 2 * size:
+                del self._free[i]
+                self._free_bytes -= memory.nbytes
+                break
+        else:
+            memory = np.empty(size, dtype=np.uint8)
+        # a view of its own (the tensors' owner): collected when the last tensor goes
+        view = memory[:size]
+        weakref.finalize(view, self._returned.append, memory).atexit = False
+        return torch.from_numpy(view)
+
+    def close(self) -> None:
+        """Let every free buffer go."""
+        self.tidy()
+        self._free, self._free_bytes = [], 0
+
+    def tidy(self) -> None:
+        """Keep the buffers returned since, within ``keep_bytes``."""
+        while self._returned:
+            memory = self._returned.popleft()
+            self._free.append(memory)
+            self._free_bytes += memory.nbytes
+        while self._free_bytes > self.keep_bytes:  # the oldest let go first
+            self._free_bytes -= self._free.pop(0).nbytes
+
+
+def views(buffer: torch.Tensor, header: BandHeader,
+          offsets: list[int]) -> dict[tuple[int, str], torch.Tensor]:  # fmt: skip
+    """The band's tensors as views of ``buffer`` (uint8) at ``offsets``."""
+    flat = buffer.numpy()  # views through numpy cost a third of torch's
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    for spec, at in zip(header.tensors, offsets, strict=True):
+        key, raw = (spec.layer, spec.name), flat[at : at + spec.nbytes]
+        if spec.dtype in NUMPY_DTYPES:
+            tensors[key] = torch.from_numpy(raw.view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape))
+        else:  # bfloat16: no numpy dtype
+            tensors[key] = torch.from_numpy(raw).view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+    return tensors
 
 
 async def _linger(conn: _io.Connection, num_bytes: int) -> None:

@@ -8,8 +8,7 @@ keys, values, latents or state) at a time. A CPU stage's small bands (``inline_b
 go out from the event loop: for them the thread hops cost more than the bytes. Every
 other band's I/O runs in one of the sender's worker threads with blocking calls; a cancel
 or the deadline shuts its socket, which ends them, and the band settles only once the
-thread no longer reads the band's tensors. A band from a worker thread to a Unix socket
-goes into a segment the receiver lends, where it lends one (``wavepp.handoff.segments``).
+thread no longer reads the band's tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import anyio.to_thread
 
 from wavepp.handoff import _io, wire
 from wavepp.handoff.base import Band, BandFailed, BandTensor, HandoffSettings
-from wavepp.handoff.segments import SegmentRoute, SegmentSender
 
 INLINE_BYTES = 1 << 20  # a CPU stage's bands up to this size skip the worker thread
 # ...if each tensor not in the pool is at most this: copies of at most torch's grain size
@@ -49,18 +47,16 @@ class SocketTransport:
         self.settings = settings
         self._threads = threads
         self._thread_setup = thread_setup
-        self._segments = SegmentSender(settings.budget_bytes) if settings.segments else None
 
     async def run(self) -> None:
-        if self._segments is not None:
-            await self._segments.run()
+        return
 
     async def deliver(self, band: Band) -> int:
-        header = band.header(self.settings)
+        prefix = wire.encode_band_prefix(band.header(self.settings))
         if self.inline(band.tensors):
-            ack = await self._on_loop(band, wire.encode_band_prefix(header))
+            ack = await self._on_loop(band, prefix)
         else:
-            ack = await self._in_thread(band, header)
+            ack = await self._in_thread(band, prefix)
         return band.check_ack(ack, self.settings.stage)
 
     def inline(self, tensors: Sequence[BandTensor]) -> bool:
@@ -98,14 +94,9 @@ class SocketTransport:
         finally:
             band.wire_s = time.perf_counter() - started
 
-    async def _in_thread(self, band: Band, header: wire.BandHeader) -> wire.Ack:
-        """The band's exchange from a worker thread: into a segment (Unix sockets, with
-        segments on), or its bytes on the socket."""
+    async def _in_thread(self, band: Band, prefix: bytes) -> wire.Ack:
+        """The band's exchange from a worker thread."""
         address = band.address
-        route = None
-        if self._segments is not None and address.kind == "unix":
-            route = self._segments.route(band.job.target, header)
-        prefix = wire.encode_band_prefix(header) if route is None else route.prefix
         sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
                              if ":" in address.host else socket.AF_INET)  # fmt: skip
         claim, finished = threading.Lock(), threading.Event()
@@ -113,8 +104,8 @@ class SocketTransport:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
-            return await anyio.to_thread.run_sync(self._send_band, sock, band, prefix, route,
-                                                  claim, finished, abandon_on_cancel=True,
+            return await anyio.to_thread.run_sync(self._send_band, sock, band, prefix, claim,
+                                                  finished, abandon_on_cancel=True,
                                                   limiter=self._threads)  # fmt: skip
         finally:
             with contextlib.suppress(OSError):
@@ -123,8 +114,6 @@ class SocketTransport:
                 # given up before the thread began (waiting for a thread, or queued): it
                 # never will touch the band; the socket is ours to close
                 sock.close()
-                if route is not None:
-                    route.drop()
             else:
                 # the thread began: the blocks stay held until it has stopped reading
                 # them (the shut socket ends it at once; a connect still waiting ends by
@@ -134,23 +123,20 @@ class SocketTransport:
                     while not finished.is_set():
                         await anyio.sleep(FINISH_POLL_S)
 
-    def _send_band(self, sock: socket.socket, band: Band, prefix: bytes,
-                   route: SegmentRoute | None, claim: threading.Lock,
+    def _send_band(self, sock: socket.socket, band: Band, prefix: bytes, claim: threading.Lock,
                    finished: threading.Event) -> wire.Ack | None:  # fmt: skip
         """In a worker thread. Takes ``claim`` first: if the event loop took it (the band
         was given up before this thread began), returns None at once, touching nothing.
-        Otherwise owns ``sock`` and the route's reserved segment; sets ``band.wire_s``
-        to its seconds from connect to the ack (or to its failure) and ``finished`` when
-        it no longer touches the band's tensors."""
+        Otherwise owns ``sock``; sets ``band.wire_s`` to its seconds from connect to the
+        ack (or to its failure) and ``finished`` when it no longer touches the band's
+        tensors."""
         if not claim.acquire(blocking=False):
             return None
         started = time.perf_counter()
         self._thread_setup()  # a TP band's shards are put together here
         try:
-            return _exchange(sock, band, prefix, route)
+            return _exchange(sock, band, prefix)
         finally:
-            if route is not None:
-                route.drop()  # a reserved segment it failed before using
             band.wire_s = time.perf_counter() - started
             finished.set()
 
@@ -178,9 +164,11 @@ async def read_ack(conn: _io.Connection) -> wire.Ack:
     return wire.decode_ack(await conn.read_exactly(length))
 
 
-def read_ack_blocking(sock: socket.socket) -> wire.Ack:
-    length = wire.ack_length(_io.recv_exactly(sock, wire.ACK_PREFIX_BYTES))
-    return wire.decode_ack(_io.recv_exactly(sock, length))
+def _read_ack(sock: socket.socket, target: str) -> wire.Ack:
+    """:func:`read_ack` on a blocking socket, its errors as a band's failures."""
+    with _failures(target):
+        length = wire.ack_length(_io.recv_exactly(sock, wire.ACK_PREFIX_BYTES))
+        return wire.decode_ack(_io.recv_exactly(sock, length))
 
 
 @contextlib.contextmanager
@@ -197,10 +185,9 @@ def _failures(target: str):
                          f"acknowledging ({str(error) or type(error).__name__})") from None
 
 
-def _exchange(sock: socket.socket, band: Band, prefix: bytes,
-              route: SegmentRoute | None) -> wire.Ack:  # fmt: skip
+def _exchange(sock: socket.socket, band: Band, prefix: bytes) -> wire.Ack:
     """A band's whole exchange with blocking calls: connect, the prefix and header,
-    every tensor's bytes (into a segment, where the route finds one), the ack."""
+    every tensor's bytes, the ack."""
     address, target, deadline = band.address, band.job.target, band.deadline
 
     def left() -> float:
@@ -236,12 +223,6 @@ def _exchange(sock: socket.socket, band: Band, prefix: bytes,
         sock.settimeout(None)
         try:
             views = [memoryview(prefix)]
-            if route is not None:
-                ack = route.write(sock, band.tensors, left)
-                if ack is not None:
-                    return ack
-                sock.settimeout(None)
-                views = []  # no segment: the payload follows on the socket
             for tensor in band.tensors:
                 if tensor.pieces is None:
                     # a copy in host memory: out before the next tensor is read, so one
@@ -263,19 +244,10 @@ def _exchange(sock: socket.socket, band: Band, prefix: bytes,
             ack = None
             with contextlib.suppress(OSError, BandFailed, TimeoutError):
                 sock.settimeout(min(REFUSAL_WAIT_S, left()))
-                ack = _answer(sock, target, route)
+                ack = _read_ack(sock, target)
             if ack is not None and not ack.ok:
                 raise BandFailed("refused", ack.error) from None
             raise BandFailed("disconnected", f"{target} closed the connection while the band "
                              f"was sent ({str(error) or type(error).__name__})") from None
         sock.settimeout(left())
-        return _answer(sock, target, route)
-
-
-def _answer(sock: socket.socket, target: str, route: SegmentRoute | None) -> wire.Ack:
-    """The receiver's answers once the payload is on the socket: the ack (after a
-    reservation, where the route awaits one)."""
-    if route is not None:
-        return route.answer(sock)
-    with _failures(target):
-        return read_ack_blocking(sock)
+        return _read_ack(sock, target)
