@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import anyio
 import attrs
 import numpy as np
 import torch
@@ -151,7 +152,7 @@ class Band:
 
 class Transport(Protocol):
     """One way bands travel, for the address kinds in ``kinds``: one object per stage,
-    built with what it needs (the stage's settings, the sender's thread limiter)."""
+    built by the sender (``TransportClass``)."""
 
     kinds: tuple[str, ...]  # wire.Address kinds it serves
 
@@ -162,6 +163,8 @@ class Transport(Protocol):
         band's tensors any more, as the stage releases their blocks then."""
         ...
 
-    async def run(self) -> None:
-        """Housekeeping beside the sender until cancelled (returns at once if none)."""
-        ...
+
+# A transport's class: built with the stage's settings, the sender's worker threads (a
+# limiter every transport's blocking work shares) and the setup each such thread runs
+# first.
+TransportClass = Callable[[HandoffSettings, anyio.CapacityLimiter, Callable[[], None]], Transport]

@@ -32,13 +32,23 @@ from collections.abc import Callable, Sequence
 import anyio
 
 from wavepp.handoff import wire
-from wavepp.handoff.base import Band, BandFailed, BandJob, BandTensor, HandoffSettings, Transport
+from wavepp.handoff.base import (
+    Band,
+    BandFailed,
+    BandJob,
+    BandTensor,
+    HandoffSettings,
+    Transport,
+    TransportClass,
+)
 from wavepp.handoff.socket_send import SocketTransport
 from wavepp.handoff.vllm_example import ExampleConnectorTransport
 from wavepp.rounds.messages import HandoffOutcome
 from wavepp.state import RequestId
 
 BAND_THREADS = 8  # a stage's bands on their way in worker threads at once
+# every transport a stage has: WavePP's wire over sockets, the vLLM example layout's files
+TRANSPORTS: tuple[TransportClass, ...] = (SocketTransport, ExampleConnectorTransport)
 
 
 class HandoffSender:
@@ -50,14 +60,14 @@ class HandoffSender:
     def __init__(
         self, settings: HandoffSettings, band: Callable[[BandJob], Sequence[BandTensor]],
         release: Callable[[RequestId], None], *,
-        transports: Sequence[Transport] | None = None,
+        transports: Sequence[TransportClass] = TRANSPORTS,
         thread_setup: Callable[[], None] = lambda: None,
     ) -> None:  # fmt: skip
         """``band(job)``: the job's tensors, from the stage's executor. ``release(rid)``:
         called once per job when its band has ended, however it ended. ``transports``:
-        one per kind of address (the socket's and the vLLM example layout's when None).
-        ``thread_setup``: run first in each worker thread (the executor keeps OpenMP
-        teams out of threads other than its compute thread)."""
+        the transports' classes, each built here with the settings, the worker threads
+        and ``thread_setup``, which runs first in each worker thread (the executor keeps
+        OpenMP teams out of threads other than its compute thread)."""
         if sys.byteorder != "little":
             raise RuntimeError("the handoff wire format is little-endian; this host is not")
         self.settings = settings
@@ -67,10 +77,9 @@ class HandoffSender:
         # holds one until its timeout, and must not hold one the planes' threads need
         # (anyio's default limiter, shared by the whole process)
         self._threads = anyio.CapacityLimiter(BAND_THREADS)
-        if transports is None:
-            transports = default_transports(settings, self._threads, thread_setup)
-        self._transports: dict[str, Transport] = {}
-        for transport in transports:
+        self._transports: dict[str, Transport] = {}  # by address kind: the first that serves it
+        for make in transports:
+            transport = make(settings, self._threads, thread_setup)
             for kind in transport.kinds:
                 self._transports.setdefault(kind, transport)
         self._send_jobs, self._jobs = anyio.create_memory_object_stream[BandJob](math.inf)
@@ -116,8 +125,6 @@ class HandoffSender:
     async def run(self) -> None:
         """Serve jobs until cancelled (the run is over)."""
         async with anyio.create_task_group() as tg, self._jobs:
-            for transport in {id(t): t for t in self._transports.values()}.values():
-                tg.start_soon(transport.run)
             async for job in self._jobs:
                 if job.request_id in self._aborted:
                     self._aborted.discard(job.request_id)
@@ -180,12 +187,4 @@ class HandoffSender:
         while self._in_use and self._in_use + num_bytes > self.settings.budget_bytes:
             await self._budget_freed.wait()
         self._in_use += num_bytes
-
-
-def default_transports(settings: HandoffSettings, threads: anyio.CapacityLimiter,
-                       thread_setup: Callable[[], None]) -> list[Transport]:  # fmt: skip
-    """Every transport a stage has: WavePP's wire over sockets, and the vLLM example
-    layout's files."""
-    return [SocketTransport(settings, threads, thread_setup),
-            ExampleConnectorTransport(settings, threads, thread_setup)]  # fmt: skip
 

@@ -48,9 +48,6 @@ class SocketTransport:
         self._threads = threads
         self._thread_setup = thread_setup
 
-    async def run(self) -> None:
-        return
-
     async def deliver(self, band: Band) -> int:
         prefix = wire.encode_band_prefix(band.header(self.settings))
         if self.inline(band.tensors):

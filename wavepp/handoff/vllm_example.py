@@ -149,9 +149,6 @@ class ExampleConnectorTransport:
         self._threads = threads
         self._thread_setup = thread_setup
 
-    async def run(self) -> None:
-        return
-
     async def deliver(self, band: Band) -> int:
         folder = Path(band.address.path)
         by_layer: dict[int, dict[str, BandTensor]] = {}
