@@ -552,7 +552,7 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
             tg.start_soon(sender.run)
             for i in range(BAND_THREADS):
                 sender.send(job(f"stuck-{i}", f"unix:{sock_path}"))
-            await _until(lambda: sender._threads.borrowed_tokens == BAND_THREADS)
+            await _until(lambda: sender._threads.limiter.borrowed_tokens == BAND_THREADS)
             assert default.borrowed_tokens == 0
             late = job("late", f"unix:{sock_path}")
             if how == "timeout":  # its last chunk ended 29.8 s ago: 0.2 s left

@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
+import anyio.to_thread
 import attrs
 import numpy as np
 import torch
@@ -28,6 +29,8 @@ from wavepp.handoff import wire
 
 if TYPE_CHECKING:
     from wavepp.state import RequestId, SlotId
+
+T = TypeVar("T")
 
 # Why a band failed, as the record and /metrics count them.
 REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
@@ -164,7 +167,25 @@ class Transport(Protocol):
         ...
 
 
-# A transport's class: built with the stage's settings, the sender's worker threads (a
-# limiter every transport's blocking work shares) and the setup each such thread runs
-# first.
-TransportClass = Callable[[HandoffSettings, anyio.CapacityLimiter, Callable[[], None]], Transport]
+class WorkerThreads:
+    """The sender's worker threads, which every transport's blocking work shares: at
+    most ``limit`` at once, counted apart from the rest of the process's (anyio's
+    default limiter), each running ``setup`` before its work."""
+
+    def __init__(self, limit: int, setup: Callable[[], None] = lambda: None) -> None:
+        self.limiter = anyio.CapacityLimiter(limit)
+        self.setup = setup
+
+    async def run(self, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
+        """``fn(*args)`` in one of the threads (``anyio.to_thread.run_sync``)."""
+
+        def work() -> T:
+            self.setup()
+            return fn(*args)
+
+        return await anyio.to_thread.run_sync(work, abandon_on_cancel=abandon_on_cancel,
+                                              limiter=self.limiter)  # fmt: skip
+
+
+# A transport's class: built with the stage's settings and the sender's worker threads.
+TransportClass = Callable[[HandoffSettings, WorkerThreads], Transport]

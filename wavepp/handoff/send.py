@@ -40,6 +40,7 @@ from wavepp.handoff.base import (
     HandoffSettings,
     Transport,
     TransportClass,
+    WorkerThreads,
 )
 from wavepp.handoff.socket_send import SocketTransport
 from wavepp.handoff.vllm_example import ExampleConnectorTransport
@@ -65,8 +66,8 @@ class HandoffSender:
     ) -> None:  # fmt: skip
         """``band(job)``: the job's tensors, from the stage's executor. ``release(rid)``:
         called once per job when its band has ended, however it ended. ``transports``:
-        the transports' classes, each built here with the settings, the worker threads
-        and ``thread_setup``, which runs first in each worker thread (the executor keeps
+        the transports' classes, each built here with the settings and the worker
+        threads. ``thread_setup``: run first in each worker thread (the executor keeps
         OpenMP teams out of threads other than its compute thread)."""
         if sys.byteorder != "little":
             raise RuntimeError("the handoff wire format is little-endian; this host is not")
@@ -75,11 +76,10 @@ class HandoffSender:
         self._release = release
         # the bands' own worker threads: a band stuck on a receiver that stopped reading
         # holds one until its timeout, and must not hold one the planes' threads need
-        # (anyio's default limiter, shared by the whole process)
-        self._threads = anyio.CapacityLimiter(BAND_THREADS)
+        self._threads = WorkerThreads(BAND_THREADS, thread_setup)
         self._transports: dict[str, Transport] = {}  # by address kind: the first that serves it
         for make in transports:
-            transport = make(settings, self._threads, thread_setup)
+            transport = make(settings, self._threads)
             for kind in transport.kinds:
                 self._transports.setdefault(kind, transport)
         self._send_jobs, self._jobs = anyio.create_memory_object_stream[BandJob](math.inf)

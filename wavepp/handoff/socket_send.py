@@ -18,13 +18,12 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import anyio
-import anyio.to_thread
 
 from wavepp.handoff import _io, wire
-from wavepp.handoff.base import Band, BandFailed, BandTensor, HandoffSettings
+from wavepp.handoff.base import Band, BandFailed, BandTensor, HandoffSettings, WorkerThreads
 
 INLINE_BYTES = 1 << 20  # a CPU stage's bands up to this size skip the worker thread
 # ...if each tensor not in the pool is at most this: copies of at most torch's grain size
@@ -41,12 +40,8 @@ class SocketTransport:
 
     kinds = ("unix", "tcp")
 
-    def __init__(self, settings: HandoffSettings, threads: anyio.CapacityLimiter,
-                 thread_setup: Callable[[], None] = lambda: None) -> None:  # fmt: skip
-        """``threads``: the sender's worker threads; ``thread_setup``: run first in each."""
-        self.settings = settings
-        self._threads = threads
-        self._thread_setup = thread_setup
+    def __init__(self, settings: HandoffSettings, threads: WorkerThreads) -> None:
+        self.settings, self._threads = settings, threads
 
     async def deliver(self, band: Band) -> int:
         prefix = wire.encode_band_prefix(band.header(self.settings))
@@ -101,9 +96,8 @@ class SocketTransport:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
-            return await anyio.to_thread.run_sync(self._send_band, sock, band, prefix, claim,
-                                                  finished, abandon_on_cancel=True,
-                                                  limiter=self._threads)  # fmt: skip
+            return await self._threads.run(_send_band, sock, band, prefix, claim, finished,
+                                           abandon_on_cancel=True)  # fmt: skip
         finally:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -120,22 +114,23 @@ class SocketTransport:
                     while not finished.is_set():
                         await anyio.sleep(FINISH_POLL_S)
 
-    def _send_band(self, sock: socket.socket, band: Band, prefix: bytes, claim: threading.Lock,
-                   finished: threading.Event) -> wire.Ack | None:  # fmt: skip
-        """In a worker thread. Takes ``claim`` first: if the event loop took it (the band
-        was given up before this thread began), returns None at once, touching nothing.
-        Otherwise owns ``sock``; sets ``band.wire_s`` to its seconds from connect to the
-        ack (or to its failure) and ``finished`` when it no longer touches the band's
-        tensors."""
-        if not claim.acquire(blocking=False):
-            return None
-        started = time.perf_counter()
-        self._thread_setup()  # a TP band's shards are put together here
-        try:
-            return _exchange(sock, band, prefix)
-        finally:
-            band.wire_s = time.perf_counter() - started
-            finished.set()
+
+
+def _send_band(sock: socket.socket, band: Band, prefix: bytes, claim: threading.Lock,
+               finished: threading.Event) -> wire.Ack | None:  # fmt: skip
+    """In a worker thread (where a TP band's shards are put together). Takes ``claim``
+    first: if the event loop took it (the band was given up before this thread began),
+    returns None at once, touching nothing. Otherwise owns ``sock``; sets
+    ``band.wire_s`` to its seconds from connect to the ack (or to its failure) and
+    ``finished`` when it no longer touches the band's tensors."""
+    if not claim.acquire(blocking=False):
+        return None
+    started = time.perf_counter()
+    try:
+        return _exchange(sock, band, prefix)
+    finally:
+        band.wire_s = time.perf_counter() - started
+        finished.set()
 
 
 async def exchange(conn: _io.Connection, views: list) -> wire.Ack:

@@ -39,21 +39,16 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeVar
 
-import anyio
-import anyio.to_thread
 import safetensors.torch
 import torch
 
-from wavepp.handoff.base import Band, BandFailed, BandTensor, HandoffSettings
+from wavepp.handoff.base import Band, BandFailed, BandTensor, HandoffSettings, WorkerThreads
 
 __all__ = ["ExampleConnectorTransport", "folder_lengths", "folder_name", "kv_cache_tensor",
            "layer_file", "write_layer"]  # fmt: skip
-T = TypeVar("T")
 
 
 def folder_lengths(num_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -143,11 +138,8 @@ class ExampleConnectorTransport:
 
     kinds = ("dir",)
 
-    def __init__(self, settings: HandoffSettings, threads: anyio.CapacityLimiter,
-                 thread_setup: Callable[[], None] = lambda: None) -> None:  # fmt: skip
-        self.settings = settings
-        self._threads = threads
-        self._thread_setup = thread_setup
+    def __init__(self, settings: HandoffSettings, threads: WorkerThreads) -> None:
+        self.settings, self._threads = settings, threads
 
     async def deliver(self, band: Band) -> int:
         folder = Path(band.address.path)
@@ -164,17 +156,9 @@ class ExampleConnectorTransport:
             if set(parts) != {"k", "v"}:
                 raise BandFailed("error", f"layer {layer} holds {sorted(parts)}: the vLLM "
                                  "example layout takes attention layers' keys and values only")
-            k = await self._in_thread(parts["k"].read)
-            v = await self._in_thread(parts["v"].read)
+            k = await self._threads.run(parts["k"].read)
+            v = await self._threads.run(parts["v"].read)
             for n in lengths:
-                await self._in_thread(partial(write_layer, folder / str(n), layer, k[:n], v[:n],
-                                              block))  # fmt: skip
+                await self._threads.run(write_layer, folder / str(n), layer, k[:n], v[:n], block)
             written += parts["k"].num_bytes + parts["v"].num_bytes
         return written
-
-    async def _in_thread(self, fn: Callable[[], T]) -> T:
-        def run() -> T:
-            self._thread_setup()
-            return fn()
-
-        return await anyio.to_thread.run_sync(run, limiter=self._threads)
