@@ -78,8 +78,7 @@ import json, sys, anyio
 from wavepp.handoff.receive import Receiver
 
 async def main():
-    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None,
-                  lend_segments=sys.argv[3] == "lend")
+    rx = Receiver(json.loads(sys.argv[2]), "float32", on_complete=lambda handoff: None)
     async with anyio.create_task_group() as tg:
         await tg.start(rx.serve, sys.argv[1])
         print("ready", flush=True)
@@ -194,7 +193,7 @@ def _torchrun(stages: int, args: list[str]) -> None:
 
 def _sender_socket() -> socket.socket:
     """A Unix socket with the send buffer a stage's band sender asks for."""
-    from wavepp.exec.handoff_send import SOCKET_BUFFER
+    from wavepp.handoff.socket_send import SOCKET_BUFFER
 
     sock = socket.socket(socket.AF_UNIX)
     with contextlib.suppress(OSError):
@@ -273,39 +272,30 @@ class LibraryBands:
         bytes, its ``wire_s``). The senders run on the portal's event loop (in a thread
         of this process; :meth:`close` stops them), their worker threads kept from band
         to band as a stage's are."""
-        import anyio
-
         sender = self._senders.get(stage)
         if sender is None:
             sender = self._senders[stage] = self._stage_sender(stage)
             self._tasks.append(self._portal.start_task_soon(sender.run))
-        from wavepp.exec.handoff_send import BandJob
+        from wavepp.handoff.base import BandJob
 
         last = stage == self.stages - 1
         job = BandJob(request_id, f"unix:{path}", self.length, (), {}, None,
                       first_token=0 if last else -1)  # fmt: skip
 
-        async def one() -> None:
-            settled = anyio.Event()
-            sender.on_settled = settled.set
-            sender.submit(job)
-            await settled.wait()
+        async def one() -> list:
+            sender.send(job)
+            return await sender.settled()
 
-        self._portal.call(one)
-        (outcome,) = sender.take_outcomes()
+        (outcome,) = self._portal.call(one)
         if not outcome.ok:
             raise SystemExit(f"the stage sender's band failed: {outcome.detail}")
         return outcome.num_bytes, outcome.wire_s
 
     def _stage_sender(self, stage: int):
-        from wavepp.exec.handoff_send import (
-            INLINE_BYTES,
-            BandJob,
-            BandTensor,
-            HandoffSender,
-            HandoffSettings,
-        )
         from wavepp.exec.torch_exec import _pool_pieces
+        from wavepp.handoff.base import BandJob, BandTensor, HandoffSettings
+        from wavepp.handoff.send import HandoffSender
+        from wavepp.handoff.socket_send import INLINE_BYTES
 
         def band(job: BandJob) -> list[BandTensor]:
             return [BandTensor(layer, name, str(t.dtype).removeprefix("torch."),
@@ -315,8 +305,7 @@ class LibraryBands:
                     for (layer, name), t in self._tensors[stage].items()]  # fmt: skip
 
         settings = HandoffSettings(stage, self.stages, self._fp, timeout_s=60.0,
-                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES,
-                                   segments=True)  # fmt: skip
+                                   budget_bytes=1 << 40, inline_bytes=INLINE_BYTES)
         return HandoffSender(settings, band, release=lambda rid: None)
 
     def close(self) -> None:

@@ -98,7 +98,8 @@ def preset_cells(name: str, workdir: Path | None = None) -> tuple[int, list[Cell
                 _sim("--workload", "cold", "--prompt-tokens", str(tokens), "--requests", "64",
                      "--budget", "16384"))  # fmt: skip
         # 64 requests: 16 seeded prefixes of 117,952 tokens (29,488 blocks) fit the pool
-        # (each stage's pool from H200 memory holds 55K blocks; DatasheetBackend.default_pools in wavepp.launch).
+        # (each stage's pool from H200 memory holds 55K blocks; wavepp.launch's
+        # DatasheetBackend.default_pools).
         add("seeded-131k", cs, RUNGS, _sim("--workload", "seeded", "--prompt-tokens", "131072",
                                            "--requests", "64", "--budget", "16384"))  # fmt: skip
         add("mixed-131k-262k", cs, RUNGS,

@@ -84,7 +84,6 @@ class RunConfig:
     handoff_block_size: int = 128
     handoff_timeout_s: float = 30.0
     handoff_budget_mib: int = 256
-    handoff_segments: bool = True
     handoff_all: bool = False
     layers_per_stage: str = "auto"
     time_scale: float = 1.0
@@ -182,11 +181,6 @@ HELP: dict[str, str] = {
     "handoff fails (reason timeout)",
     "handoff_budget_mib": "bytes of bands on their way at once, per stage; a band over it "
     "waits its turn (its blocks stay in the pool)",
-    "handoff_segments": "a band to a unix: receiver (on a CPU stage, a band over 1 MiB) is "
-    "written into memory the receiver lends (a memfd passed over the socket), where it lends "
-    "one: one copy of the bytes, none on the receiver's side; each such band asks for a "
-    "segment reserved for the stage's next band, written into with no answer to wait for "
-    "(--no-handoff-segments: every band's bytes on the socket)",
     "handoff_all": "every measured request of the workload (or requests file) hands its cache "
     "to the default target, as if each asked for handoff: true",
     "layers_per_stage": "layers each stage holds: 'auto' (placed so that the stages' busy "

@@ -11,7 +11,8 @@ import anyio
 import anyio.from_thread
 
 from tests.helpers.run import torchrun
-from wavepp.handoff.receive import Handoff, Receiver
+from wavepp.handoff.assembly import Handoff
+from wavepp.handoff.receive import Receiver
 
 
 def fill_backlog(path: str, most: int = 4096) -> list:

@@ -1,9 +1,9 @@
 """Handoffs when receivers misbehave: 200 requests at P = 2 whose bands meet a receiver
 that hangs up at a random byte of the payload of 30% of them or answers garbage; three
 receiver processes killed in the middle of a band (one inside the header, one inside
-the payload, one once it lent a segment for the payload); a receiver that stops reading
-half-way with the connection open; and a request cancelled while its band is on the
-wire. Every other request completes and
+the payload, one inside the payload of a band sent from a worker thread); a receiver
+that stops reading half-way with the connection open; and a request cancelled while its
+band is on the wire. Every other request completes and
 hands off correctly — the bands acknowledged carry the prompt's token ids, its length
 and first token, the same rows for the same tokens (the shared prefix, and the prompts
 sent twice) and finite, nonzero keys and values — the run ends (no stage stalls), each
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 PREFIX = 48  # tokens every prompt shares (3 blocks)
 
 KILLER = """
-import array, fcntl, os, signal, socket, sys
+import os, signal, socket, sys
 from wavepp.handoff import wire
 path, where = sys.argv[1], sys.argv[2]
 s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen(4)
@@ -40,21 +40,10 @@ print("ready", flush=True)
 conn, _ = s.accept()
 if where == "header":
     conn.recv(20, socket.MSG_WAITALL)  # the prefix and part of the header
-else:
-    length, flags = wire.parse_prefix(conn.recv(wire.PREFIX_BYTES, socket.MSG_WAITALL))
+else:  # the header and half the payload
+    length = wire.header_length(conn.recv(wire.PREFIX_BYTES, socket.MSG_WAITALL))
     header = wire.decode_header(conn.recv(length, socket.MSG_WAITALL))
-    if where == "segment":  # lends a memfd for the payload, then dies
-        assert flags & wire.FLAG_SEGMENT, "the band offered no segment"
-        size = wire.payload_layout(header)[1]
-        fd = os.memfd_create("segment", os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        conn.sendmsg([wire.encode_segment(size, 7)],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-    else:  # the header and half the payload
-        if flags & wire.FLAG_SEGMENT:
-            conn.sendall(wire.encode_segment(0))  # declined: the payload on the socket
-        conn.recv(wire.band_bytes(header) // 2, socket.MSG_WAITALL)
+    conn.recv(wire.band_bytes(header) // 2, socket.MSG_WAITALL)
 print("dying", flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -97,10 +86,8 @@ class ChaosReceiver(threading.Thread):
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, contextlib.suppress(EOFError, OSError):
-            length, flags = wire.parse_prefix(_exactly(conn, wire.PREFIX_BYTES))
+            length = wire.header_length(_exactly(conn, wire.PREFIX_BYTES))
             header = wire.decode_header(_exactly(conn, length))
-            if flags & wire.FLAG_SEGMENT:  # a large band's offer: declined, read as any
-                conn.sendall(wire.encode_segment(0))
             key = (header.request_id, header.stage)
             size = wire.band_bytes(header)
             if header.request_id == "stall":
@@ -181,7 +168,7 @@ def test_receivers_that_fail_cost_only_their_own_handoffs(tmp_path):
     chaos = ChaosReceiver(str(tmp_path / "chaos.sock"))
     chaos.start()
     killers = {}
-    for where in ("header", "payload", "segment"):
+    for where in ("header", "payload", "thread"):
         killers[where] = subprocess.Popen(
             [sys.executable, "-c", KILLER, str(tmp_path / f"die-{where}.sock"), where],
             stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -194,8 +181,8 @@ def test_receivers_that_fail_cost_only_their_own_handoffs(tmp_path):
         "stuck": shared + rng.integers(3, 500, 1500).tolist(),
         "victim-header": shared + suffixes[1],
         "victim-payload": shared + suffixes[2],
-        # over 1 MiB a stage (2 KiB a token): out from a thread, offering a segment
-        "victim-segment": shared + rng.integers(3, 500, 700).tolist(),
+        # over 1 MiB a stage (2 KiB a token): out from a worker thread
+        "victim-thread": shared + rng.integers(3, 500, 700).tolist(),
     }
     asked |= {f"r{i}": shared + suffixes[i % 100] for i in range(195)}  # most prompts twice
     lines = []

@@ -37,12 +37,13 @@ class Sender:
     """The part of a HandoffSender ``follow_waves`` uses."""
 
     def __init__(self) -> None:
-        self.on_settled = None
-        self.outcomes: list[HandoffOutcome] = []
+        self._send, self._settled = anyio.create_memory_object_stream(100)
 
     def settle(self, outcome: HandoffOutcome) -> None:
-        self.outcomes.append(outcome)
-        self.on_settled()
+        self._send.send_nowait(outcome)
+
+    async def settled(self) -> list[HandoffOutcome]:
+        return [await self._settled.receive()]
 
 
 class BusyStage:
@@ -52,10 +53,6 @@ class BusyStage:
         self.handoffs = Sender()
         self.inside, self.release = anyio.Event(), anyio.Event()
         self.last_wave_s = 0.0
-
-    def take_handoff_outcomes(self) -> list[HandoffOutcome]:
-        out, self.handoffs.outcomes = self.handoffs.outcomes, []
-        return out
 
     def take_cache_report(self):
         return None

@@ -3,31 +3,21 @@ acked with its reason, broken senders costing only their band, bounded memory.""
 
 from __future__ import annotations
 
-import gc
 import json
-import os
 import socket
 import struct
 import tempfile
-import time
 
 import anyio
 import msgspec
 import pytest
 import torch
 
-from wavepp.handoff import _io
+from wavepp.handoff.assembly import HandoffError
 from wavepp.handoff.client import build_band, send_band
-from wavepp.handoff.receive import RESERVATION_S, HandoffError, Receiver
+from wavepp.handoff.receive import Receiver
 from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
-    DONE_MAGIC,
-    FLAG_RESERVE,
-    FLAG_RESERVED,
-    FLAG_SEGMENT,
-    RESERVE_MAGIC,
-    SEGMENT_BYTES,
-    SEGMENT_MAGIC,
     Ack,
     Address,
     ack_length,
@@ -36,8 +26,6 @@ from wavepp.handoff.wire import (
     encode_band_prefix,
     expected_tensors,
     fingerprint_from_hf_config,
-    parse_segment,
-    payload_layout,
 )
 
 KIMI = {
@@ -247,7 +235,7 @@ def test_garbage_and_broken_senders_cost_only_their_band():
         bad_version = b"WPHB" + struct.pack("<HHI", 9, 0, 10)
         acks["version"] = await anyio.to_thread.run_sync(raw_exchange, address, bad_version)
         acks["junk header"] = await anyio.to_thread.run_sync(
-            raw_exchange, address, b"WPHB" + struct.pack("<HHI", 1, 0, 5) + b"\xc1" * 5
+            raw_exchange, address, b"WPHB" + struct.pack("<HHI", 3, 0, 5) + b"\xc1" * 5
         )
         # header then half the payload, then silence (the socket stays open)
         half = prefix + p[0].numpy().tobytes()[:10]
@@ -259,7 +247,7 @@ def test_garbage_and_broken_senders_cost_only_their_band():
 
     acks, handoff = run_with(receiver, client)
     assert acks["garbage"].error.startswith("unknown magic b'\\x00\\x00\\x00\\x00'")
-    assert acks["version"].error == "wire version 9 is not supported (this side speaks 1, 2, 3)"
+    assert acks["version"].error == "wire version 9 is not supported (this side speaks 3)"
     assert acks["junk header"].error.startswith("band header does not decode")
     assert acks["stalled"] == Ack("r1", 0, False, "the sender stopped sending mid-band")
     assert acks["closed"] == Ack("r1", 0, False, "the sender went away mid-band")
@@ -309,223 +297,3 @@ def test_the_library_imports_nothing_of_the_runtime():
     loaded = json.loads(out.stdout)
     assert not [m for m in loaded if not m.startswith("wavepp.handoff") and m != "wavepp"]
     assert "wavepp.handoff.hf" in loaded
-
-
-def segment_exchange(address: Address, prefix: bytes, payload, header, then: str):
-    """Offer a segment (a Unix socket, or TCP), then: ``write`` the payload into the lent
-    memfd and say done, answer ``garbage`` instead, or ``hang up``. Returns (the size
-    lent, the ack or None)."""
-    if address.kind == "unix":
-        sock = socket.socket(socket.AF_UNIX)
-        sock.connect(address.path)
-    else:
-        sock = socket.create_connection((address.host, address.port))
-    sock.settimeout(20)
-    with sock:
-        sock.sendall(prefix)
-        size, _, fd = _segment_answer(sock, SEGMENT_MAGIC)
-        if size == 0:  # declined: the payload on the socket
-            for tensor in payload:
-                sock.sendall(tensor.reshape(-1).view(torch.uint8).numpy())
-        else:
-            _write(fd, header, payload)
-            os.close(fd)
-            if then == "hang up":
-                return size, None
-            sock.sendall(DONE_MAGIC if then == "write" else b"WPHX")
-        return size, _ack(sock)
-
-
-@pytest.mark.parametrize("kind", ["unix", "tcp"])
-def test_a_band_offered_into_a_segment_is_lent_one_over_unix_sockets_only(kind):
-    """Over a Unix socket the receiver lends a memfd and the band's tensors are views of
-    it; over TCP (or with ``lend_segments`` off) it declines and reads the socket."""
-    ((h, p),) = bands(split=((0, 1, 2, 3),))
-    offer = encode_band_prefix(h, FLAG_SEGMENT)
-    results = {}
-    for lend in (True, False):
-        receiver = Receiver(KIMI, "float32", lend_segments=lend)
-        where = Address("tcp", host="127.0.0.1", port=0) if kind == "tcp" else None
-
-        async def client(address, receiver=receiver):
-            size, ack = await anyio.to_thread.run_sync(segment_exchange, address, offer, p, h,
-                                                       "write")  # fmt: skip
-            return size, ack, await receiver.wait("r1", 5), receiver._buffers.num_segments
-
-        results[lend] = run_with(receiver, client, where)
-    for lend, (size, ack, handoff, segments) in results.items():
-        lent = lend and kind == "unix"
-        assert (size > 0, segments) == (lent, int(lent)) and ack.ok
-        assert torch.equal(handoff.tokens, p[0].to(torch.int64))
-        for spec, tensor in zip(h.tensors[1:], p[1:], strict=True):
-            assert torch.equal(handoff.layers[spec.layer][spec.name], tensor)
-
-
-def test_a_sender_that_breaks_its_segment_exchange_costs_only_its_band():
-    """Garbage where ``WPHD`` belongs is refused; a hang-up before it is a broken band;
-    either way the claim is released, the segment is closed rather than lent again (its
-    sender may still write into it), and the same band offered again is taken."""
-    ((h, p),) = bands(split=((0, 1, 2, 3),))
-    offer = encode_band_prefix(h, FLAG_SEGMENT)
-    receiver = Receiver(KIMI, "float32")
-
-    async def client(address):
-        out = {}
-        for then in ("garbage", "hang up", "write"):
-            out[then] = await anyio.to_thread.run_sync(segment_exchange, address, offer, p, h,
-                                                       then)  # fmt: skip
-            await anyio.sleep(0.05)  # the receiver has seen the hang-up
-            out[then + " held"] = receiver.held_bytes
-            receiver._buffers.tidy()
-            out[then + " segments"] = receiver._buffers.num_segments
-        return out, await receiver.wait("r1", 5)
-
-    out, handoff = run_with(receiver, client)
-    assert out["garbage"][1] == Ack("r1", 0, False,
-                                    "expected b'WPHD' after the segment's payload, got b'WPHX'")
-    assert out["hang up"][1] is None and out["garbage held"] == out["hang up held"] == 0
-    assert out["garbage segments"] == out["hang up segments"] == 0
-    assert out["write segments"] == 1  # taken: its tensors are the handoff's
-    assert out["write"][1].ok and handoff.num_tokens == T
-    assert receiver.counts["bands_refused"] == receiver.counts["bands_broken"] == 1
-
-
-# -- reservations (wire version 3): a segment for the sender's next band ---------------
-
-
-def _segment_answer(sock: socket.socket, magic: bytes) -> tuple[int, int, int | None]:
-    """(size, segment id, the passed memfd or None) of a segment answer or reservation."""
-    import array
-
-    answer, ancillary, _, _ = sock.recvmsg(SEGMENT_BYTES, socket.CMSG_SPACE(16))
-    fds = array.array("i")
-    for _, _, data in ancillary:
-        fds.frombytes(data)
-    size, segment_id = parse_segment(answer, magic)
-    return size, segment_id, (fds[0] if fds else None)
-
-
-def _ack(sock: socket.socket) -> Ack:
-    buf = b""
-    while chunk := sock.recv(65536):
-        buf += chunk
-    return decode_ack(buf[ACK_PREFIX_BYTES : ACK_PREFIX_BYTES + ack_length(buf[:8])])
-
-
-def _write(fd: int, header, payload) -> None:
-    offsets, _ = payload_layout(header)
-    for tensor, at in zip(payload, offsets, strict=True):
-        os.pwrite(fd, tensor.reshape(-1).view(torch.uint8).numpy(), at)
-
-
-def reserved_exchange(address: Address, steps: list) -> list:
-    """Bands in turn from this process, each ``(header, payload, how)``: ``offer`` (a
-    segment offer that asks for a reservation), ``named`` (written into the last
-    reservation before connecting, then named), ``named again`` (the same reservation
-    named, nothing written: it holds the band before), ``named garbage`` (written and
-    named, then garbage where ``WPHD`` belongs). Returns what each band got back."""
-    reservation = None
-    out = []
-    for header, payload, how in steps:
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(20)
-            sock.connect(address.path)
-            if how == "offer":
-                sock.sendall(encode_band_prefix(header, FLAG_SEGMENT | FLAG_RESERVE))
-                size, _, fd = _segment_answer(sock, SEGMENT_MAGIC)
-                _write(fd, header, payload)
-                os.close(fd)
-                reservation = _segment_answer(sock, RESERVE_MAGIC)
-                sock.sendall(DONE_MAGIC)
-                out.append(("lent", size, _ack(sock)))
-                continue
-            size, segment_id, fd = reservation
-            if how != "named again":
-                _write(fd, header, payload)
-            sock.sendall(encode_band_prefix(header, FLAG_RESERVED, segment_id))
-            sock.sendall(b"WPHX" if how == "named garbage" else DONE_MAGIC)
-            first = sock.recv(4, socket.MSG_PEEK)
-            if first == SEGMENT_MAGIC:  # not held: the payload on the socket
-                assert _segment_answer(sock, SEGMENT_MAGIC)[:2] == (0, 0)
-                for tensor in payload:
-                    sock.sendall(tensor.reshape(-1).view(torch.uint8).numpy())
-                out.append(("declined", 0, _ack(sock)))
-            else:
-                out.append(("named", size, _ack(sock)))
-    return out, reservation
-
-
-def test_a_band_written_into_its_reserved_segment_is_taken_with_one_answer():
-    """The first band offers a segment and asks for a reservation: lent one, then a
-    second reserved. The next band is written into the reserved one before it connects
-    and names it: its only answer is the ack, its tensors are views of that memory. The
-    same reservation named again is not held any more: size 0, the payload on the
-    socket. Garbage where ``WPHD`` belongs refuses the band and closes its segment."""
-    steps, payloads = [], {}
-    for n, how in enumerate(("offer", "named", "named again", "offer", "named garbage")):
-        ((h, p),) = bands(rid=f"r{n}", split=((0, 1, 2, 3),), seed=n)
-        steps.append((h, p, how))
-        payloads[f"r{n}"] = (h, p)
-    receiver = Receiver(KIMI, "float32")
-
-    async def client(address):
-        out, (_, _, fd) = await anyio.to_thread.run_sync(reserved_exchange, address, steps)
-        os.close(fd)
-        handoffs = {rid: await receiver.wait(rid, 5) for rid in ("r0", "r1", "r2", "r3")}
-        await anyio.sleep(0.05)  # the receiver is done with the refused band
-        gc.collect()  # its tensors, held by its traceback's frames
-        receiver._buffers.tidy()
-        return out, handoffs, receiver._buffers.num_segments
-
-    out, handoffs, segments = run_with(receiver, client)
-    assert [(how, size > 0, ack.ok) for how, size, ack in out] == [
-        ("lent", True, True), ("named", True, True), ("declined", False, True),
-        ("lent", True, True), ("named", True, False)]  # fmt: skip
-    assert out[-1][2].error == "expected b'WPHD' after the segment's payload, got b'WPHX'"
-    for rid, handoff in handoffs.items():
-        header, payload = payloads[rid]
-        assert torch.equal(handoff.tokens, payload[0].to(torch.int64))
-        for spec, tensor in zip(header.tensors[1:], payload[1:], strict=True):
-            assert torch.equal(handoff.layers[spec.layer][spec.name], tensor)
-    counts = receiver.counts
-    assert (counts["segments_reserved"], counts["reservations_used"],
-            counts["reservations_missed"]) == (2, 2, 1)  # fmt: skip
-    # held by r0, r1, r3; the garbage band's closed, never lent again
-    assert segments == 3
-
-
-def test_a_reservation_is_its_peers_only_and_closed_once_it_lapses():
-    ((h, p),) = bands(split=((0, 1, 2, 3),))
-    receiver = Receiver(KIMI, "float32")
-
-    async def client(address):
-        def ask():
-            with socket.socket(socket.AF_UNIX) as sock:
-                sock.settimeout(20)
-                sock.connect(address.path)
-                sock.sendall(encode_band_prefix(h, FLAG_SEGMENT | FLAG_RESERVE))
-                _, _, fd = _segment_answer(sock, SEGMENT_MAGIC)
-                _write(fd, h, p)
-                os.close(fd)
-                _, segment_id, fd = _segment_answer(sock, RESERVE_MAGIC)
-                os.close(fd)
-                sock.sendall(DONE_MAGIC)
-                return segment_id, _ack(sock)
-
-        segment_id, ack = await anyio.to_thread.run_sync(ask)
-        assert ack.ok
-        await receiver.wait("r1", 5)  # and dropped: its segment is free again
-        mine = receiver._reserved[segment_id].peer
-        assert receiver._unreserve(segment_id, ("someone", "else")) is None
-        assert receiver._unreserve(segment_id, None) is None
-        kept = segment_id in receiver._reserved
-        receiver.expire(now=time.monotonic() + RESERVATION_S + 1)
-        gc.collect()
-        receiver._buffers.tidy()
-        return mine, kept, segment_id in receiver._reserved, receiver._buffers.num_segments
-
-    mine, kept, still, segments = run_with(receiver, client)
-    assert mine == (os.getpid(), _io.process_start(os.getpid()))
-    assert kept and not still
-    assert segments == 1  # the band's, free and kept; the lapsed reservation's closed
-    assert receiver.counts["reservations_expired"] == 1

@@ -3,12 +3,7 @@ every band ends with exactly one outcome and one release, whatever the receiver 
 
 from __future__ import annotations
 
-import array
 import contextlib
-import fcntl
-import gc
-import os
-import secrets
 import socket
 import tempfile
 import threading
@@ -24,16 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from wavepp.exec import handoff_send
-from wavepp.exec.handoff_send import (
-    INLINE_BYTES,
-    BandJob,
-    BandTensor,
-    HandoffSender,
-    HandoffSettings,
-    pool_rows,
-)
-from wavepp.handoff import wire
+from wavepp.exec.torch_exec import pool_rows
+from wavepp.handoff import _io, socket_send, wire
+from wavepp.handoff.base import BandJob, BandTensor, HandoffSettings
+from wavepp.handoff.send import HandoffSender
+from wavepp.handoff.socket_send import INLINE_BYTES
 
 FP = wire.Fingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_size=8,
                       vocab_size=64, layer_kinds="AA", num_heads=2, num_kv_heads=1,
@@ -122,24 +112,22 @@ class Receiver(threading.Thread):
 
 
 def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.05, peak=None,
-             inline=False, segments=False, band=band_of):  # fmt: skip
-    """``inline``: small bands go out from the event loop (a CPU stage's), not a thread.
-    ``segments``: thread bands to unix: targets offer to write into a lent segment."""
+             inline=False, band=band_of):  # fmt: skip
+    """``inline``: small bands go out from the event loop (a CPU stage's), not a thread."""
     released: list[str] = []
     settings = HandoffSettings(1, 2, FP, timeout_s, budget,
-                               inline_bytes=INLINE_BYTES if inline else 0,
-                               segments=segments)  # fmt: skip
+                               inline_bytes=INLINE_BYTES if inline else 0)
     sender = HandoffSender(settings, band, released.append)
 
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
             for j in jobs:
-                sender.submit(j)
+                sender.send(j)
             if cancel:
                 await anyio.sleep(cancel_after)
                 for rid in cancel:
-                    sender.cancel(rid)
+                    sender.abort(rid)
             with anyio.fail_after(60):  # hang guard
                 while sender.num_pending:
                     if peak is not None:
@@ -148,10 +136,10 @@ def run_jobs(jobs, *, timeout_s=5.0, budget=1 << 20, cancel=(), cancel_after=0.0
             tg.cancel_scope.cancel()
 
     # an inline band never reaches the worker thread's exchange
-    with mock.patch.object(handoff_send, "_send_band", side_effect=AssertionError) if inline \
+    with mock.patch.object(socket_send, "_exchange", side_effect=AssertionError) if inline \
             else contextlib.nullcontext():  # fmt: skip
         anyio.run(main)
-    outcomes = {o.request_id: o for o in sender.take_outcomes()}
+    outcomes = {o.request_id: o for o in sender.poll()}
     assert not any("AssertionError" in o.detail for o in outcomes.values()), outcomes
     return outcomes, released
 
@@ -170,7 +158,7 @@ def send_one(receiver: Receiver, band, one: BandJob) -> bytes:
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
-            sender.submit(one)
+            sender.send(one)
             await _until(lambda: not sender.num_pending)
             tg.cancel_scope.cancel()
 
@@ -178,7 +166,7 @@ def send_one(receiver: Receiver, band, one: BandJob) -> bytes:
         anyio.run(main)
     finally:
         receiver.close()
-    (outcome,) = sender.take_outcomes()
+    (outcome,) = sender.poll()
     assert outcome.ok, outcome
     ((_, payload),) = receiver.bands
     return payload
@@ -250,7 +238,7 @@ def test_an_inline_band_goes_into_the_send_buffer_whole_without_waiting(sock_pat
                 for t in band_of(one)]  # fmt: skip
 
     try:
-        with mock.patch.object(handoff_send.anyio, "wait_writable", counting):
+        with mock.patch.object(_io.anyio, "wait_writable", counting):
             outcomes, _ = run_jobs([job("a", f"unix:{sock_path}", n=n)], inline=True,
                                    band=band)  # fmt: skip
     finally:
@@ -325,10 +313,9 @@ def test_a_band_larger_than_the_socket_buffers_arrives_whole(sock_path):
 def test_a_band_of_more_runs_than_one_sendmsg_takes_arrives_whole_and_in_order(sock_path):
     """Every other slot of the pool: one run per row, more than IOV_MAX of them, with a
     copied tensor (a recurrent state's kind) between two layers' runs."""
-    from wavepp.exec.handoff_send import IOV_MAX
     from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
 
-    n = IOV_MAX + 300
+    n = _io.IOV_MAX + 300
     pool = torch.randn(2 * n, 1, 4)
     table = tuple(range(0, 2 * n, 2))  # block size 1: no two rows adjacent
     runs = _row_runs(table, 1, n)
@@ -422,9 +409,9 @@ def test_a_cancelled_band_is_released_only_after_its_thread_stops_reading(sock_p
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
-            sender.submit(job("a", f"unix:{sock_path}"))
+            sender.send(job("a", f"unix:{sock_path}"))
             await _until(band.entered.is_set)  # the thread is inside the second read
-            sender.cancel("a")
+            sender.abort("a")
             await anyio.sleep(0.2)  # the event loop is free to settle the band...
             assert released == [] and sender.num_pending == 1  # ...and must not yet
             band.gate.set()
@@ -435,7 +422,7 @@ def test_a_cancelled_band_is_released_only_after_its_thread_stops_reading(sock_p
         anyio.run(main)
     finally:
         receiver.close()
-    (outcome,) = sender.take_outcomes()
+    (outcome,) = sender.poll()
     assert outcome.reason == "cancelled" and released == ["a"] and band.reads == 1
 
 
@@ -467,7 +454,7 @@ def test_a_stage_keeps_a_cancelled_requests_blocks_until_its_band_has_stopped():
         async with anyio.create_task_group() as tg:
             tg.start_soon(stage.handoffs.run)
             stage.handing_off.add("a")
-            stage.handoffs.submit(job("a", f"unix:{path}"))
+            stage.handoffs.send(job("a", f"unix:{path}"))
             await _until(band.entered.is_set)
             stage.drop("a")
             assert "a" in stage.book.cache.claims  # still held: the thread reads them
@@ -485,7 +472,7 @@ def test_a_stage_keeps_a_cancelled_requests_blocks_until_its_band_has_stopped():
             receiver.close()
     assert "a" not in stage.book.cache.claims and not stage.handing_off
     assert usage(stage.book.cache).num_free == 8
-    (outcome,) = stage.take_handoff_outcomes()
+    (outcome,) = stage.handoffs.poll()
     assert outcome.reason == "cancelled"
 
 
@@ -543,7 +530,7 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
     band waits for one. Timed out or cancelled there, it settles and is released at once
     without its thread ever reading it; the planes' threads (anyio's default limiter) are
     untouched throughout."""
-    from wavepp.exec.handoff_send import BAND_THREADS
+    from wavepp.handoff.send import BAND_THREADS
 
     receiver = Receiver(sock_path)
     receiver.start()
@@ -564,16 +551,16 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
             for i in range(BAND_THREADS):
-                sender.submit(job(f"stuck-{i}", f"unix:{sock_path}"))
-            await _until(lambda: sender._threads.borrowed_tokens == BAND_THREADS)
+                sender.send(job(f"stuck-{i}", f"unix:{sock_path}"))
+            await _until(lambda: sender._threads.limiter.borrowed_tokens == BAND_THREADS)
             assert default.borrowed_tokens == 0
             late = job("late", f"unix:{sock_path}")
             if how == "timeout":  # its last chunk ended 29.8 s ago: 0.2 s left
                 late = attrs.evolve(late, ended_at=late.ended_at - 29.8)
-            sender.submit(late)
+            sender.send(late)
             if how == "cancel":
                 await anyio.sleep(0.1)
-                sender.cancel("late")
+                sender.abort("late")
             await _until(lambda: "late" in released)
             assert sender.num_pending == BAND_THREADS  # the stuck ones are still on
             stuck.gate.set()
@@ -585,7 +572,7 @@ def test_a_band_given_up_before_its_thread_began_settles_at_once_and_reads_nothi
     finally:
         stuck.gate.set()
         receiver.close()
-    outcomes = {o.request_id: o for o in sender.take_outcomes()}
+    outcomes = {o.request_id: o for o in sender.poll()}
     assert outcomes["late"].reason == ("timeout" if how == "timeout" else "cancelled")
     assert reads == [] and released.count("late") == 1
     assert all(outcomes[f"stuck-{i}"].ok for i in range(BAND_THREADS))
@@ -603,23 +590,25 @@ def test_a_band_whose_reads_wait_on_other_ranks_never_goes_out_from_the_event_lo
 
     sender = HandoffSender(HandoffSettings(1, 2, FP, 30.0, 1 << 20, inline_bytes=INLINE_BYTES),
                            band, lambda rid: None)  # fmt: skip
-    assert not sender._inline(band(None))
+    transport = sender._transports["unix"]
+    assert not transport.inline(band(None))
     plain = [BandTensor(0, "k", "float32", (4, 1, 4), lambda: k)]
-    assert sender._inline(plain)  # the same band without the wait would go inline
+    assert transport.inline(plain)  # the same band without the wait would go inline
 
     async def main():
         async with anyio.create_task_group() as tg:
             tg.start_soon(sender.run)
-            sender.submit(job("tp", f"unix:{sock_path}", n=4))
+            sender.send(job("tp", f"unix:{sock_path}", n=4))
             await _until(lambda: not sender.num_pending)
             tg.cancel_scope.cancel()
 
     try:
-        with mock.patch.object(handoff_send, "_exchange_inline", side_effect=AssertionError):
+        with mock.patch.object(socket_send.SocketTransport, "_on_loop",
+                               side_effect=AssertionError):  # fmt: skip
             anyio.run(main)
     finally:
         receiver.close()
-    (outcome,) = sender.take_outcomes()
+    (outcome,) = sender.poll()
     assert outcome.ok, outcome
 
 
@@ -644,445 +633,3 @@ def test_a_thread_band_waits_for_room_in_a_full_unix_backlog(sock_path):
         receiver.close()
     assert outcomes["a"].ok, outcomes["a"]
     assert released == ["a"] and [h.request_id for h, _ in receiver.bands] == ["a"]
-
-
-# -- lent segments (the payload written into the receiver's memfd) ----------------------
-
-
-LLAMA_FP = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-            "num_hidden_layers": 2, "hidden_size": 8, "vocab_size": 64,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4}  # fmt: skip
-
-
-def test_a_band_written_into_a_lent_segment_arrives_whole_with_no_socket_payload(sock_path):
-    """The library receiver lends a memfd; the sender copies the pool's runs (one a row,
-    over a thousand) and copied tensors into it: the receiver's tensors hold every byte,
-    and a second band from the same process is lent the same segment. Each band also
-    gets a segment reserved for the stage's next band."""
-    from tests.helpers.handoff_rig import ReceiverThread
-    from wavepp.exec.handoff_send import IOV_MAX
-    from wavepp.exec.torch_exec import _gather, _pool_pieces, _row_runs
-
-    n = IOV_MAX + 100
-    pool = torch.randn(2 * n, 1, 4)
-    table = tuple(range(0, 2 * n, 2))  # no two rows adjacent: one piece a row
-    rows = partial(pool_rows, table, 1, n)
-    runs = _row_runs(table, 1, n)
-    values = torch.randn(n, 1, 4)
-
-    def band(job):
-        return [BandTensor(0, "k", "float32", (n, 1, 4), partial(_gather, pool, rows),
-                           partial(_pool_pieces, pool, runs)),
-                BandTensor(0, "v", "float32", (n, 1, 4), lambda: values),
-                BandTensor(1, "k", "float32", (n, 1, 4), lambda: -values),
-                BandTensor(1, "v", "float32", (n, 1, 4), partial(_gather, pool, rows),
-                           partial(_pool_pieces, pool, runs))]  # fmt: skip
-
-    sent = []
-    real_sendmsg = handoff_send._sendmsg_all
-    with ReceiverThread(LLAMA_FP, "float32", Path(sock_path)) as rx, \
-            mock.patch.object(handoff_send, "_sendmsg_all",
-                              side_effect=lambda s, v: sent.append(v) or real_sendmsg(s, v)):
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=n)], segments=True,
-                                      band=band)  # fmt: skip
-        buffers = rx.receiver._buffers
-        assert buffers.num_segments == 2  # a's, and one reserved for the next band
-        got = {key: t.clone() for key, t in rx.receiver._pending["a"].bands[1].items()}
-        # a's tensors dropped, and the reservation (this sender is gone: nothing used it)
-        assert rx.receiver.expire(now=time.monotonic() + 1e6) == ["a"]
-        outcomes2, _ = run_jobs([job("b", f"unix:{sock_path}", n=n)], segments=True, band=band)
-        # the first, lent again; the expired reservation closed; a new one for b's sender
-        assert buffers.num_segments == 2 and not buffers._free
-        assert rx.receiver.counts["bands_ok"] == 2
-        assert rx.receiver.counts["segments_reserved"] == 2
-    assert outcomes["a"].ok and outcomes2["b"].ok and released == ["a"], outcomes
-    assert outcomes["a"].num_bytes == 4 * n * 4 * 4
-    assert sent == []  # no payload went through the socket's sendmsg
-    expected = _gather(pool, rows)
-    assert torch.equal(got[(0, "k")], expected) and torch.equal(got[(1, "v")], expected)
-    assert torch.equal(got[(0, "v")], values) and torch.equal(got[(1, "k")], -values)
-
-
-class Lender(Receiver):
-    """A receiver that answers a segment offer according to ``mode``: a proper sealed
-    memfd (``ok``, ``die`` hangs up once it is lent), or something a sender must refuse."""
-
-    def _serve(self, conn: socket.socket) -> None:
-        length, flags = wire.parse_prefix(self._exactly(conn, wire.PREFIX_BYTES))
-        header = wire.decode_header(self._exactly(conn, length))
-        assert flags & wire.FLAG_SEGMENT  # a reservation asked for is not answered
-        _, size = wire.payload_layout(header)
-        answer, files = wire.encode_segment(size, secrets.randbits(64)), []
-        if self.mode == "small":  # says what it lends, and it is too small for the band
-            answer, size = wire.encode_segment(size - 64, secrets.randbits(64)), size - 64
-        if self.mode in ("ok", "die", "size", "small", "two"):
-            files = [_sealed_memfd(size - 64 if self.mode == "size" else size)]
-            if self.mode == "two":
-                files.append(_sealed_memfd(size))
-        elif self.mode == "unsealed":
-            files = [os.memfd_create("unsealed")]
-            os.ftruncate(files[0], size)
-        elif self.mode == "file":
-            with tempfile.NamedTemporaryFile(delete=False) as f:
-                f.truncate(size)
-            files = [os.open(f.name, os.O_RDWR)]
-            os.unlink(f.name)
-        elif self.mode == "pipe":
-            read_end, write_end = os.pipe()
-            os.close(write_end)
-            files = [read_end]
-        elif self.mode == "garbage":
-            answer = b"HTTP/1.1 200 OK\r\n\r\n"
-        try:  # "none": a size with no file
-            conn.sendmsg([answer], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                     array.array("i", files))] if files else [])  # fmt: skip
-            if self.mode == "die":
-                return
-            if self._exactly(conn, 4) != wire.DONE_MAGIC:
-                return
-            payload = os.pread(files[0], size, 0)
-        finally:
-            for fd in files:
-                os.close(fd)
-        self.bands.append((header, payload))
-        conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, True)))
-
-
-def _sealed_memfd(size: int) -> int:
-    fd = os.memfd_create("segment", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    return fd
-
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-@pytest.mark.parametrize(("mode", "reason", "detail"), [
-    ("ok", "", ""), ("die", "disconnected", "closed the connection"),
-    ("size", "bad ack", "lent a file of 2496 bytes"), ("small", "bad ack", "too small"),
-    ("two", "bad ack", "lent 2 files"),
-    ("none", "bad ack", "lent 0 files"), ("unsealed", "bad ack", "without F_SEAL_SHRINK"),
-    # a file on a tmpfs takes seals: refused for its missing ones, elsewhere as no memfd
-    ("file", "bad ack", "lent a file"), ("pipe", "bad ack", "mode 10"),
-    ("garbage", "bad ack", "answered garbage: b'HTTP'"),
-])  # fmt: skip
-def test_a_lent_segment_is_checked_before_a_byte_is_written(sock_path, mode, reason, detail):
-    """Only a memfd whose size is sealed, of the size the answer says and large enough, is
-    written into;
-    anything else fails that band alone ("bad ack"), releases it once, and leaves no file
-    of it open in this process."""
-    before = _open_fds()
-    receiver = Lender(sock_path, mode)
-    receiver.start()
-    try:
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=40)], segments=True)
-    finally:
-        receiver.close()
-    outcome = outcomes["a"]
-    assert (outcome.ok, outcome.reason) == (not reason, reason), outcome
-    assert detail in outcome.detail and released == ["a"]
-    gc.collect()  # the sender, and with it the mapping it kept of a segment that worked
-    assert _open_fds() <= before  # every passed file closed
-    if mode == "ok":
-        ((header, payload),) = receiver.bands
-        offsets, _ = wire.payload_layout(header)
-        for tensor, spec, at in zip(band_of(job("a", "", n=40)), header.tensors, offsets,
-                                    strict=True):  # fmt: skip
-            assert payload[at : at + spec.nbytes] == tensor.read().numpy().tobytes()
-
-
-class OldReceiver(Receiver):
-    """A receiver from before segments: it reads wire version 1 only, and refuses any
-    other version at the prefix (an ack with no request id)."""
-
-    refused = 0
-
-    def _serve(self, conn: socket.socket) -> None:
-        prefix = conn.recv(wire.PREFIX_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
-        version = int.from_bytes(prefix[4:6], "little")
-        if version != 1:
-            self.refused += 1
-            conn.sendall(wire.encode_ack(wire.Ack("", -1, False, f"wire version {version} "
-                                                  "is not supported (this side speaks 1)")))
-            return
-        super()._serve(conn)
-
-
-def test_a_receiver_from_before_segments_gets_the_band_plain_and_is_not_offered_again(
-        sock_path):  # fmt: skip
-    receiver = OldReceiver(sock_path)
-    receiver.start()
-    try:  # budget 1: the bands go one after the other
-        outcomes, released = run_jobs([job("a", f"unix:{sock_path}", n=40),
-                                       job("b", f"unix:{sock_path}", n=40)],
-                                      budget=1, segments=True)  # fmt: skip
-    finally:
-        receiver.close()
-    assert all(outcome.ok for outcome in outcomes.values()), outcomes
-    assert sorted(released) == ["a", "b"] and len(receiver.bands) == 2
-    # the first band's offers (version 3, then 2); the second is sent plain
-    assert receiver.refused == 2
-
-
-def test_a_segment_this_stage_cannot_map_for_want_of_memory_is_its_own_error(monkeypatch):
-    """A mapping refused for this process's own shortage (ENOMEM, open files) fails the
-    band as this stage's error, not as the receiver's bad answer."""
-    import errno
-    import mmap as mmap_module
-
-    from wavepp.exec.handoff_send import BandFailed, SegmentMaps
-
-    def short(*args, **kwargs):
-        raise OSError(errno.ENOMEM, "Cannot allocate memory")
-
-    monkeypatch.setattr(mmap_module, "mmap", short)
-    maps, fd = SegmentMaps(keep_bytes=8192), _sealed_memfd(8192)
-    try:
-        with pytest.raises(BandFailed) as failed:
-            maps.take("unix:/rx", 1, fd)
-        assert failed.value.reason == "error" and "this stage cannot map" in failed.value.detail
-        assert len(maps) == 0
-    finally:
-        os.close(fd)
-
-
-def test_segment_maps_keep_a_lent_segment_mapped_and_only_unused_ones_are_let_go():
-    from wavepp.exec.handoff_send import SegmentMaps
-
-    now = [0.0]
-    maps = SegmentMaps(keep_bytes=8192, idle_s=30.0, clock=lambda: now[0])
-    a, b = _sealed_memfd(8192), _sealed_memfd(8192)
-    try:
-        key, first = maps.take("unix:/rx", 1, a)
-        first[:3] = [7, 8, 9]
-        assert os.pread(a, 3, 0) == b"\x07\x08\x09"  # the file's own memory
-        del first
-        maps.give_back(key)
-        twin = os.dup(a)  # the same file, lent again: the kept mapping
-        same, again = maps.take("unix:/rx", 1, twin)
-        os.close(twin)
-        assert same == key and again[:3].tolist() == [7, 8, 9] and len(maps) == 1
-        del again
-        maps.give_back(key)
-        # the same id for another file (a receiver that reuses ids): that file, mapped
-        other, fresh = maps.take("unix:/rx", 1, b)
-        assert other != key and fresh[:3].tolist() == [0, 0, 0] and len(maps) == 2
-        del fresh
-        twin = os.dup(a)
-        key3, _ = maps.take("unix:/rx", 3, twin)  # in use: kept whatever the bound says
-        os.close(twin)
-        assert len(maps) == 3
-        maps.give_back(key3)  # unused: key and key3 (16 KiB) over 8 KiB: the older goes
-        assert list(maps._maps) == [other, key3]  # other: in use
-        maps.give_back(other, keep=False)  # its band failed: let go
-        assert list(maps._maps) == [key3]
-        now[0] = 29.9
-        maps.tidy()
-        assert len(maps) == 1
-        now[0] = 30.0  # unused for idle_s
-        maps.tidy()
-        assert len(maps) == 0
-    finally:
-        os.close(a)
-        os.close(b)
-
-
-# -- reservations (wire version 3): the next band's segment, lent with the band before --
-
-
-def run_in_turn(steps, *, band=band_of, out=None) -> dict:
-    """One segment-offering sender; ``steps`` in order, each a job (sent, and settled
-    before the next step) or a callable (run between bands). The outcomes by id;
-    ``out``, a list, gets the sender."""
-    settings = HandoffSettings(1, 2, FP, 30.0, 1 << 30, segments=True)
-    sender = HandoffSender(settings, band, lambda rid: None)
-    if out is not None:
-        out.append(sender)
-
-    async def main():
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sender.run)
-            for step in steps:
-                if callable(step):
-                    step()
-                    continue
-                sender.submit(step)
-                await _until(lambda: not sender.num_pending)
-            tg.cancel_scope.cancel()
-
-    anyio.run(main)
-    return {o.request_id: o for o in sender.take_outcomes()}
-
-
-def _received(rx, rid: str) -> dict:
-    return {key: t.clone() for key, t in rx.receiver._pending[rid].bands[1].items()}
-
-
-def _expected(n: int) -> dict:
-    return {(t.layer, t.name): t.read() for t in band_of(job("x", "", n=n))}
-
-
-def test_a_stages_next_band_goes_into_the_segment_reserved_for_it(sock_path):
-    """The first band is offered a segment (an answer to wait for before writing); each
-    band asks for a segment for the next, which is then written into with no answer
-    to wait for: one wait per band, the ack's. Every band arrives whole."""
-    from tests.helpers.handoff_rig import ReceiverThread
-
-    waits = []
-    real = handoff_send._take_segment
-    with ReceiverThread(LLAMA_FP, "float32", Path(sock_path)) as rx, \
-            mock.patch.object(handoff_send, "_take_segment",
-                              side_effect=lambda *a: waits.append(a) or real(*a)):
-        outcomes = run_in_turn([job(rid, f"unix:{sock_path}", n=40) for rid in "abc"])
-        got = {rid: _received(rx, rid) for rid in "abc"}
-        counts = rx.receiver.counts
-    assert all(o.ok for o in outcomes.values()) and len(outcomes) == 3, outcomes
-    assert len(waits) == 1  # the first band's offer only
-    assert (counts["segments_reserved"], counts["reservations_used"]) == (3, 2)
-    for rid in "abc":
-        assert set(got[rid]) == set(_expected(40))
-        assert all(torch.equal(got[rid][k], v) for k, v in _expected(40).items())
-
-
-def test_a_reservation_a_restarted_receiver_never_made_sends_the_band_on_the_socket(sock_path):
-    """The stage holds a segment the receiver before reserved; the one now at that path
-    does not know it: it answers size 0 and the band's bytes come over the socket."""
-    from tests.helpers.handoff_rig import ReceiverThread
-
-    first = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
-    second = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
-    first.__enter__()
-    try:
-        outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40),
-                                lambda: first.__exit__(None, None, None),
-                                second.__enter__, job("b", f"unix:{sock_path}", n=40)])
-        got = _received(second, "b")
-        counts = second.receiver.counts
-    finally:
-        second.__exit__(None, None, None)
-    assert outcomes["a"].ok and outcomes["b"].ok, outcomes
-    assert counts["reservations_missed"] == 1 and counts["bands_ok"] == 1
-    assert all(torch.equal(got[k], v) for k, v in _expected(40).items())
-
-
-def test_a_reservation_from_a_receiver_gone_since_fails_the_band_as_connect_and_is_let_go(
-        sock_path):  # fmt: skip
-    from tests.helpers.handoff_rig import ReceiverThread
-
-    rx = ReceiverThread(LLAMA_FP, "float32", Path(sock_path))
-    rx.__enter__()
-    senders = []
-    try:
-        outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40),
-                                lambda: senders.append(len(senders[0]._maps._reserved)),
-                                lambda: rx.__exit__(None, None, None),
-                                job("b", f"unix:{sock_path}", n=40)], out=senders)
-    finally:
-        with contextlib.suppress(Exception):
-            rx.__exit__(None, None, None)
-    assert outcomes["a"].ok and outcomes["b"].reason == "connect", outcomes
-    sender, held_before = senders
-    assert held_before == 1  # a's reservation, for the next band
-    assert not sender._maps._reserved
-    sender._maps.tidy()
-    # nothing mapped but a's own segment, kept unused (the band was taken)
-    assert all(not entry[1] for entry in sender._maps._maps.values())
-
-
-class V2Receiver(Lender):
-    """A receiver from before reservations: wire versions 1 and 2 only."""
-
-    refused = 0
-
-    def _serve(self, conn: socket.socket) -> None:
-        prefix = conn.recv(wire.PREFIX_BYTES, socket.MSG_PEEK | socket.MSG_WAITALL)
-        version = int.from_bytes(prefix[4:6], "little")
-        if version > 2:
-            self.refused += 1
-            conn.sendall(wire.encode_ack(wire.Ack("", -1, False, f"wire version {version} "
-                                                  "is not supported (this side speaks 1, 2)")))
-            return
-        super()._serve(conn)
-
-
-def test_a_receiver_from_before_reservations_is_offered_segments_as_version_2(sock_path):
-    receiver = V2Receiver(sock_path, "ok")
-    receiver.start()
-    try:
-        outcomes = run_in_turn([job(rid, f"unix:{sock_path}", n=40) for rid in "ab"])
-    finally:
-        receiver.close()
-    assert all(o.ok for o in outcomes.values()) and len(outcomes) == 2, outcomes
-    assert receiver.refused == 1  # the first band's version 3; then 2, for both
-    assert [h.request_id for h, _ in receiver.bands] == ["a", "b"]
-
-
-@pytest.mark.parametrize("mode", ["unsealed", "two"])
-def test_a_reservation_that_is_not_a_sealed_memfd_fails_the_band_and_leaves_nothing_open(
-        sock_path, mode):  # fmt: skip
-    """A reservation is checked as a lent segment is: anything but one sealed memfd of
-    the size it says fails the band ("bad ack"), and no file of it stays open."""
-    before = _open_fds()
-    receiver = BadReserver(sock_path, mode)
-    receiver.start()
-    try:
-        outcomes = run_in_turn([job("a", f"unix:{sock_path}", n=40)])
-    finally:
-        receiver.close()
-    assert (outcomes["a"].ok, outcomes["a"].reason) == (False, "bad ack"), outcomes
-    gc.collect()
-    assert _open_fds() <= before
-
-
-class BadReserver(Lender):
-    """Lends a proper segment for the band, then answers the reservation wrongly."""
-
-    def _serve(self, conn: socket.socket) -> None:
-        length, flags = wire.parse_prefix(self._exactly(conn, wire.PREFIX_BYTES))
-        assert flags == wire.FLAG_SEGMENT | wire.FLAG_RESERVE
-        header = wire.decode_header(self._exactly(conn, length))
-        _, size = wire.payload_layout(header)
-        lent = _sealed_memfd(size)
-        if self.mode == "unsealed":
-            files = [os.memfd_create("unsealed")]
-            os.ftruncate(files[0], size)
-        else:
-            files = [_sealed_memfd(size), _sealed_memfd(size)]
-        try:
-            rights = socket.SOL_SOCKET, socket.SCM_RIGHTS
-            conn.sendmsg([wire.encode_segment(size, 1)], [(*rights, array.array("i", [lent]))])
-            conn.sendmsg([wire.encode_segment(size, 2, wire.RESERVE_MAGIC)],
-                         [(*rights, array.array("i", files))])  # fmt: skip
-            if self._exactly(conn, 4) == wire.DONE_MAGIC:
-                conn.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, True)))
-        finally:
-            for fd in [lent, *files]:
-                os.close(fd)
-
-
-def test_segment_maps_hold_reservations_until_taken_or_stale():
-    from wavepp.exec.handoff_send import MAX_RESERVED_MAPS, RESERVED_USE_S, SegmentMaps
-
-    now = [0.0]
-    maps = SegmentMaps(keep_bytes=0, clock=lambda: now[0])
-    small, large = _sealed_memfd(4096), _sealed_memfd(16384)
-    try:
-        assert maps.reserve("unix:/rx", 1, large) and maps.reserve("unix:/rx", 2, small)
-        assert maps.take_reserved("unix:/other", 100) is None  # another target's: none
-        key, segment_id = maps.take_reserved("unix:/rx", 100)  # the smallest that fits
-        assert segment_id == 2 and maps.memory(key).nbytes == 4096
-        assert maps.take_reserved("unix:/rx", 8192)[1] == 1
-        assert maps.take_reserved("unix:/rx", 1) is None  # each taken once
-        maps.give_back(key)
-        assert len(maps) == 1  # keep_bytes 0: the unused mapping let go; the other in use
-        now[0] = 1.0
-        for n in range(MAX_RESERVED_MAPS + 1):
-            assert maps.reserve("unix:/rx", 10 + n, small) == (n < MAX_RESERVED_MAPS)
-        now[0] = 1.0 + RESERVED_USE_S  # too old to use: let go, unmapped
-        assert maps.take_reserved("unix:/rx", 1) is None
-        assert len(maps) == 1
-    finally:
-        os.close(small)
-        os.close(large)

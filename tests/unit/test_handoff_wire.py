@@ -18,7 +18,6 @@ from wavepp.handoff import wire
 from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
     ALIGN,
-    FLAG_SEGMENT,
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
     Ack,
@@ -32,12 +31,10 @@ from wavepp.handoff.wire import (
     decode_header,
     encode_ack,
     encode_band_prefix,
-    encode_segment,
     expected_tensors,
     fingerprint_from_hf_config,
     header_length,
     parse_address,
-    parse_prefix,
     payload_layout,
 )
 from wavepp.model import config_from_hf
@@ -106,23 +103,9 @@ def test_band_round_trip(config):
     header = band(config, stage=1, num_stages=2, layers=tuple(range(1, n)), t=9)
     prefix = encode_band_prefix(header)
     assert prefix[:4] == b"WPHB"
-    assert struct.unpack("<HHI", prefix[4:12]) == (1, 0, len(prefix) - PREFIX_BYTES)
+    assert struct.unpack("<HHI", prefix[4:12]) == (3, 0, len(prefix) - PREFIX_BYTES)
     assert header_length(prefix[:PREFIX_BYTES]) == len(prefix) - PREFIX_BYTES
     assert decode_header(prefix[PREFIX_BYTES:]) == header
-    offer = encode_band_prefix(header, FLAG_SEGMENT)  # flags: version 2
-    assert struct.unpack("<HH", offer[4:8]) == (2, FLAG_SEGMENT)
-    assert parse_prefix(offer[:PREFIX_BYTES]) == (len(prefix) - PREFIX_BYTES, FLAG_SEGMENT)
-    # a version 1 prefix (no flags) is still read
-    assert parse_prefix(b"WPHB" + struct.pack("<HHI", 1, 0, 7)) == (7, 0)
-    # version 3: a reservation asked for, or a reserved segment named after the header
-    ask = encode_band_prefix(header, FLAG_SEGMENT | wire.FLAG_RESERVE)
-    assert struct.unpack("<HH", ask[4:8]) == (3, FLAG_SEGMENT | wire.FLAG_RESERVE)
-    assert ask[PREFIX_BYTES:] == prefix[PREFIX_BYTES:]
-    named = encode_band_prefix(header, wire.FLAG_RESERVED | wire.FLAG_RESERVE, 2**64 - 2)
-    length, flags = parse_prefix(named[:PREFIX_BYTES])
-    assert (length, flags) == (len(prefix) - PREFIX_BYTES, wire.FLAG_RESERVED | wire.FLAG_RESERVE)
-    assert decode_header(named[PREFIX_BYTES : PREFIX_BYTES + length]) == header
-    assert wire.parse_segment_id(named[PREFIX_BYTES + length :]) == 2**64 - 2
     assert band_bytes(header) == sum(s.nbytes for s in header.tensors) > 0
 
 
@@ -144,47 +127,20 @@ def test_ack_round_trip_and_long_error_cut():
 @pytest.mark.parametrize(
     ("prefix", "match"),
     [
-        (b"WPHX" + struct.pack("<HHI", 1, 0, 10), "magic"),
-        (b"WPHB" + struct.pack("<HHI", 4, 0, 10), "version 4"),
-        (b"WPHB" + struct.pack("<HHI", 1, 1, 10), "version 1 prefix has flags"),
-        (b"WPHB" + struct.pack("<HHI", 2, 3, 10), "version 2 prefix has flags 0x3"),
+        (b"WPHX" + struct.pack("<HHI", 3, 0, 10), "magic"),
+        (b"WPHB" + struct.pack("<HHI", 4, 0, 10), r"version 4 is not supported \(.* speaks 3\)"),
+        (b"WPHB" + struct.pack("<HHI", 1, 0, 10), "version 1 is not supported"),
+        (b"WPHB" + struct.pack("<HHI", 2, 1, 10), "version 2 is not supported"),
+        (b"WPHB" + struct.pack("<HHI", 3, 1, 10), r"unknown band flags 0x1 \(version 3 has none\)"),
         (b"WPHB" + struct.pack("<HHI", 3, 8, 10), "unknown band flags 0x8"),
-        (b"WPHB" + struct.pack("<HHI", 3, 5, 10), "at most one"),
-        (b"WPHB" + struct.pack("<HHI", 3, 2, 10), "FLAG_RESERVE without"),
-        (b"WPHB" + struct.pack("<HHI", 1, 0, 0), "header_len 0"),
-        (b"WPHB" + struct.pack("<HHI", 1, 0, MAX_HEADER_BYTES + 1), "header_len"),
+        (b"WPHB" + struct.pack("<HHI", 3, 0, 0), "header_len 0"),
+        (b"WPHB" + struct.pack("<HHI", 3, 0, MAX_HEADER_BYTES + 1), "header_len"),
         (b"WPHB", "prefix is 4 bytes"),
     ],
 )
 def test_prefix_checks(prefix, match):
     with pytest.raises(WireError, match=match):
         header_length(prefix)
-
-
-def test_segment_answer_round_trip_and_checks():
-    assert wire.parse_segment(encode_segment(0)) == (0, 0)
-    assert wire.parse_segment(encode_segment(5 << 20, 2**64 - 1)) == (5 << 20, 2**64 - 1)
-    with pytest.raises(WireError, match="magic"):
-        wire.parse_segment(b"WPHA" + struct.pack("<QQ", 8, 1))
-    with pytest.raises(WireError, match="exceeds"):
-        wire.parse_segment(b"WPHM" + struct.pack("<QQ", 2**63, 1))
-    with pytest.raises(WireError, match="is 4 bytes"):
-        wire.parse_segment(b"WPHM")
-    whole = band(LLAMA, stage=0, num_stages=1, layers=tuple(range(LLAMA["num_hidden_layers"])),
-                 t=3)  # fmt: skip
-    with pytest.raises(ValueError, match="unknown band flags"):
-        encode_band_prefix(whole, 8)
-    with pytest.raises(ValueError, match="a segment id goes with FLAG_RESERVED"):
-        encode_band_prefix(whole, wire.FLAG_RESERVED)
-    with pytest.raises(ValueError, match="a segment id goes with FLAG_RESERVED"):
-        encode_band_prefix(whole, FLAG_SEGMENT, 7)
-    # a reservation is a segment answer with its own magic
-    raw = encode_segment(4096, 9, wire.RESERVE_MAGIC)
-    assert wire.parse_segment(raw, wire.RESERVE_MAGIC) == (4096, 9)
-    with pytest.raises(WireError, match="magic"):
-        wire.parse_segment(raw)
-    with pytest.raises(WireError, match="is 3 bytes"):
-        wire.parse_segment_id(b"abc")
 
 
 def test_payload_layout_aligns_every_tensor():

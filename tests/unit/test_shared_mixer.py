@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tests.helpers.waves import MODELS, waves
-from wavepp.exec.handoff_send import BandJob
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.handoff.base import BandJob
 from wavepp.model import build_stage, random_weights
 from wavepp.model.attention import PagedBatch
 

@@ -97,9 +97,6 @@ class _Stage:
         await anyio.sleep(self.seconds)
         return StageOutput(tensor, self.seconds, {}), []
 
-    def take_handoff_outcomes(self):
-        return []
-
     def take_cache_report(self):
         return None
 

@@ -24,6 +24,7 @@ import anyio.to_thread
 
 from wavepp.dtypes import FLOATS
 from wavepp.handoff import _io
+from wavepp.handoff.assembly import HandoffError
 from wavepp.handoff.client import (
     DECODE_MAGIC,
     TOKENS_MAGIC,
@@ -33,7 +34,7 @@ from wavepp.handoff.client import (
     encode_frame,
     frame_length,
 )
-from wavepp.handoff.receive import HandoffError, Receiver
+from wavepp.handoff.receive import Receiver
 from wavepp.handoff.wire import WireError, fingerprint_from_hf_config, parse_address
 
 log = logging.getLogger("wavepp.decode")

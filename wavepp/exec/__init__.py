@@ -3,8 +3,8 @@
 - ``base``: the :class:`Executor` protocol and the records it exchanges;
 - ``torch_exec``: real model math (``wavepp.model``) over a paged pool; the simulated
   executor lives in ``wavepp.sim``;
-- ``stage``: one stage's cache effects around each wave; ``device``: where a rank
-  computes; ``handoff_send``: a stage's band of a finished request's cache, sent on.
+- ``stage``: one stage's cache effects around each wave, and its handoff sender
+  (``wavepp.handoff.send``); ``device``: where a rank computes.
 """
 
 from wavepp.exec.base import ChunkWork, Executor, StageOutput

@@ -13,7 +13,7 @@ from wavepp.state import BlockHash, RequestId, SlotId
 from wavepp.transport.frames import DataLimits
 
 if TYPE_CHECKING:
-    from wavepp.exec.handoff_send import BandJob, BandTensor
+    from wavepp.handoff.base import BandJob, BandTensor
 
 
 @attrs.frozen

@@ -16,8 +16,10 @@ import attrs
 import numpy as np
 import torch
 
+from wavepp.exec import compute
 from wavepp.exec.base import ChunkWork, Executor, StageOutput
-from wavepp.exec.handoff_send import BandJob, HandoffSender, HandoffSettings
+from wavepp.handoff.base import BandJob, HandoffSettings
+from wavepp.handoff.send import HandoffSender
 from wavepp.kv_events.changes import StageLog
 from wavepp.policy import DEFAULT, ChunkSpan, Policy
 from wavepp.rounds.admission import Offer, StageBook
@@ -25,7 +27,6 @@ from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.messages import (
     CacheReport,
     ChunkMsg,
-    HandoffOutcome,
     OracleAdmit,
     Span,
     WaveMsg,
@@ -78,8 +79,10 @@ class Stage:
         # Requests that ended here and whose band is on its way: their claims stay held
         # (blocks leased and referenced) until the sender settles them (docs/handoff.md).
         self.handing_off: set[RequestId] = set()
+        # a worker thread's torch work keeps out of OpenMP (compute.serial_here)
         self.handoffs = (None if handoff is None
-                         else HandoffSender(handoff, executor.band, self._handed_off))  # fmt: skip
+                         else HandoffSender(handoff, executor.band, self._handed_off,
+                                            thread_setup=compute.serial_here))  # fmt: skip
         self.cache_log = cache_log  # with --kv-events: what this stage cached and evicted
 
     # -- admission side -----------------------------------------------------------
@@ -121,7 +124,7 @@ class Stage:
         if rid in self.handing_off:
             # its band may be on the wire: the blocks stay held until the sender has
             # stopped reading them, then go as any band's do (_handed_off)
-            self.handoffs.cancel(rid)
+            self.handoffs.abort(rid)
         else:
             self.book.cache = self.policy.cancel(self.book.cache, rid)
 
@@ -161,7 +164,7 @@ class Stage:
         token, logit = output.results.get(rid, (-1, 0.0))
         states = self.executor.take_final(rid) if self.has_recurrent else {}
         self.handing_off.add(rid)
-        self.handoffs.submit(BandJob(
+        self.handoffs.send(BandJob(
             request_id=rid, target=admitted.offer.handoff, num_tokens=work.num_tokens,
             # the table after publishing: a block another request had cached meanwhile
             # is read from that request's slot, the wave's own having gone back to the pool
@@ -175,9 +178,6 @@ class Stage:
         if rid in self.handing_off:
             self.handing_off.discard(rid)
             self.book.cache = self.policy.release(self.book.cache, rid)
-
-    def take_handoff_outcomes(self) -> list[HandoffOutcome]:
-        return self.handoffs.take_outcomes() if self.handoffs is not None else []
 
     # -- execution side -----------------------------------------------------------
 

@@ -49,7 +49,7 @@ from torch import nn
 from wavepp.dtypes import name_of
 from wavepp.exec import compute
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.handoff_send import BandTensor, pool_rows
+from wavepp.handoff.base import BandTensor
 from wavepp.model import cpu_kernel
 from wavepp.model.attention import PagedBatch, to_queries
 from wavepp.model.fused import FusedLayer, fusable
@@ -265,7 +265,7 @@ class TorchExecutor:
         return self.finals.pop(rid, {})
 
     def band(self, job) -> list[BandTensor]:
-        """This stage's band of an ended request's cache (``wavepp.exec.handoff_send``):
+        """This stage's band of an ended request's cache (``wavepp.handoff.send``):
         every paged entry's rows of tokens 0..T-1 read through its block table (reused
         prefix blocks included), every recurrent layer's state after the last token, and
         on stage 0 the token ids. Read lazily, one tensor at a time."""
@@ -489,6 +489,16 @@ def _gather(pool: torch.Tensor, rows: Callable[[], torch.Tensor]) -> torch.Tenso
 
 def _as_cpu_float(state: torch.Tensor) -> torch.Tensor:
     return state.detach().to("cpu", torch.float32).contiguous()
+
+
+def pool_rows(block_table: Sequence[int], block_size: int, num_tokens: int) -> torch.Tensor:
+    """The pool rows of tokens 0..num_tokens-1 of a request with this block table."""
+    num_blocks = -(-num_tokens // block_size)
+    if len(block_table) < num_blocks:
+        raise ValueError(f"block table of {len(block_table)} blocks for {num_tokens} tokens")
+    slots = torch.as_tensor(list(block_table[:num_blocks]), dtype=torch.long)
+    rows = slots[:, None] * block_size + torch.arange(block_size)
+    return rows.reshape(-1)[:num_tokens]
 
 
 def _row_runs(block_table, block_size: int, num_tokens: int) -> list[tuple[int, int]]:

@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 from wavepp.exec.base import ChunkWork, StageOutput
-from wavepp.exec.handoff_send import BandJob, BandTensor
 from wavepp.exec.torch_exec import TorchExecutor
+from wavepp.handoff.base import BandJob, BandTensor
 from wavepp.model.tp import cache_rule, gather_shards, replicated, whole_shape
 from wavepp.rounds.messages import decode_untrusted
 from wavepp.state import BlockHash, RequestId

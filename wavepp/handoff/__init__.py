@@ -1,7 +1,18 @@
-"""Handing a request's cache on: the wire format of a stage's band (``wire``), the
-receiving side (``receive``), the ``transformers`` cache built from it (``hf``) and the
-decode worker's client (``client``). Imports nothing of WavePP's runtime: a decode engine
-can use it alone. ``docs/handoff.md`` is the contract.
+"""Handing a request's cache on, both sides; ``docs/handoff.md`` is the contract.
+
+- the wire format of a stage's band (``wire``, pure) and the sockets it goes over
+  (``_io``);
+- sending: a stage's one sender (``send``), the seam between it and each transport
+  (``base``), WavePP's wire over a socket (``socket_send``) and vLLM's
+  ``ExampleConnector`` files (``vllm_example``);
+- receiving: the server (``receive``, which reads each band into a recycled buffer) and
+  the band's way through it — checked before anything is allocated (``gate``), claimed
+  and assembled (``assembly``); the ``transformers`` cache built from a request's bands
+  (``hf``) and the decode worker's client (``client``).
+
+The receiving side imports nothing else of WavePP: a decode engine can use it alone. The
+sending side takes its outcome message and ids from ``wavepp.rounds`` and
+``wavepp.state``. This module exports the wire's names only (no torch).
 """
 
 from wavepp.handoff.wire import (
@@ -9,9 +20,6 @@ from wavepp.handoff.wire import (
     ACK_PREFIX_BYTES,
     BAND_MAGIC,
     DTYPES,
-    FLAG_RESERVE,
-    FLAG_RESERVED,
-    FLAG_SEGMENT,
     MAX_HEADER_BYTES,
     PREFIX_BYTES,
     WIRE_VERSION,
@@ -31,7 +39,6 @@ from wavepp.handoff.wire import (
     fingerprint_from_hf_config,
     header_length,
     parse_address,
-    parse_prefix,
     payload_layout,
 )
 
@@ -40,9 +47,6 @@ __all__ = [
     "ACK_PREFIX_BYTES",
     "BAND_MAGIC",
     "DTYPES",
-    "FLAG_RESERVE",
-    "FLAG_RESERVED",
-    "FLAG_SEGMENT",
     "MAX_HEADER_BYTES",
     "PREFIX_BYTES",
     "WIRE_VERSION",
@@ -62,6 +66,5 @@ __all__ = [
     "fingerprint_from_hf_config",
     "header_length",
     "parse_address",
-    "parse_prefix",
     "payload_layout",
 ]

@@ -1,21 +1,23 @@
-"""One connection's bytes: exact reads straight into caller memory, each wait bounded.
+"""Sockets for handoffs, both sides: every write-all and read-exactly loop of the package.
 
-Reads and writes go to the raw non-blocking socket (no intermediate buffer), so a
-band's payload lands directly in the tensors allocated for it. Every wait for the peer
-is bounded by ``timeout_s`` without a byte (up to 1.25 x): a peer that stops sending half
-way costs that timeout, no more. Errors: ``TimeoutError`` (no progress in time),
-``ConnectionError`` (closed early).
+Async (an event loop's non-blocking socket, :class:`Connection`): exact reads straight
+into caller memory and scatter-gather writes, each wait for the peer bounded by
+``timeout_s`` without a byte (reads: up to 1.25 x), so a peer that stops half way costs
+that timeout, no more. Blocking (a worker thread's socket, whose deadline the caller
+keeps by the socket's timeout or by shutting it): :func:`sendmsg_all` and
+:func:`recv_exactly`. Reads and writes go to the raw socket (no intermediate buffer), so
+a band's payload lands directly in the tensors allocated for it and leaves straight from
+the pool. Errors: ``TimeoutError`` (no progress in time), ``ConnectionError`` (closed
+early), any other ``OSError`` as the socket raises it.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import errno
 import os
 import socket
 import stat
-import struct
 import time
 
 import anyio
@@ -24,6 +26,7 @@ from wavepp.handoff.wire import Address
 
 DRAIN_CHUNK = 1 << 20
 UNIX_RETRY_S = 0.002  # a connect to a Unix listener whose backlog is full, tried again
+IOV_MAX = 1024  # buffers per sendmsg call (Linux)
 
 
 class Connection:
@@ -80,26 +83,22 @@ class Connection:
         return bytes(buf)
 
     async def send(self, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            try:
-                view = view[self.sock.send(view) :]
-            except BlockingIOError:
-                with anyio.fail_after(self.timeout_s):
-                    await anyio.wait_writable(self.sock)
+        await self.sendmsg([data])
 
-    async def send_fd(self, data: bytes, fd: int) -> None:
-        """``data`` with the file ``fd`` passed alongside (``SCM_RIGHTS``; a Unix
-        socket): the peer gets its own descriptor of the same file."""
-        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-        while True:
+    async def sendmsg(self, views: list[memoryview]) -> None:
+        """Every byte of ``views``, in order: as many as the send buffer takes per
+        ``sendmsg`` (``IOV_MAX`` buffers a call); a wait for room is bounded by
+        ``timeout_s``."""
+        queue = _queue(views)
+        first = 0
+        while first < len(queue):
             try:
-                sent = self.sock.sendmsg([data], rights)
-                break
+                sent = self.sock.sendmsg(queue[first : first + IOV_MAX])
             except BlockingIOError:
                 with anyio.fail_after(self.timeout_s):
                     await anyio.wait_writable(self.sock)
-        await self.send(memoryview(data)[sent:])  # the file went with the first byte
+                continue
+            first = _step(queue, first, sent)
 
     async def drain(self, n: int) -> None:
         """Read and drop up to ``n`` bytes (a refused band's payload), so that closing
@@ -125,34 +124,45 @@ class Connection:
         close_socket(self.sock)
 
 
-def peer_process(sock: socket.socket) -> tuple[int, int] | None:
-    """The process at the other end of a Unix socket (as it was when it connected): its
-    pid and its start time (clock ticks after boot, ``/proc/<pid>/stat``), which tell it
-    from a later process given the same pid. None for any other socket, or when the peer
-    is already gone (or its start time cannot be read)."""
-    if sock.family != socket.AF_UNIX:
-        return None
-    pid, _, _ = _CREDENTIALS.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
-    if not pid:
-        return None
-    started = process_start(pid)
-    return None if started is None else (pid, started)
+def sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Every byte of ``views`` through a blocking socket, in as few ``sendmsg`` calls as
+    the iovec limit allows: the calling thread wakes (and takes the GIL) once per call,
+    not once per socket buffer's worth."""
+    queue = _queue(views)
+    first = 0  # an index, not pops from the front: a 32K-token band has 16K buffers
+    while first < len(queue):
+        first = _step(queue, first, sock.sendmsg(queue[first : first + IOV_MAX]))
 
 
-def process_start(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot); None if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read(4096)
-        # the fields after the command name (which may hold spaces and parentheses);
-        # the start time is the 22nd field, the 20th after the name
-        return int(text[text.rindex(b")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """The next ``n`` bytes from a blocking socket; ``ConnectionError`` if the peer closes
+    first."""
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return bytes(data)
 
 
-_CREDENTIALS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+def _queue(views: list) -> list[memoryview]:
+    """Flat byte views of ``views`` (buffers of any kind), the empty ones left out."""
+    return [m for v in views if (m := memoryview(v).cast("B")).nbytes]
+
+
+def _step(queue: list[memoryview], first: int, sent: int) -> int:
+    """Step over ``sent`` bytes of ``queue[first:]``; a partly sent buffer keeps its
+    tail. Returns the new first index."""
+    while sent:
+        if sent >= queue[first].nbytes:
+            sent -= queue[first].nbytes
+            first += 1
+        else:
+            queue[first] = queue[first][sent:]
+            sent = 0
+    return first
 
 
 def close_socket(sock: socket.socket) -> None:

@@ -1,5 +1,5 @@
-"""Clients of a receiver: a reference band sender (:func:`build_band`, :func:`send_band`)
-and the decode worker's client (:func:`decode`).
+"""Clients of a receiver: a reference band sender (:func:`build_band`, :func:`send_band`,
+through the socket transport's exchange) and the decode worker's client (:func:`decode`).
 
 The decode protocol, on the worker's listening address (``python -m wavepp.decode``)::
 
@@ -20,8 +20,9 @@ import msgspec
 import torch
 
 from wavepp.handoff import _io
+from wavepp.handoff.base import dtype_name
+from wavepp.handoff.socket_send import exchange
 from wavepp.handoff.wire import (
-    ACK_PREFIX_BYTES,
     DTYPES,
     MAX_ID_CHARS,
     Ack,
@@ -30,8 +31,6 @@ from wavepp.handoff.wire import (
     Fingerprint,
     TensorSpec,
     WireError,
-    ack_length,
-    decode_ack,
     encode_band_prefix,
     parse_address,
 )
@@ -41,8 +40,6 @@ TOKENS_MAGIC = b"WPHT"
 MAX_FRAME_BYTES = 1 << 20
 MAX_DECODE_TOKENS = 4096
 _FRAME = struct.Struct("<4sI")
-_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-          torch.int32: "int32"}  # fmt: skip
 
 
 class DecodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -108,9 +105,10 @@ def build_band(
     ``{(layer, name): tensor}`` (layer -1: ``tokens``)."""
     specs, payload = [], []
     for (layer, name), tensor in tensors.items():
-        if tensor.dtype not in _NAMES:
-            raise ValueError(f"{name} of layer {layer}: dtype {tensor.dtype} is not sendable")
-        dtype = _NAMES[tensor.dtype]
+        try:
+            dtype = dtype_name(tensor.dtype)
+        except ValueError as error:
+            raise ValueError(f"{name} of layer {layer}: {error}") from None
         shape = list(tensor.shape)
         specs.append(TensorSpec(layer, name, dtype, shape, math.prod(shape) * DTYPES[dtype]))
         payload.append(tensor.detach().to("cpu").contiguous())
@@ -132,18 +130,11 @@ async def send_band(
     """Send one band and return the receiver's ack (``WireError`` for a malformed ack,
     ``TimeoutError`` / ``OSError`` for a receiver that is gone or silent)."""
     where = parse_address(address) if isinstance(address, str) else address
-    prefix = encode_band_prefix(header)
+    views = [memoryview(encode_band_prefix(header))]
+    views += [tensor.reshape(-1).view(torch.uint8).numpy().data for tensor in payload]
     conn = await _io.connect(where, timeout_s)
     try:
-        try:
-            await conn.send(prefix)
-            for spec, tensor in zip(header.tensors, payload, strict=True):
-                if spec.nbytes:
-                    await conn.send(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-        except OSError:  # refused early: the ack may still be there to read
-            pass
-        length = ack_length(await conn.read_exactly(ACK_PREFIX_BYTES))
-        return decode_ack(await conn.read_exactly(length))
+        return await exchange(conn, views)
     finally:
         conn.close()
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from wavepp.handoff.receive import Handoff
+from wavepp.handoff.assembly import Handoff
 from wavepp.handoff.wire import fingerprint_from_hf_config
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

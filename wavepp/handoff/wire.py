@@ -8,22 +8,11 @@ problem. ``docs/handoff.md`` is the contract in prose.
 
 One band (one connection per band)::
 
-    b"WPHB" | u16 LE version (3; 2 with FLAG_SEGMENT alone; 1 without flags) |
-    u16 LE flags | u32 LE header_len | header | [u64 LE segment id] | payload
+    b"WPHB" | u16 LE version (3) | u16 LE flags (0) | u32 LE header_len | header | payload
 
-The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``). A
-band whose flags hold ``FLAG_SEGMENT`` (a Unix socket only) offers to write its payload
-into memory the receiver lends: before the payload, the receiver answers
-``b"WPHM" | u64 LE size | u64 LE segment id``, with a memfd of ``size`` bytes passed
-alongside (size 0 and no file: the payload follows on the socket as usual); the sender
-writes the payload into it at :func:`payload_layout`'s offsets and sends ``b"WPHD"``.
-Version 3 saves that round trip: a band with ``FLAG_RESERVE`` asks the receiver to
-reserve a segment for the sender's next band, and the receiver answers
-``b"WPHR" | u64 LE size | u64 LE segment id`` (and the memfd) before its ack; the next
-band, with ``FLAG_RESERVED``, names that segment after its header and is written into
-it with no answer to wait for (the receiver answers ``b"WPHM"`` of size 0 when it no
-longer holds that reservation: the payload then follows on the socket). Versions 1 and
-2 are still accepted.
+The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``).
+Version 3 is the only one, and it defines no flag: a prefix of another version, or with
+a flag set, is refused.
 """
 
 from __future__ import annotations
@@ -37,23 +26,12 @@ from typing import Annotated
 import attrs
 import msgspec
 
-WIRE_VERSION = 3
-VERSIONS = (1, 2, 3)  # accepted; 1 has no flags (the field is 0), 2 only FLAG_SEGMENT
+WIRE_VERSION = 3  # the only one read and written
 BAND_MAGIC = b"WPHB"
 ACK_MAGIC = b"WPHA"
-SEGMENT_MAGIC = b"WPHM"  # the receiver's answer to a segment offer
-RESERVE_MAGIC = b"WPHR"  # the receiver reserves a segment for the sender's next band
-DONE_MAGIC = b"WPHD"  # the sender: the payload is in the segment
-FLAG_SEGMENT = 1  # the sender offers to write the payload into a lent segment
-FLAG_RESERVE = 2  # v3: reserve a segment for my next band (with one of the other two)
-FLAG_RESERVED = 4  # v3: the payload is in the segment reserved for me; its id follows
-FLAGS = FLAG_SEGMENT | FLAG_RESERVE | FLAG_RESERVED  # every flag this side knows
 PREFIX_BYTES = 12  # magic, version, flags, header_len
-SEGMENT_ID_BYTES = 8  # after the header of a FLAG_RESERVED band
 ACK_PREFIX_BYTES = 8  # magic, ack_len
-SEGMENT_BYTES = 20  # magic, size, segment id
-ALIGN = 64  # bytes: where each tensor of a lent segment (and a receiver's buffer) starts
-MAX_SEGMENT_BYTES = 1 << 40
+ALIGN = 64  # bytes: where each tensor of a receiver's band buffer starts
 MAX_HEADER_BYTES = 1 << 20
 MAX_ACK_BYTES = 1 << 16
 MAX_ERROR_CHARS = 4096
@@ -69,8 +47,6 @@ LAYER_KINDS = "AML"  # A: GQA/MHA K/V, M: MLA latent, L: recurrent state
 
 _PREFIX = struct.Struct("<4sHHI")
 _ACK_PREFIX = struct.Struct("<4sI")
-_SEGMENT = struct.Struct("<4sQQ")
-_SEGMENT_ID = struct.Struct("<Q")
 
 
 class WireError(ValueError):
@@ -142,100 +118,40 @@ _ENCODER = msgspec.msgpack.Encoder()
 # -- bands ---------------------------------------------------------------------------
 
 
-def encode_band_prefix(header: BandHeader, flags: int = 0, segment_id: int | None = None) -> bytes:
-    """Magic, version, flags, header_len, the msgpack header and (``FLAG_RESERVED``) the
-    reserved segment's id: what precedes the payload. Raises ``WireError`` for a header
-    the receiver would refuse."""
-    _check_flags(flags, ValueError)
-    if (segment_id is not None) != bool(flags & FLAG_RESERVED):
-        raise ValueError("a segment id goes with FLAG_RESERVED, and only with it")
+def encode_band_prefix(header: BandHeader) -> bytes:
+    """Magic, version, flags, header_len and the msgpack header: what precedes the
+    payload. Raises ``WireError`` for a header the receiver would refuse."""
     raw = _ENCODER.encode(header)
     decode_header(raw)  # the sender's own check: never send what a receiver refuses
-    # the oldest version that has the flags: what receivers from before them read too
-    version = 1 if not flags else 2 if flags == FLAG_SEGMENT else WIRE_VERSION
-    prefix = _PREFIX.pack(BAND_MAGIC, version, flags, len(raw)) + raw
-    if segment_id is not None:
-        prefix += _SEGMENT_ID.pack(segment_id)
-    return prefix
+    return _PREFIX.pack(BAND_MAGIC, WIRE_VERSION, 0, len(raw)) + raw
 
 
-def _check_flags(flags: int, error: type[Exception]) -> None:
-    if flags & ~FLAGS:
-        raise error(f"unknown band flags {flags:#x} (this side knows {FLAGS:#x})")
-    if flags & FLAG_SEGMENT and flags & FLAG_RESERVED:
-        raise error("band flags offer a segment and name a reserved one: at most one")
-    if flags & FLAG_RESERVE and not flags & (FLAG_SEGMENT | FLAG_RESERVED):
-        raise error("FLAG_RESERVE without FLAG_SEGMENT or FLAG_RESERVED")
-
-
-def parse_segment_id(raw: bytes) -> int:
-    """The reserved segment's id that follows a ``FLAG_RESERVED`` band's header."""
-    if len(raw) != SEGMENT_ID_BYTES:
-        raise WireError(f"segment id is {len(raw)} bytes, expected {SEGMENT_ID_BYTES}")
-    return _SEGMENT_ID.unpack(raw)[0]
-
-
-def parse_prefix(prefix: bytes) -> tuple[int, int]:
-    """(header_len, flags) from a band's first ``PREFIX_BYTES`` bytes, checked."""
+def header_length(prefix: bytes) -> int:
+    """header_len from a band's first ``PREFIX_BYTES`` bytes, checked."""
     if len(prefix) != PREFIX_BYTES:
         raise WireError(f"band prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
     magic, version, flags, length = _PREFIX.unpack(prefix)
     if magic != BAND_MAGIC:
         raise WireError(f"bad band magic {magic!r}, expected {BAND_MAGIC!r}")
-    if version not in VERSIONS:
+    if version != WIRE_VERSION:
         raise WireError(f"wire version {version} is not supported (this side speaks "
-                        f"{', '.join(map(str, VERSIONS))})")  # fmt: skip
-    if version == 1 and flags:
-        raise WireError(f"version 1 prefix has flags {flags:#x} (its reserved field): expected 0")
-    if version == 2 and flags & ~FLAG_SEGMENT:
-        raise WireError(f"version 2 prefix has flags {flags:#x}: only FLAG_SEGMENT")
-    _check_flags(flags, WireError)
+                        f"{WIRE_VERSION})")  # fmt: skip
+    if flags:
+        raise WireError(f"unknown band flags {flags:#x} (version {WIRE_VERSION} has none)")
     if not 1 <= length <= MAX_HEADER_BYTES:
         raise WireError(f"header_len {length} outside 1..{MAX_HEADER_BYTES}")
-    return length, flags
-
-
-def header_length(prefix: bytes) -> int:
-    """header_len from a band's first ``PREFIX_BYTES`` bytes, checked."""
-    return parse_prefix(prefix)[0]
+    return length
 
 
 def payload_layout(header: BandHeader) -> tuple[list[int], int]:
-    """Where each tensor of the band starts in a lent segment (and in a receiver's band
-    buffer): at the next multiple of ``ALIGN`` bytes after the one before, in header
-    order; and the bytes that takes in all."""
+    """Where each tensor of the band starts in a receiver's band buffer: at the next
+    multiple of ``ALIGN`` bytes after the one before, in header order; and the bytes that
+    takes in all."""
     offsets, size = [], 0
     for spec in header.tensors:
         offsets.append(size)
         size += -(-spec.nbytes // ALIGN) * ALIGN
     return offsets, size
-
-
-# -- lent segments -------------------------------------------------------------------
-
-
-def encode_segment(size: int, segment_id: int = 0, magic: bytes = SEGMENT_MAGIC) -> bytes:
-    """The receiver's answer to a segment offer (``SEGMENT_MAGIC``) or a reservation
-    (``RESERVE_MAGIC``): the lent memfd's size (0: none lent — the payload follows on
-    the socket; none reserved) and its id — the receiver's name for that memory, never
-    given to another segment, so that a sender may keep it mapped for when the same
-    segment is lent again."""
-    if not 0 <= size <= MAX_SEGMENT_BYTES:
-        raise WireError(f"segment of {size} bytes outside 0..{MAX_SEGMENT_BYTES}")
-    return _SEGMENT.pack(magic, size, segment_id)
-
-
-def parse_segment(raw: bytes, expected: bytes = SEGMENT_MAGIC) -> tuple[int, int]:
-    """(size, segment id) from a segment answer's (or, ``expected=RESERVE_MAGIC``, a
-    reservation's) ``SEGMENT_BYTES`` bytes, checked."""
-    if len(raw) != SEGMENT_BYTES:
-        raise WireError(f"segment answer is {len(raw)} bytes, expected {SEGMENT_BYTES}")
-    magic, size, segment_id = _SEGMENT.unpack(raw)
-    if magic != expected:
-        raise WireError(f"bad segment magic {magic!r}, expected {expected!r}")
-    if size > MAX_SEGMENT_BYTES:
-        raise WireError(f"segment of {size} bytes exceeds {MAX_SEGMENT_BYTES}")
-    return size, segment_id
 
 
 def decode_header(raw: bytes) -> BandHeader:

@@ -99,7 +99,7 @@ class OracleAdmit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class HandoffOutcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """How one stage's band of a request's cache went (``wavepp.exec.handoff_send``)."""
+    """How one stage's band of a request's cache went (``wavepp.handoff.send``)."""
 
     request_id: Id
     stage: Count

@@ -56,14 +56,14 @@ async def follow_waves(
     to_sender_send, to_sender = anyio.create_memory_object_stream(math.inf)
     onward = outbound if outbound is not None else done
 
-    def relay(carried: Sequence[HandoffOutcome] = ()) -> None:
-        handoffs = [*carried, *stage.take_handoff_outcomes()]
+    def relay(handoffs: Sequence[HandoffOutcome]) -> None:
         if handoffs:
             with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
                 to_sender_send.send_nowait((encode(HandoffRelay(handoffs)), None, onward))
 
-    if stage.handoffs is not None:
-        stage.handoffs.on_settled = relay
+    async def settlements() -> None:  # this stage's bands, as they settle
+        while True:
+            relay(await stage.handoffs.settled())
 
     async def receiver() -> None:
         async with to_worker_send:
@@ -108,10 +108,14 @@ async def follow_waves(
             async for raw, tensor, link in to_sender:
                 await link.send(raw, tensor)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(receiver)
-        tg.start_soon(worker)
-        tg.start_soon(sender)
+    async with anyio.create_task_group() as beside:
+        if stage.handoffs is not None:
+            beside.start_soon(settlements)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receiver)
+            tg.start_soon(worker)
+            tg.start_soon(sender)
+        beside.cancel_scope.cancel()
 
 
 def finished(output: StageOutput, ended: list[tuple[RequestId, int]]) -> list[Finished]:

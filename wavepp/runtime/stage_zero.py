@@ -55,8 +55,6 @@ class StageZero:
         self.measuring: dict[int, Wave] = {}  # measured waves in flight, for the cost fit
         self.sent: dict[int, tuple[Wave, float]] = {}  # waves in flight, sent when: their
         #                      chunks' blocks publish everywhere once they leave the last stage
-        if stage.handoffs is not None:  # stage 0's bands settle straight into the table
-            stage.handoffs.on_settled = lambda: self.complete(())
 
     def drop_everywhere(self, rid: RequestId) -> None:
         """An admitted request was cancelled: the next wave drops it on every stage (after
@@ -76,7 +74,7 @@ class StageZero:
         for item in results:
             self.table.finish(RequestId(item.request_id), item.cached_tokens,
                               item.first_token, item.top_logit)  # fmt: skip
-        for outcome in [*handoffs, *self.stage.take_handoff_outcomes()]:
+        for outcome in handoffs:
             self.table.handoff_settled(outcome)
         self.table.changed.notify()
 
@@ -112,7 +110,19 @@ class StageZero:
         return message, prompts
 
     async def run(self, finished_all: Callable[[], bool]) -> None:
-        """Until ``finished_all()`` and nothing is left to plan."""
+        """Until ``finished_all()`` and nothing is left to plan; stage 0's bands' outcomes
+        go straight into the table as they settle meanwhile."""
+        async with anyio.create_task_group() as tg:
+            if self.stage.handoffs is not None:
+                tg.start_soon(self._settlements)
+            await self._waves(finished_all)
+            tg.cancel_scope.cancel()
+
+    async def _settlements(self) -> None:
+        while True:
+            self.complete((), handoffs=await self.stage.handoffs.settled())
+
+    async def _waves(self, finished_all: Callable[[], bool]) -> None:
         send_side, receive_side = anyio.create_memory_object_stream(math.inf)
 
         async def sender() -> None:

@@ -22,8 +22,8 @@ from wavepp.transport.planes import Planes
 if TYPE_CHECKING:
     import torch
 
-    from wavepp.exec.handoff_send import HandoffSettings
     from wavepp.exec.tp import StageGroups
+    from wavepp.handoff.base import HandoffSettings
     from wavepp.runtime.handoff import HandoffTargets
     from wavepp.sim.profiles import StagePool
 

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from wavepp.config import RunConfig
 from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype
-from wavepp.exec.handoff_send import INLINE_BYTES, HandoffSettings
 from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.exec.tp import StageGroups, TPLeader, follow_leader, receive_plan
+from wavepp.handoff.base import HandoffSettings
+from wavepp.handoff.socket_send import INLINE_BYTES
 from wavepp.launch.backends.base import Backend, sharing_refused
 from wavepp.launch.log import log
 from wavepp.model import BUILTIN, build_stage, random_weights
@@ -155,8 +156,7 @@ class TorchBackend(Backend):
         on_cpu = pick_device(c.device).type == "cpu"
         settings = HandoffSettings(rank, world, fingerprint(c.model, self._cfg, c.dtype),
                                    c.handoff_timeout_s, c.handoff_budget_mib << 20,
-                                   c.handoff_block_size, INLINE_BYTES if on_cpu else 0,
-                                   c.handoff_segments)  # fmt: skip
+                                   c.handoff_block_size, INLINE_BYTES if on_cpu else 0)  # fmt: skip
         targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
                                  c.handoff_block_size, settings.fingerprint.layer_kinds)
         return settings, targets

@@ -1,0 +1,191 @@
+"""The seam between a stage's sender and the ways a band travels (``docs/handoff.md``).
+
+A stage gives a finished request's :class:`BandJob` to its one
+:class:`~wavepp.handoff.send.HandoffSender`, which owns what every band shares whatever
+carries it — the byte budget, the worker threads, the deadline, a cancel, the outcome —
+and hands the band, as a :class:`Band`, to the :class:`Transport` that serves its
+address's kind. A transport's one job is :meth:`Transport.deliver`: the band to its
+receiver and the receiver's acknowledgement back, or :class:`BandFailed` with a reason
+from ``REASONS``. One implementation per transport: ``socket_send.SocketTransport``
+(``unix:`` and ``tcp://``, WavePP's wire) and ``vllm_example.ExampleConnectorTransport``
+(``dir:``, files in vLLM's ``ExampleConnector`` layout). A new one (a vLLM KV connector's
+paged cache, say) is one class with ``kinds`` and ``deliver``, given to the sender.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import anyio
+import anyio.to_thread
+import attrs
+import numpy as np
+import torch
+
+from wavepp.handoff import wire
+
+if TYPE_CHECKING:
+    from wavepp.state import RequestId, SlotId
+
+T = TypeVar("T")
+
+# Why a band failed, as the record and /metrics count them.
+REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
+# the wire's name of each tensor dtype a band carries (sizes: wire.DTYPES)
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+               torch.float16: "float16", torch.int32: "int32"}  # fmt: skip
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{dtype} has no handoff wire name")
+    return DTYPE_NAMES[dtype]
+
+
+class BandFailed(Exception):
+    """A band that did not go through: ``reason`` one of ``REASONS``, ``detail`` why."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+@attrs.frozen
+class BandTensor:
+    """One tensor of a band: its place and shape now, its bytes when read."""
+
+    layer: int  # global layer index; -1 for the request's token ids
+    name: str  # "k", "v", "latent", "delta", "conv", "state", "tokens"
+    dtype: str  # a wire dtype name
+    shape: tuple[int, ...]
+    read: Callable[[], torch.Tensor]  # a contiguous CPU tensor; runs in a worker thread
+    # the same bytes as views of where they live, in order (a CPU stage's pool: one
+    # view per run of rows), sent without a copy; None: send read()'s bytes
+    pieces: Callable[[], Iterator[memoryview]] | None = None
+    # read() may wait on other ranks (a TP band's shards): never on the event loop
+    waits: bool = False
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * wire.DTYPES[self.dtype]
+
+    def views(self) -> Iterator[memoryview]:
+        """The tensor's bytes as flat views: the pool's runs as they are, else what
+        ``read()`` gives (one flat run: an n-D view would slice by rows)."""
+        if self.pieces is not None:
+            yield from self.pieces()
+        else:
+            yield self.read().reshape(-1).view(torch.uint8).numpy().data
+
+
+@attrs.frozen
+class BandJob:
+    """What a stage hands its sender when a request that hands off ends there."""
+
+    request_id: RequestId
+    target: str  # unix:/path, tcp://host:port or dir:/path (a peer's string: parsed here)
+    num_tokens: int  # the whole prompt
+    block_table: tuple[SlotId, ...]  # every block of the prompt, full or partial
+    states: dict  # recurrent layer -> {part: state after the prompt's last token}
+    tokens: np.ndarray | None  # stage 0: the prompt's token ids
+    first_token: int = -1  # last stage: the first generated token
+    top_logit: float = 0.0
+    ended_at: float = attrs.field(factory=time.monotonic)  # the last chunk here, for timeouts
+    ended_wall: float = attrs.field(factory=time.time)  # the same, wall clock (the record)
+
+
+@attrs.frozen
+class HandoffSettings:
+    """One stage's handoff side, fixed for the run."""
+
+    stage: int
+    num_stages: int
+    fingerprint: wire.Fingerprint  # the model this stage computes with
+    timeout_s: float  # last chunk -> acknowledgement, per band
+    budget_bytes: int  # bands on their way at once, bytes
+    vllm_block_size: int = 16  # dir: targets, vLLM's block size (ExampleConnector layout)
+    # bands of up to this many bytes go out from the event loop, without a worker thread
+    # (0: never; a CPU stage's: INLINE_BYTES; a GPU stage's rows need copies to the host)
+    inline_bytes: int = 0
+
+
+@attrs.define(eq=False)
+class Band:
+    """One band on its way, as a transport gets it from the sender."""
+
+    job: BandJob
+    address: wire.Address  # parsed from job.target; its kind chose the transport
+    tensors: Sequence[BandTensor]  # what the stage's executor laid out for the job
+    deadline: float  # monotonic: the band is given up then (the sender's cancel scope)
+    # seconds on the wire, connect to acknowledgement (or to the failure): the transport
+    # sets it; bandwidth is bytes over it
+    wire_s: float = 0.0
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.num_bytes for t in self.tensors)
+
+    def header(self, settings: HandoffSettings) -> wire.BandHeader:
+        """The band's header on WavePP's wire."""
+        job = self.job
+        return wire.BandHeader(
+            request_id=job.request_id, stage=settings.stage, num_stages=settings.num_stages,
+            fingerprint=settings.fingerprint,
+            layers=sorted({t.layer for t in self.tensors if t.layer >= 0}),
+            num_tokens=job.num_tokens,
+            tensors=[wire.TensorSpec(t.layer, t.name, t.dtype, list(t.shape), t.num_bytes)
+                     for t in self.tensors],
+            first_token=job.first_token, top_logit=job.top_logit,
+        )  # fmt: skip
+
+    def check_ack(self, ack: wire.Ack, stage: int) -> int:
+        """The payload bytes an acknowledgement of this band accepts; ``BandFailed`` for
+        a refusal or an acknowledgement of another band."""
+        job = self.job
+        if ack.request_id != job.request_id or ack.stage != stage:
+            raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
+                             f"{ack.stage}, not {job.request_id!r} stage {stage}")  # fmt: skip
+        if not ack.ok:
+            raise BandFailed("refused", ack.error or "the receiver refused the band")
+        return self.num_bytes
+
+
+class Transport(Protocol):
+    """One way bands travel, for the address kinds in ``kinds``: one object per stage,
+    built by the sender (``TransportClass``)."""
+
+    kinds: tuple[str, ...]  # wire.Address kinds it serves
+
+    async def deliver(self, band: Band) -> int:
+        """Hand the band to its receiver: the payload bytes acknowledged, or
+        ``BandFailed``. Sets ``band.wire_s``. The sender's cancel scope (the deadline,
+        a cancel) may end it at any wait; it returns only once nothing of it reads the
+        band's tensors any more, as the stage releases their blocks then."""
+        ...
+
+
+class WorkerThreads:
+    """The sender's worker threads, which every transport's blocking work shares: at
+    most ``limit`` at once, counted apart from the rest of the process's (anyio's
+    default limiter), each running ``setup`` before its work."""
+
+    def __init__(self, limit: int, setup: Callable[[], None] = lambda: None) -> None:
+        self.limiter = anyio.CapacityLimiter(limit)
+        self.setup = setup
+
+    async def run(self, fn: Callable[..., T], *args, abandon_on_cancel: bool = False) -> T:
+        """``fn(*args)`` in one of the threads (``anyio.to_thread.run_sync``)."""
+
+        def work() -> T:
+            self.setup()
+            return fn(*args)
+
+        return await anyio.to_thread.run_sync(work, abandon_on_cancel=abandon_on_cancel,
+                                              limiter=self.limiter)  # fmt: skip
+
+
+# A transport's class: built with the stage's settings and the sender's worker threads.
+TransportClass = Callable[[HandoffSettings, WorkerThreads], Transport]
