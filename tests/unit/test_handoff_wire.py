@@ -203,7 +203,7 @@ def test_header_consistency_checks():
     mid = band(stage=0, num_stages=2, layers=(0,))
     refused(msgspec.structs.replace(mid, first_token=3), "only the last stage")
     refused(msgspec.structs.replace(good, request_id=""), "does not decode.*request_id")
-    refused(msgspec.structs.replace(good, request_id="r" * 257), "does not decode")
+    refused(msgspec.structs.replace(good, request_id="r" * 129), "does not decode")  # wavepp.ids.MAX_ID_CHARS + 1
     refused(msgspec.structs.replace(good, num_tokens=0), "does not decode.*num_tokens")
     bad_fp = msgspec.structs.replace(fp, dtype="int8")
     refused(msgspec.structs.replace(good, fingerprint=bad_fp), "fingerprint dtype 'int8'")

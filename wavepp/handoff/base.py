@@ -34,17 +34,6 @@ T = TypeVar("T")
 
 # Why a band failed, as the record and /metrics count them.
 REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
-# the wire's name of each tensor dtype a band carries (sizes: wire.DTYPES)
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16",
-               torch.float16: "float16", torch.int32: "int32"}  # fmt: skip
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"{dtype} has no handoff wire name")
-    return DTYPE_NAMES[dtype]
-
-
 class BandFailed(Exception):
     """A band that did not go through: ``reason`` one of ``REASONS``, ``detail`` why."""
 

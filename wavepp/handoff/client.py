@@ -19,8 +19,8 @@ from typing import Annotated
 import msgspec
 import torch
 
+from wavepp.dtypes import name_of
 from wavepp.handoff import _io
-from wavepp.handoff.base import dtype_name
 from wavepp.handoff.socket_send import exchange
 from wavepp.handoff.wire import (
     DTYPES,
@@ -106,7 +106,7 @@ def build_band(
     specs, payload = [], []
     for (layer, name), tensor in tensors.items():
         try:
-            dtype = dtype_name(tensor.dtype)
+            dtype = name_of(tensor.dtype)
         except ValueError as error:
             raise ValueError(f"{name} of layer {layer}: {error}") from None
         shape = list(tensor.shape)

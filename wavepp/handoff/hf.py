@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from wavepp.dtypes import FLOATS, name_of
 from wavepp.handoff.assembly import Handoff
 from wavepp.handoff.wire import fingerprint_from_hf_config
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _model_config(model) -> dict:
@@ -41,7 +40,7 @@ def _model_config(model) -> dict:
 def check_model(handoff: Handoff, model) -> None:
     """ValueError unless ``handoff`` was computed for ``model``'s architecture and shapes
     (every fingerprint field but dtype: the tensors are cast to the model's dtype)."""
-    dtype = _DTYPE_NAMES.get(model.dtype, "float32")
+    dtype = name_of(model.dtype) if str(model.dtype).removeprefix("torch.") in FLOATS else "float32"
     mine = fingerprint_from_hf_config(_model_config(model), handoff.fingerprint.dtype)
     theirs = handoff.fingerprint
     for field in mine.__struct_fields__:

@@ -34,7 +34,6 @@ import torch
 
 from wavepp.handoff import _io
 from wavepp.handoff.assembly import Assembly, Handoff
-from wavepp.handoff.base import DTYPE_NAMES
 from wavepp.handoff.gate import Arrival, Gate
 from wavepp.handoff.wire import (
     BAND_MAGIC,
@@ -52,8 +51,6 @@ from wavepp.handoff.wire import (
 log = logging.getLogger("wavepp.handoff")
 
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32}
 
 Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
@@ -300,10 +297,10 @@ def views(buffer: torch.Tensor, header: BandHeader,
     tensors: dict[tuple[int, str], torch.Tensor] = {}
     for spec, at in zip(header.tensors, offsets, strict=True):
         key, raw = (spec.layer, spec.name), flat[at : at + spec.nbytes]
-        if spec.dtype in NUMPY_DTYPES:
-            tensors[key] = torch.from_numpy(raw.view(NUMPY_DTYPES[spec.dtype]).reshape(spec.shape))
+        if spec.dtype != "bfloat16":  # numpy has the others
+            tensors[key] = torch.from_numpy(raw.view(spec.dtype).reshape(spec.shape))
         else:  # bfloat16: no numpy dtype
-            tensors[key] = torch.from_numpy(raw).view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+            tensors[key] = torch.from_numpy(raw).view(torch.bfloat16).view(spec.shape)
     return tensors
 
 

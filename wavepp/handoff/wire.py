@@ -26,6 +26,9 @@ from typing import Annotated
 import attrs
 import msgspec
 
+from wavepp.dtypes import FLOATS, ITEMSIZE
+from wavepp.ids import MAX_ID_CHARS
+
 WIRE_VERSION = 3  # the only one read and written
 BAND_MAGIC = b"WPHB"
 ACK_MAGIC = b"WPHA"
@@ -35,14 +38,13 @@ ALIGN = 64  # bytes: where each tensor of a receiver's band buffer starts
 MAX_HEADER_BYTES = 1 << 20
 MAX_ACK_BYTES = 1 << 16
 MAX_ERROR_CHARS = 4096
-MAX_ID_CHARS = 256
 MAX_STAGES = 4096
 MAX_TENSORS = 4096
 MAX_LAYERS = 1 << 16
 MAX_DIMS = 8
 MAX_DIM = 2**31
-DTYPES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4}  # itemsize
-STATE_DTYPES = ("float32", "bfloat16", "float16")  # Fingerprint.dtype: the attention tensors
+DTYPES = ITEMSIZE  # a band tensor's dtype name: its itemsize (wavepp.dtypes)
+STATE_DTYPES = FLOATS  # Fingerprint.dtype: the attention tensors
 LAYER_KINDS = "AML"  # A: GQA/MHA K/V, M: MLA latent, L: recurrent state
 
 _PREFIX = struct.Struct("<4sHHI")
