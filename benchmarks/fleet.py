@@ -48,9 +48,9 @@ from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec
 
 POLICIES = ("round-robin", "least-load", "prefix", "cost", "text-tree")
-TRACE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "synthetic_trace.jsonl"
 START_TIMEOUT_S = 180.0
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @attrs.frozen

@@ -113,3 +113,9 @@ def test_closed_loop_runs_replace_the_loads_and_say_saturated(tmp_path):
     assert fleet.plot(record, tmp_path) == []  # no offered load to plot against
     with pytest.raises(SystemExit, match="--closed-loop"):
         fleet.main(["--closed-loop", "0"])
+
+
+def test_the_bench_finds_the_repository_and_its_trace():
+    """Its paths are the repository's (the module sits in the top-level benchmarks/)."""
+    assert (fleet.ROOT / "pyproject.toml").is_file()
+    assert fleet.TRACE.is_file()
