@@ -148,6 +148,7 @@ class RequestTable:
         record = self._live[rid]
         if record.status is not Status.RUNNING:
             record.start(now)
+        record.last_chunk_at = now
         return record
 
     def ask_cancel(self, rid: RequestId, reason: str) -> Record | None:
@@ -166,7 +167,7 @@ class RequestTable:
             return
         record.prefill(cached, token, logit)
         if record.offer.handoff and not self._handed_off(record):
-            record.hand_off()
+            record.hand_off(time.time())
             self.awaiting_handoff.add(rid)
             return
         self._end(record, Status.DONE, None, held_room=True)

@@ -121,6 +121,9 @@ def check(argv: list[str] | None, world: int | None = None):
             flag = "--" + name.replace("_", "-")
             raise SystemExit(f"wavepp serve: {flag} must be positive, got {value:g}")
     config = load(rest)
+    if config.executor == "torch" and config.handoff_serve is None:
+        # the server's stages serve bands to decoders (vLLM's P/D protocol) by default
+        config = attrs.evolve(config, handoff_serve="auto")
     if world is not None:
         from wavepp.launch import preflight
 
