@@ -1,4 +1,5 @@
-"""Chat prompts: a checkpoint's chat template, rendered as Hugging Face renders it.
+"""Chat prompts (``POST /v1/chat/completions``): the body, and a checkpoint's chat
+template, rendered as Hugging Face renders it.
 
 The template comes from the tokenizer files: ``chat_template.jinja``, else the
 ``chat_template`` of ``tokenizer_config.json`` (a string, or a list of named templates:
@@ -20,14 +21,28 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from wavepp.serve.api import ApiError
+from wavepp.runtime.handoff import BandServers
+from wavepp.serve.api import (
+    NEUTRAL,
+    Deadline,
+    Priority,
+    RequestIdText,
+    Submission,
+    check_id,
+    decode_body,
+    openai_handoff,
+    token_array,
+)
+from wavepp.serve.errors import ApiError
+from wavepp.serve.pd import KvTransferParams
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")  # fmt: skip
@@ -210,3 +225,74 @@ def _text_of(parts: list) -> str:
                            "WavePP prefills text (parts of type 'text')")  # fmt: skip
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+MAX_MESSAGES = 1 << 14
+
+
+class ChatBody(msgspec.Struct):
+    """``POST /v1/chat/completions`` (OpenAI shape); unknown fields are ignored. The
+    fields shared with completions mean what they mean there (``wavepp.serve.api``)."""
+
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1,
+                                                           max_length=MAX_MESSAGES)]  # fmt: skip
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stream: bool = False
+    n: int = 1
+    priority: Priority = 0
+    request_id: RequestIdText | None = None
+    deadline_s: Deadline | None = None
+    user: str | None = None
+    seed: int | None = None
+    stream_options: dict | None = None
+    kv_transfer_params: KvTransferParams | None = None
+    # the template's inputs, as transformers' apply_chat_template takes them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # what a prefill cannot do (NEUTRAL): refused unless neutral, or the decoder's
+    logprobs: Any = None
+    top_logprobs: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    stop: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
+
+
+CHAT_NEUTRAL = {**{k: v for k, v in NEUTRAL.items() if k not in ("best_of", "suffix", "echo")},
+                "logprobs": (None, False), "top_logprobs": (None, 0),
+                "response_format": (None, {"type": "text"})}  # fmt: skip
+"""Chat fields a prefill server does not do, and the values that ask nothing of it."""
+
+
+def parse_chat(raw: bytes, template: ChatTemplate | None, no_template: str,
+               decode: str | None = None,
+               servers: BandServers | None = None) -> tuple[Submission, ChatBody]:  # fmt: skip
+    """A chat request as the engine's submission: its messages through the model's
+    template (``template``; None: ApiError(400) saying ``no_template``), the rest as
+    :func:`wavepp.serve.api.parse_completion` reads a completion's."""
+    body: ChatBody = decode_body(raw, ChatBody)
+    for i, message in enumerate(body.messages):
+        if not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{i}] has no role (a string)")
+    if body.continue_final_message:
+        raise ApiError(400, "continue_final_message is not supported: the prompt ends with "
+                       "the generation prompt (add_generation_prompt)")  # fmt: skip
+    handoff, ignored = openai_handoff(body, CHAT_NEUTRAL, decode, servers)
+    if template is None:
+        raise ApiError(400, no_template)
+    tokens = template.tokens(body.messages, add_generation_prompt=body.add_generation_prompt,
+                             tools=body.tools, documents=body.documents,
+                             extra=body.chat_template_kwargs)  # fmt: skip
+    if not tokens:
+        raise ApiError(400, "empty prompt: the chat template rendered no tokens")
+    return Submission(token_array(tokens), check_id(body.request_id), body.priority, handoff,
+                      body.deadline_s, ignored), body  # fmt: skip
