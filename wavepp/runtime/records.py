@@ -119,6 +119,9 @@ class Record:
     # why a cancel was asked, kept when the first token clears ``cancel_reason``: its
     # cancel wave is on its way, and may still stop a band of a handoff
     cancel_asked: str | None = None
+    # every stage dropped it while its bands were still on their way: it ends (cancelled)
+    # with its last band's outcome
+    cancel_confirmed: bool = False
     miss_reason: str | None = None  # why it reused < 80% of its expected reuse
     handoff_outcomes: dict = attrs.field(factory=dict)  # stage -> HandoffOutcome
     finished: anyio.Event = attrs.field(factory=anyio.Event)
