@@ -8,14 +8,18 @@ after P answered, the client gone before P answered, a pull from the wrong model
 while the band stays held. After each the next request works, /metrics counts it per
 stage, and SIGTERM ends the run with the leak check balanced (exit 0). A second server
 loses rank 1 while a decoder is pulling from it: the existing dead-rank path (every
-client gets a JSON 503 naming rank 1). The timeouts are hang guards only.
+client gets a JSON 503 naming rank 1). A third sits behind ``python -m wavepp.route
+--decoder`` with a fake decoder that pulls. The timeouts are hang guards only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +28,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from tests.helpers.fake_decoder import TOKENS, FakeDecoder, Served
 from tests.helpers.puller import connect, exactly, pull, pull_frame
+from tests.helpers.run import ROOT
 from tests.helpers.serve import MODEL, start_server
 from wavepp.handoff import wire
 from wavepp.model import BUILTIN
@@ -198,3 +204,78 @@ def test_a_stage_that_dies_mid_pull_is_the_dead_rank_path(tmp_path):
         code = proc.wait(120)  # hang guard
     assert code != 0
     assert "rank 1" in (tmp_path / "server.err").read_text().strip().splitlines()[-1]
+
+
+def test_the_router_prefills_on_wavepp_and_decodes_on_a_decoder_that_pulls(tmp_path):
+    """``python -m wavepp.route --decoder``: a client's completion — streamed or not —
+    goes through the server's prefill, whose held cache the fake decoder pulls from both
+    stages before streaming its tokens back; a chat the server cannot template fails
+    naming the prefill leg."""
+    proc, url, _ = start_server(tmp_path, [*MODEL, "--handoff-lease-s", "30"])
+    decoder = FakeDecoder(pull_with=FP)
+    router = None
+    try:
+        with Served(decoder.app) as decoder_url:
+            err = open(tmp_path / "router.err", "w")  # noqa: SIM115 (the child holds it)
+            router = subprocess.Popen(
+                [sys.executable, "-m", "wavepp.route", "--replica", url, "--decoder",
+                 decoder_url, "--port", "0", "--health-interval-s", "0.2"],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+            front = _router_url(tmp_path / "router.err", router)
+            with httpx.Client(base_url=front, timeout=120) as client:
+                _wait_routable(client)
+                tokens = prompt(9)
+                body = {"model": "m", "prompt": tokens, "max_tokens": 4, "stream": True}
+                with client.stream("POST", "/v1/completions", json=body,
+                                   headers={"X-Request-Id": "via-router"}) as reply:
+                    assert reply.status_code == 200, reply.read()
+                    events = [line[6:] for line in reply.iter_lines()
+                              if line.startswith("data: ")]  # fmt: skip
+                assert events[-1] == "[DONE]"
+                assert [json.loads(e)["choices"][0]["text"] for e in events[:-2]] == [
+                    f"<{t}>" for t in TOKENS]
+                path, sent, headers = decoder.seen[0]
+                assert path == "/v1/completions"
+                assert headers["x-request-id"] == "via-router"
+                params = sent["kv_transfer_params"]
+                assert params["prompt_token_ids"] == tokens
+                bands = decoder.pulled[params["wavepp"]["request_id"]]
+                answer = {"choices": [{"token_ids": [params["wavepp"]["first_token"]]}]}
+                check_bands(answer, tokens, bands)
+                whole = client.post("/v1/completions", json={**body, "stream": False})
+                assert whole.status_code == 200
+                assert whole.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+                chat = client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+                assert chat.status_code == 400 and chat.json()["error"]["leg"] == "prefill"
+                assert "no tokenizer" in chat.json()["error"]["message"]
+                served = parse_exposition(httpx.get(f"{url}/metrics").text)
+                assert sample(served, "wavepp_pull_bytes_total", stage="0") > 0
+    finally:
+        if router is not None:
+            router.send_signal(signal.SIGTERM)
+            assert router.wait(60) == 0
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    assert code == 0, (tmp_path / "server.err").read_text()[-3000:]
+
+
+def _router_url(err: Path, router: subprocess.Popen) -> str:
+    deadline = time.monotonic() + 60  # hang guard
+    while time.monotonic() < deadline:
+        match = re.search(r"listening on (http://\S+) ", err.read_text())
+        if match:
+            return match.group(1)
+        assert router.poll() is None, err.read_text()
+        time.sleep(0.2)
+    raise AssertionError(err.read_text())
+
+
+def _wait_routable(client: httpx.Client) -> None:
+    deadline = time.monotonic() + 60  # hang guard
+    while True:
+        health = client.get("/health").json()
+        if health["replicas_up"] and health["decoders"][0]["state"] == "up":
+            return
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
