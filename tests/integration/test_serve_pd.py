@@ -279,3 +279,24 @@ def _wait_routable(client: httpx.Client) -> None:
             return
         assert time.monotonic() < deadline, health
         time.sleep(0.2)
+
+
+def test_at_tp2_each_stages_leader_serves_its_whole_band(tmp_path):
+    """With ``--tp 2`` a stage's band server is its first rank's; what a decoder pulls
+    is the stage's whole band, the followers' shards put together."""
+    proc, url, _ = start_server(tmp_path, [*MODEL, "--tp", "2"], nproc=4)
+    try:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            tokens = prompt(10, 70)
+            answer = prefill(client, tokens, "pd-tp")
+            stages = answer["kv_transfer_params"]["wavepp"]["stages"]
+            assert len(stages) == 2
+            pulled = [pull(a, "pd-tp", s, FP) for s, a in enumerate(stages)]
+            check_bands(answer, tokens, pulled)
+            wait_for(client, "wavepp_pull_ack_seconds_count", 1, stage="1")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    assert code == 0, (tmp_path / "server.err").read_text()[-3000:]
+    record = json.loads((tmp_path / "server.json").read_text())
+    assert record["handoff"] == {"done": 1}
