@@ -60,7 +60,7 @@ _ACK_PREFIX = struct.Struct("<4sI")
 
 PULL_MAGIC = b"WPHP"
 PULL_VERSION = 1  # the pull frame's own version (the band it answers is WIRE_VERSION's)
-PULL_PREFIX_BYTES = 12  # magic, version, flags, pull_len
+PULL_PREFIX_BYTES = PREFIX_BYTES  # magic, version, flags, pull_len
 MAX_PULL_BYTES = 1 << 16
 MAX_AUTH_CHARS = 4096
 PULL_TARGET = "pull:"  # a request's handoff target: its bands wait on the stages' band servers
@@ -155,18 +155,26 @@ def encode_band_prefix(header: BandHeader) -> bytes:
 
 def header_length(prefix: bytes) -> int:
     """header_len from a band's first ``PREFIX_BYTES`` bytes, checked."""
+    return _frame_length(prefix, "band", BAND_MAGIC, WIRE_VERSION, "header_len",
+                         MAX_HEADER_BYTES, "wire")  # fmt: skip
+
+
+def _frame_length(prefix: bytes, what: str, magic: bytes, version: int, length_name: str,
+                  limit: int, version_name: str) -> int:  # fmt: skip
+    """The length a 12-byte prefix (magic, u16 version, u16 flags, u32 length) announces,
+    checked: ``what`` names the frame in the errors."""
     if len(prefix) != PREFIX_BYTES:
-        raise WireError(f"band prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
-    magic, version, flags, length = _PREFIX.unpack(prefix)
-    if magic != BAND_MAGIC:
-        raise WireError(f"bad band magic {magic!r}, expected {BAND_MAGIC!r}")
-    if version != WIRE_VERSION:
-        raise WireError(f"wire version {version} is not supported (this side speaks "
-                        f"{WIRE_VERSION})")  # fmt: skip
+        raise WireError(f"{what} prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
+    got, got_version, flags, length = _PREFIX.unpack(prefix)
+    if got != magic:
+        raise WireError(f"bad {what} magic {got!r}, expected {magic!r}")
+    if got_version != version:
+        raise WireError(f"{version_name} version {got_version} is not supported (this side "
+                        f"speaks {version})")  # fmt: skip
     if flags:
-        raise WireError(f"unknown band flags {flags:#x} (version {WIRE_VERSION} has none)")
-    if not 1 <= length <= MAX_HEADER_BYTES:
-        raise WireError(f"header_len {length} outside 1..{MAX_HEADER_BYTES}")
+        raise WireError(f"unknown {what} flags {flags:#x} (version {version} has none)")
+    if not 1 <= length <= limit:
+        raise WireError(f"{length_name} {length} outside 1..{limit}")
     return length
 
 
@@ -292,19 +300,8 @@ def encode_pull(pull: Pull) -> bytes:
 
 def pull_length(prefix: bytes) -> int:
     """pull_len from a pull frame's first ``PULL_PREFIX_BYTES`` bytes, checked."""
-    if len(prefix) != PULL_PREFIX_BYTES:
-        raise WireError(f"pull prefix is {len(prefix)} bytes, expected {PULL_PREFIX_BYTES}")
-    magic, version, flags, length = _PREFIX.unpack(prefix)
-    if magic != PULL_MAGIC:
-        raise WireError(f"bad pull magic {magic!r}, expected {PULL_MAGIC!r}")
-    if version != PULL_VERSION:
-        raise WireError(f"pull version {version} is not supported (this side speaks "
-                        f"{PULL_VERSION})")  # fmt: skip
-    if flags:
-        raise WireError(f"unknown pull flags {flags:#x} (version {PULL_VERSION} has none)")
-    if not 1 <= length <= MAX_PULL_BYTES:
-        raise WireError(f"pull_len {length} outside 1..{MAX_PULL_BYTES}")
-    return length
+    return _frame_length(prefix, "pull", PULL_MAGIC, PULL_VERSION, "pull_len", MAX_PULL_BYTES,
+                         "pull")  # fmt: skip
 
 
 def decode_pull(raw: bytes) -> Pull:

@@ -44,13 +44,13 @@ class PrefillBody(msgspec.Struct):
     deadline_s: Deadline | None = None
 
 
-class CompletionBody(msgspec.Struct):
-    """``POST /v1/completions`` (OpenAI shape); unknown fields are ignored."""
+class OpenAIBody(msgspec.Struct, kw_only=True):
+    """What ``/v1/completions`` and ``/v1/chat/completions`` bodies share (OpenAI shape);
+    unknown fields are ignored."""
 
-    prompt: str | list  # text, token ids, or a batch of one of either
     model: str | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # a P/D proxy sets it to 1 when present
+    max_completion_tokens: int | None = None  # chat's name for it; a P/D proxy sets it to 1
     stream: bool = False
     n: int = 1
     priority: Priority = 0
@@ -66,14 +66,20 @@ class CompletionBody(msgspec.Struct):
     logprobs: Any = None
     temperature: Any = None
     top_p: Any = None
-    best_of: Any = None
     stop: Any = None
-    suffix: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
-    echo: Any = None
     min_tokens: Any = None
+
+
+class CompletionBody(OpenAIBody, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list  # text, token ids, or a batch of one of either
+    best_of: Any = None
+    suffix: Any = None
+    echo: Any = None
 
 
 NEUTRAL = {"logprobs": (None,), "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0),

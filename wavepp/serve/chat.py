@@ -32,9 +32,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from wavepp.runtime.handoff import BandServers
 from wavepp.serve.api import (
     NEUTRAL,
-    Deadline,
-    Priority,
-    RequestIdText,
+    OpenAIBody,
     Submission,
     check_id,
     decode_body,
@@ -42,7 +40,6 @@ from wavepp.serve.api import (
     token_array,
 )
 from wavepp.serve.errors import ApiError
-from wavepp.serve.pd import KvTransferParams
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")  # fmt: skip
@@ -230,40 +227,20 @@ def _text_of(parts: list) -> str:
 MAX_MESSAGES = 1 << 14
 
 
-class ChatBody(msgspec.Struct):
-    """``POST /v1/chat/completions`` (OpenAI shape); unknown fields are ignored. The
-    fields shared with completions mean what they mean there (``wavepp.serve.api``)."""
+class ChatBody(OpenAIBody, kw_only=True):
+    """``POST /v1/chat/completions``: the fields it shares with completions
+    (``wavepp.serve.api.OpenAIBody``), its messages and the template's inputs."""
 
     messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1,
                                                            max_length=MAX_MESSAGES)]  # fmt: skip
-    model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    stream: bool = False
-    n: int = 1
-    priority: Priority = 0
-    request_id: RequestIdText | None = None
-    deadline_s: Deadline | None = None
-    user: str | None = None
-    seed: int | None = None
-    stream_options: dict | None = None
-    kv_transfer_params: KvTransferParams | None = None
     # the template's inputs, as transformers' apply_chat_template takes them
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # what a prefill cannot do (NEUTRAL): refused unless neutral, or the decoder's
-    logprobs: Any = None
+    # what a prefill cannot do (CHAT_NEUTRAL): refused unless neutral, or the decoder's
     top_logprobs: Any = None
-    temperature: Any = None
-    top_p: Any = None
-    stop: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
-    min_tokens: Any = None
     response_format: Any = None
 
 
