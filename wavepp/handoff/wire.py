@@ -276,12 +276,17 @@ def ack_length(prefix: bytes) -> int:
 
 
 def decode_ack(raw: bytes) -> Ack:
-    if len(raw) > MAX_ACK_BYTES:
-        raise WireError(f"ack of {len(raw)} bytes exceeds {MAX_ACK_BYTES}")
+    return _decode_bounded(raw, _ACK_DECODER, MAX_ACK_BYTES, "ack")
+
+
+def _decode_bounded(raw: bytes, decoder, limit: int, what: str):
+    """``decoder.decode(raw)`` for at most ``limit`` bytes; WireError otherwise."""
+    if len(raw) > limit:
+        raise WireError(f"{what} of {len(raw)} bytes exceeds {limit}")
     try:
-        return _ACK_DECODER.decode(raw)
+        return decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
-        raise WireError(f"ack does not decode: {error}") from None
+        raise WireError(f"{what} does not decode: {error}") from None
 
 
 # -- pulls ---------------------------------------------------------------------------
@@ -306,12 +311,7 @@ def pull_length(prefix: bytes) -> int:
 
 def decode_pull(raw: bytes) -> Pull:
     """A ``Pull`` from its JSON bytes (strict: exactly the struct's fields and types)."""
-    if len(raw) > MAX_PULL_BYTES:
-        raise WireError(f"pull of {len(raw)} bytes exceeds {MAX_PULL_BYTES}")
-    try:
-        return _PULL_DECODER.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError) as error:
-        raise WireError(f"pull does not decode: {error}") from None
+    return _decode_bounded(raw, _PULL_DECODER, MAX_PULL_BYTES, "pull")
 
 
 def fingerprint_mismatch(theirs: Fingerprint, mine: Fingerprint, their_side: str,

@@ -35,20 +35,19 @@ class _Prefill(msgspec.Struct):
     deadline_s: Any = None
 
 
-class _Completion(msgspec.Struct):
+class _OpenAI(msgspec.Struct, kw_only=True):
+    request_id: Any = None
+    stream: Any = False
+    priority: Any = 0
+    deadline_s: Any = None
+
+
+class _Completion(_OpenAI, kw_only=True):
     prompt: Any = None
-    request_id: Any = None
-    stream: Any = False
-    priority: Any = 0
-    deadline_s: Any = None
 
 
-class _Chat(msgspec.Struct):
+class _Chat(_OpenAI, kw_only=True):
     messages: Any = None
-    request_id: Any = None
-    stream: Any = False
-    priority: Any = 0
-    deadline_s: Any = None
 
 
 @attrs.frozen
