@@ -7,19 +7,21 @@ from pathlib import Path
 import pytest
 
 # Test modules whose outcome depends on a third-party release's behaviour, not only on
-# WavePP's code: transformers (parity, the handoff's caches, the decode worker), tokenizers,
-# msgspec (wire codecs), starlette / uvicorn / httpx (server, router), pyzmq (KV events),
-# vLLM (interop). `.ci/drift -m deps` runs just these against the newest releases.
+# WavePP's code: transformers (parity, the handoff's caches, the decode worker, chat
+# templates), tokenizers, jinja2 (chat templates), msgspec (wire codecs), starlette /
+# uvicorn / httpx (server, router), pyzmq (KV events), vLLM (interop).
+# `.ci/drift -m deps` runs just these against the newest releases.
 DEPS = {
     "parity": None,  # the whole folder: transformers
     "unit": {
         "test_codec.py", "test_handoff_wire.py", "test_kv_events.py", "test_serve_app.py",
         "test_serve_drain.py", "test_serve_protocol.py", "test_serve_prom.py",
         "test_route_proxy.py", "test_dependencies.py", "test_vllm_example.py",
+        "test_serve_chat.py", "test_serve_pd.py", "test_route_pd.py",
     },
-    "property": {"test_codec_fuzz.py", "test_kv_events_codec.py"},
+    "property": {"test_codec_fuzz.py", "test_kv_events_codec.py", "test_pull_codec_fuzz.py"},
     "integration": {
-        "test_serve.py", "test_serve_decode.py", "test_decode_worker.py",
+        "test_serve.py", "test_serve_decode.py", "test_decode_worker.py", "test_serve_pd.py",
         "test_kv_events_serve.py", "test_kv_events_vllm.py", "test_vllm_handoff.py",
     },
 }  # fmt: skip

@@ -85,6 +85,9 @@ class RunConfig:
     handoff_timeout_s: float = 30.0
     handoff_budget_mib: int = 256
     handoff_all: bool = False
+    handoff_serve: str | None = None
+    handoff_advertise: str | None = None
+    handoff_lease_s: float = 30.0
     layers_per_stage: str = "auto"
     time_scale: float = 1.0
     seed: int = 0
@@ -183,6 +186,17 @@ HELP: dict[str, str] = {
     "waits its turn (its blocks stay in the pool)",
     "handoff_all": "every measured request of the workload (or requests file) hands its cache "
     "to the default target, as if each asked for handoff: true",
+    "handoff_serve": "torch executor: where each stage (a --tp stage's first rank) serves its "
+    "bands to decoders that pull them (handoff target pull:, vLLM's P/D protocol; "
+    "docs/handoff.md): unix:/dir/NAME (stage s listens on NAME-stage{s}.sock), "
+    "tcp://HOST:PORT (stage s on PORT+s; 0: any free port), or auto (a Unix socket in a "
+    "private directory per stage); python -m wavepp.serve: auto unless given; offline runs: "
+    "none unless given",
+    "handoff_advertise": "the host decoders connect to for a --handoff-serve tcp://0.0.0.0:PORT "
+    "(or [::]) band server (each node its own)",
+    "handoff_lease_s": "a band held for pulling waits this many seconds from the request's last "
+    "chunk on its stage for the decoder; then its blocks are released (reason expired); a "
+    "pull under way has --handoff-timeout-s from its start instead",
     "layers_per_stage": "layers each stage holds: 'auto' (placed so that the stages' busy "
     "times, measured at start-up on the run's typical wave, are equal; a boundary may fall "
     "between a layer's mixer and its MLP, or inside an attention mixer that the two stages "
@@ -238,7 +252,7 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": _AT_LEAST_0,
     "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
     "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
-    "handoff_budget_mib": _AT_LEAST_1,
+    "handoff_budget_mib": _AT_LEAST_1, "handoff_lease_s": _POSITIVE,
     "kv_events": (lambda v: v is None or _zmq_tcp(v), "tcp://HOST:PORT (PORT 0..65535)"),
     "kv_events_replay": (lambda v: v is None or _zmq_tcp(v), "tcp://HOST:PORT (PORT 0..65535)"),
     "kv_events_topic": (lambda v: len(v) <= 256, "at most 256 characters"),
@@ -420,6 +434,16 @@ def validate(c: RunConfig) -> None:
          "--kv-events and --kv-events-replay must differ")
     need(not (c.handoff_to or c.handoff_dir) or c.executor == "torch",
          "--handoff-to / --handoff-dir apply to --executor torch only")
+    need(not (c.handoff_serve or c.handoff_advertise) or c.executor == "torch",
+         "--handoff-serve / --handoff-advertise apply to --executor torch only")
+    if c.handoff_serve:
+        from wavepp.handoff.pull import advertised, band_server_address
+
+        try:
+            if c.handoff_serve != "auto":
+                advertised(band_server_address(c.handoff_serve, 0), c.handoff_advertise)
+        except ValueError as error:
+            raise SystemExit(f"wavepp: --handoff-serve: {error}") from None
     if c.handoff_to:
         from wavepp.handoff.wire import parse_address
 

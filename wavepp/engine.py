@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -30,11 +31,16 @@ import anyio.lowlevel
 import numpy as np
 
 from wavepp.runtime.coordinator import Coordinator
+from wavepp.runtime.handoff import BandServers
 from wavepp.runtime.records import RequestRejected, Result
 from wavepp.state import RequestId
 from wavepp.workload import RequestSpec
 
 __all__ = ["Engine", "Handle", "RequestRejected", "Result"]
+
+# a stage's band server, per stage in stats(): bands parked for pulling, pulls accepted and
+# refused so far (wavepp.handoff.pull)
+PULL_FIGURES = ("pull_parked", "pulls_accepted", "pulls_refused")
 
 
 class Handle:
@@ -48,6 +54,14 @@ class Handle:
         await self._record.finished.wait()
         return self._record.result()
 
+    async def answer(self) -> Result:
+        """The result its caller is answered with: :meth:`result` at its end — or, for a
+        request whose cache waits on the stages' band servers (``pull:``), as soon as it
+        is prefilled (status ``done``, its handoff ``held``), while its bands wait for
+        their decoder."""
+        await self._record.answered.wait()
+        return self._record.answer()
+
     def done(self) -> bool:
         return self._record.finished.is_set()
 
@@ -58,14 +72,20 @@ class Engine:
     def __init__(
         self, coordinator: Coordinator, *, vocab_size: int | None, min_capacity: int,
         block_size: int, kv_events: dict | None = None, watchdog=None,
+        band_servers: BandServers | None = None,
     ) -> None:  # fmt: skip
-        """``kv_events``: where --kv-events are published (endpoints, topic), else None."""
+        """``kv_events``: where --kv-events are published (endpoints, topic), else None.
+        ``band_servers``: where the stages serve bands to decoders (``pull:``), else None."""
         self._c = coordinator
         self.vocab_size = vocab_size  # None: any int32 id (the sim executor)
         self.min_capacity = min_capacity
         self.block_size = block_size
         self.kv_events = None if kv_events is None else dict(kv_events)
+        self.band_servers = band_servers
         self._watchdog = watchdog
+        # ids this engine names: a random per-process nonce and a counter, so that ids
+        # from different runs and servers never meet at a decoder (docs/handoff.md)
+        self._nonce = secrets.token_hex(4)
         self._ids = itertools.count()
         self.started_at = time.time()
         # Built on rank 0's event loop: SIGTERM's drain sets one event there; the
@@ -110,7 +130,7 @@ class Engine:
 
     def _new_id(self) -> str:
         while True:
-            candidate = f"req-{next(self._ids)}"
+            candidate = f"{self._nonce}-{next(self._ids)}"
             if not self._c.taken(RequestId(candidate)):
                 return candidate
 
@@ -169,7 +189,8 @@ class Engine:
             figures.update(self._watchdog.peer_stats())
         stages = {rank: {"utilization": min(1.0, f.get("busy_s", 0.0) / wall),
                          "pool_cached": f.get("cached", 0), "pool_free": f.get("free", 0),
-                         "pool_capacity": f.get("capacity", 0)}
+                         "pool_capacity": f.get("capacity", 0),
+                         **{k: f[k] for k in PULL_FIGURES if k in f}}
                   for rank, f in figures.items()}  # fmt: skip
         return {**self._c.figures(), "stages": dict(sorted(stages.items())), "uptime_s": wall,
                 "tables": self._c.sizes(),

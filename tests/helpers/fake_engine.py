@@ -24,7 +24,9 @@ import numpy as np
 
 from wavepp.engine import Result
 from wavepp.errors import RequestRejected
+from wavepp.handoff.wire import PULL_TARGET
 from wavepp.queueing import WaitingQueue
+from wavepp.runtime.handoff import BandServers
 
 
 def expected_first_token(tokens, vocab_size: int) -> int:
@@ -39,6 +41,7 @@ class _Request:
     priority: int
     submitted_at: float
     deadline_s: float | None = None
+    handoff: str | bool | None = None
     done: anyio.Event = attrs.field(factory=anyio.Event)
     result: Result | None = None
     admitted_at: float | None = None
@@ -56,6 +59,15 @@ class FakeHandle:
         assert self._request.result is not None
         return self._request.result
 
+    async def answer(self) -> Result:
+        """Its result; for a ``pull:`` handoff, a done result whose handoff is ``held``
+        (the stand-in holds nothing: its bands are never pulled)."""
+        result = await self.result()
+        if self._request.handoff != PULL_TARGET or result.status != "done":
+            return result
+        return attrs.evolve(result, handoff={"target": PULL_TARGET, "status": "held",
+                                             "held_since": result.done_at, "stages": []})
+
 
 class FakeEngine:
     """Call :meth:`run` in a task next to the server; it returns once drained."""
@@ -72,6 +84,9 @@ class FakeEngine:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.kv_events: dict | None = None
+        # two stages' band servers (nothing listens: the stand-in's bands are never pulled)
+        self.band_servers: BandServers | None = BandServers(
+            ("unix:/fake/h-stage0.sock", "tcp://127.0.0.1:7301"), 30.0)  # fmt: skip
         self.capacity_tokens = capacity_tokens
         self.tokens_per_s = tokens_per_s
         self.batch = batch
@@ -121,7 +136,7 @@ class FakeEngine:
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}", "duplicate")
         now = time.time()
-        request = _Request(request_id, ids.astype(np.int32), priority, now, deadline_s)
+        request = _Request(request_id, ids.astype(np.int32), priority, now, deadline_s, handoff)
         self.requests[request_id] = request
         self.queue.push(request_id, priority, None if deadline_s is None else now + deadline_s)
         self.counts["queued"] += 1

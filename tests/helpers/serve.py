@@ -15,11 +15,13 @@ MAX_BODY = 64 * 1024
 READY = re.compile(r"listening on (http://\S+) \(pid (\d+)\)")
 
 
-def start_server(tmp_path, options: Sequence[str] = MODEL) -> tuple[subprocess.Popen, str, int]:
+def start_server(tmp_path, options: Sequence[str] = MODEL,
+                 nproc: int = 2) -> tuple[subprocess.Popen, str, int]:  # fmt: skip
     """python -m wavepp.serve.launch (torchrun --standalone ... -m wavepp.serve under it) on
     --port 0 (the server binds a free port and names it in its ready line: no window for
     another process to take it); returns (the launcher's process, url, pid of the serving
-    rank). ``options``: the model and run options (a tiny hybrid by default)."""
+    rank). ``options``: the model and run options (a tiny hybrid by default); ``nproc``:
+    the ranks."""
     err = open(tmp_path / "server.err", "w")  # noqa: SIM115 (the child holds it)
     out = open(tmp_path / "server.out", "w")  # noqa: SIM115
     cmd = [
@@ -27,7 +29,7 @@ def start_server(tmp_path, options: Sequence[str] = MODEL) -> tuple[subprocess.P
         "-m",
         "wavepp.serve.launch",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--host",
         "127.0.0.1",
         "--port",

@@ -203,7 +203,8 @@ def test_header_consistency_checks():
     mid = band(stage=0, num_stages=2, layers=(0,))
     refused(msgspec.structs.replace(mid, first_token=3), "only the last stage")
     refused(msgspec.structs.replace(good, request_id=""), "does not decode.*request_id")
-    refused(msgspec.structs.replace(good, request_id="r" * 129), "does not decode")  # wavepp.ids.MAX_ID_CHARS + 1
+    # wavepp.ids.MAX_ID_CHARS + 1
+    refused(msgspec.structs.replace(good, request_id="r" * 129), "does not decode")
     refused(msgspec.structs.replace(good, num_tokens=0), "does not decode.*num_tokens")
     bad_fp = msgspec.structs.replace(fp, dtype="int8")
     refused(msgspec.structs.replace(good, fingerprint=bad_fp), "fingerprint dtype 'int8'")
@@ -382,3 +383,67 @@ def test_huge_declared_sizes_allocate_nothing():
     finally:
         tracemalloc.stop()
     assert band_bytes(decoded) >= 2**62 and peak < 1 << 20
+
+
+# -- the pull frame ---------------------------------------------------------------------
+
+PULL_FP = fingerprint_from_hf_config(LLAMA, "float32")
+
+
+def test_pull_round_trip_and_its_bytes():
+    pull = wire.Pull("cmpl-7f3a-1", 1, PULL_FP)
+    raw = wire.encode_pull(pull)
+    body = msgspec.json.encode(pull)
+    assert raw[:12] == b"WPHP" + struct.pack("<HHI", 1, 0, len(body))
+    assert raw[12:] == body and body.startswith(b'{"request_id":"cmpl-7f3a-1","stage":1,')
+    assert wire.pull_length(raw[:12]) == len(body)
+    assert wire.decode_pull(raw[12:]) == pull
+    assert wire.decode_pull(body).auth == ""
+
+
+@pytest.mark.parametrize(("prefix", "match"), [
+    (b"WPHB" + struct.pack("<HHI", 1, 0, 10), "bad pull magic"),
+    (b"WPHP" + struct.pack("<HHI", 2, 0, 10), "pull version 2 is not supported"),
+    (b"WPHP" + struct.pack("<HHI", 1, 4, 10), "unknown pull flags 0x4"),
+    (b"WPHP" + struct.pack("<HHI", 1, 0, 0), "pull_len 0 outside"),
+    (b"WPHP" + struct.pack("<HHI", 1, 0, (1 << 16) + 1), "pull_len 65537 outside"),
+    (b"WPHP", "pull prefix is 4 bytes"),
+])  # fmt: skip
+def test_pull_prefix_checks(prefix, match):
+    with pytest.raises(WireError, match=match):
+        wire.pull_length(prefix)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"extra": 1}, "unknown field `extra`"),
+    ({"stage": "1"}, r"Expected `int`, got `str` - at `\$.stage`"),
+    ({"stage": -1}, r"Expected `int` >= 0 - at `\$.stage`"),
+    ({"request_id": ""}, r"length >= 1 - at `\$.request_id`"),
+    ({"request_id": "x" * 129}, r"length <= 128 - at `\$.request_id`"),
+    ({"fingerprint": {"architecture": "x"}}, "missing required field"),
+    ({"auth": 5}, r"at `\$.auth`"),
+])  # fmt: skip
+def test_a_pull_decodes_strictly(change, match):
+    body = msgspec.to_builtins(wire.Pull("r", 0, PULL_FP)) | change
+    with pytest.raises(WireError, match=match):
+        wire.decode_pull(msgspec.json.encode(body))
+    with pytest.raises(WireError, match="not decode"):
+        wire.decode_pull(b'{"request_id": "r", "stage": true}')
+    with pytest.raises(WireError, match="exceeds"):
+        wire.decode_pull(b" " * ((1 << 16) + 1))
+
+
+def test_encode_pull_refuses_what_a_stage_would():
+    with pytest.raises(WireError, match="exceeds 65536"):
+        wire.encode_pull(wire.Pull("r", 0, PULL_FP, auth="a" * 70_000))
+
+
+def test_targets_are_addresses_or_pull():
+    assert wire.parse_target("pull:") == Address(kind="pull")
+    assert str(wire.parse_target("pull:")) == wire.PULL_TARGET
+    assert wire.parse_target("unix:/x") == parse_address("unix:/x")
+    with pytest.raises(ValueError, match="port 0"):
+        parse_address("tcp://h:0")
+    assert parse_address("tcp://h:0", any_port=True).port == 0
+    with pytest.raises(ValueError, match="unknown form"):
+        wire.parse_target("pull:/x")

@@ -277,3 +277,39 @@ def test_the_waiting_load_counts_the_queued_prompts_and_the_oldest_submission():
         assert table.waiting_load() == (0, None)
 
     run(main)
+
+
+def test_a_cancel_confirmed_while_bands_are_out_ends_with_the_last_outcome():
+    """The stages confirm a cancel of a request handing off before their bands' outcomes
+    come: it ends cancelled once every stage's band has ended, its result saying how."""
+    from wavepp.rounds.messages import HandoffOutcome
+
+    class Targets:
+        def __call__(self, spec: RequestSpec) -> str:
+            return "pull:"
+
+        def settled(self, spec: RequestSpec, target: str, ok: bool) -> None:
+            pass
+
+    def main() -> None:
+        table = RequestTable(lambda line: None, num_stages=2, handoff_target=Targets())
+        intake = Intake(table, 4, 10, 100, handoff_target=Targets())
+        record = intake.submit(RequestSpec("a", np.arange(8, dtype=np.int32), False, 0,
+                                           handoff=True))  # fmt: skip
+        table.waiting.remove("a")
+        table.admitted("a", 0.0)
+        table.started("a", 0.0)
+        table.finish("a", 0, 3, 0.5)
+        assert record.answered.is_set() and not record.finished.is_set()  # a pull: answered
+        assert record.answer().status == "done" and record.answer().handoff["status"] == "held"
+        table.ask_cancel("a", "cancelled by DELETE")
+        table.settle_cancel("a")
+        assert record.status is Status.HANDING_OFF and record.cancel_confirmed
+        table.handoff_settled(HandoffOutcome("a", 1, False, "cancelled", "", 0, 0.01))
+        assert record.status is Status.HANDING_OFF
+        table.handoff_settled(HandoffOutcome("a", 0, False, "cancelled", "", 0, 0.01))
+        assert record.status is Status.CANCELLED and record.error == "cancelled by DELETE"
+        stages = record.result().handoff["stages"]
+        assert [(s["stage"], s["reason"]) for s in stages] == [(0, "cancelled"), (1, "cancelled")]
+
+    run(main)

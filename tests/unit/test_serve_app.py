@@ -423,7 +423,7 @@ def test_text_prompts_through_a_tokenizer_json(tmp_path):
     assert _tokenizer_path(None, "tiny-hybrid") is None
     with pytest.raises(SystemExit, match="no such file"):
         _tokenizer_path(str(tmp_path / "missing.json"), None)
-    tokenize, detokenize = tokenizer_functions(path)
+    tokenize, detokenize, _, _ = tokenizer_functions(path)
     assert tokenize("hello world again") == [1, 2, 3]
     assert detokenize(2) == "world"
     assert parse_prefill(b'{"text": "world hello"}', tokenize).tokens.tolist() == [2, 1]

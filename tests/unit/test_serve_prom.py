@@ -185,3 +185,36 @@ def test_handoffs_count_their_bytes_and_the_slowest_stages_time():
     assert sample(s, "wavepp_handoff_seconds_count") == 1  # the done one
     assert sample(s, "wavepp_handoff_seconds_sum") == 0.3
     assert sample(s, "wavepp_handoff_seconds_bucket", le="0.25") == 0
+
+
+def test_pulled_bands_are_counted_per_stage_by_how_they_ended():
+    metrics = metrics_of({})
+
+    def pulled(*stages):
+        return attrs.evolve(result("done", 10, 0, 1e12), handoff={
+            "target": "pull:", "status": "done", "stages": list(stages)})  # fmt: skip
+
+    ok0 = {"stage": 0, "ok": True, "reason": None, "bytes": 2_000_000_000, "seconds": 0.5,
+           "wire_s": 1.0}  # fmt: skip
+    ok1 = {**ok0, "stage": 1, "bytes": 1_000_000, "wire_s": 0.001}
+    metrics.observe(pulled(ok0, ok1))
+    for reason in ("expired", "cancelled", "refused", "disconnected", "timeout"):
+        metrics.observe(pulled({"stage": 1, "ok": False, "reason": reason, "bytes": 0,
+                                "seconds": 30.0, "wire_s": 0.0}))  # fmt: skip
+    pushed = attrs.evolve(result("done", 10, 0, 1e12), handoff={
+        "target": "unix:/x", "status": "done", "stages": [ok0]})  # fmt: skip
+    metrics.observe(pushed)  # a push is no pull
+    s = parse_exposition(metrics.exposition().decode())
+    assert sample(s, "wavepp_pull_bytes_total", stage="0") == 2_000_000_000
+    assert sample(s, "wavepp_pull_bytes_total", stage="1") == 1_000_000
+    assert sample(s, "wavepp_pull_ack_seconds_count", stage="0") == 1
+    assert sample(s, "wavepp_pull_ack_seconds_sum", stage="0") == 0.5
+    assert sample(s, "wavepp_pull_gigabytes_per_second_bucket", stage="0", le="2.0") == 1
+    assert sample(s, "wavepp_pull_gigabytes_per_second_bucket", stage="0", le="1.0") == 0
+    assert sample(s, "wavepp_pull_gigabytes_per_second_sum", stage="1") == 1.0
+    assert sample(s, "wavepp_pull_lease_expiries_total", stage="1") == 1
+    assert sample(s, "wavepp_pull_aborts_total", stage="1", by="wavepp") == 1
+    assert sample(s, "wavepp_pull_aborts_total", stage="1", by="decoder") == 1
+    assert sample(s, "wavepp_pull_failures_total", stage="1", reason="disconnected") == 1
+    assert sample(s, "wavepp_pull_failures_total", stage="1", reason="timeout") == 1
+    assert sample(s, "wavepp_pull_lease_expiries_total", stage="0") is None

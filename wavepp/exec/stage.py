@@ -136,11 +136,13 @@ class Stage:
             self.cache_log.evicted(evicted)
 
     def figures(self) -> dict[str, float]:
-        """Busy seconds and the pool's blocks, for metrics (the cache is a value: safe to
-        read from the watchdog's thread)."""
+        """Busy seconds, the pool's blocks and the handoff sender's counts (bands parked
+        for pulling, pulls refused), for metrics (the cache is a value, the counts plain
+        numbers: safe to read from the watchdog's thread)."""
         use = usage(self.book.cache)
+        handoffs = {} if self.handoffs is None else self.handoffs.figures()
         return {"busy_s": self.busy_s, "cached": use.num_cached, "free": use.num_free,
-                "capacity": use.capacity}  # fmt: skip
+                "capacity": use.capacity, **handoffs}  # fmt: skip
 
     def sizes(self) -> dict[str, int]:
         """How many entries this stage's per-request books hold."""

@@ -7,9 +7,18 @@ and hands the band, as a :class:`Band`, to the :class:`Transport` that serves it
 address's kind. A transport's one job is :meth:`Transport.deliver`: the band to its
 receiver and the receiver's acknowledgement back, or :class:`BandFailed` with a reason
 from ``REASONS``. One implementation per transport: ``socket_send.SocketTransport``
-(``unix:`` and ``tcp://``, WavePP's wire) and ``vllm_example.ExampleConnectorTransport``
-(``dir:``, files in vLLM's ``ExampleConnector`` layout). A new one (a vLLM KV connector's
-paged cache, say) is one class with ``kinds`` and ``deliver``, given to the sender.
+(``unix:`` and ``tcp://``, WavePP's wire), ``pull.PullTransport`` (``pull:``: the band
+waits on the stage's band server until a decoder pulls it) and
+``vllm_example.ExampleConnectorTransport`` (``dir:``, files in vLLM's
+``ExampleConnector`` layout). A new one is one class with ``kinds``, ``parks``,
+``address``, ``run``, ``figures`` and ``deliver``, given to the sender.
+
+A push transport's band takes its turn (:meth:`Band.turn`: its tensors laid out, the
+byte budget held) before ``deliver`` is called, and must be acknowledged within the
+sender's timeout of the request's last chunk. A parking transport's band waits for its
+receiver under a lease instead, holding no budget: once the receiver has come the
+transport calls :meth:`Band.claim` (the lease stops, the timeout starts from now) and
+takes the band's turn itself.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
@@ -33,7 +43,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 # Why a band failed, as the record and /metrics count them.
-REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "error")
+# "expired": a parked band's lease ran out before a decoder pulled it.
+REASONS = ("timeout", "connect", "refused", "disconnected", "bad ack", "cancelled", "expired",
+           "error")
 class BandFailed(Exception):
     """A band that did not go through: ``reason`` one of ``REASONS``, ``detail`` why."""
 
@@ -75,7 +87,7 @@ class BandJob:
     """What a stage hands its sender when a request that hands off ends there."""
 
     request_id: RequestId
-    target: str  # unix:/path, tcp://host:port or dir:/path (a peer's string: parsed here)
+    target: str  # unix:/path, tcp://host:port, dir:/path or pull: (a peer's string: parsed here)
     num_tokens: int  # the whole prompt
     block_table: tuple[SlotId, ...]  # every block of the prompt, full or partial
     states: dict  # recurrent layer -> {part: state after the prompt's last token}
@@ -99,6 +111,14 @@ class HandoffSettings:
     # bands of up to this many bytes go out from the event loop, without a worker thread
     # (0: never; a CPU stage's: INLINE_BYTES; a GPU stage's rows need copies to the host)
     inline_bytes: int = 0
+    # pull: targets: how long a band waits for its decoder from the request's last chunk
+    # here, seconds (a pull under way is bounded by timeout_s from its start instead)
+    lease_s: float = 30.0
+    # this stage's band server (where decoders pull): unix:/path, tcp://HOST:PORT, "auto"
+    # (a Unix socket in a private directory of its own), or None (no band server)
+    serve: str | None = None
+    # the host a tcp band server bound to a wildcard (0.0.0.0, ::) is reached at
+    advertise: str | None = None
 
 
 @attrs.define(eq=False)
@@ -107,15 +127,39 @@ class Band:
 
     job: BandJob
     address: wire.Address  # parsed from job.target; its kind chose the transport
-    tensors: Sequence[BandTensor]  # what the stage's executor laid out for the job
     deadline: float  # monotonic: the band is given up then (the sender's cancel scope)
-    # seconds on the wire, connect to acknowledgement (or to the failure): the transport
-    # sets it; bandwidth is bytes over it
+    # the sender's: lays the band's tensors out and holds the byte budget while entered
+    # (:meth:`turn`)
+    take_turn: Callable[[Band], AbstractAsyncContextManager[None]]
+    # the sender's: a parked band's receiver has come (:meth:`claim`)
+    on_claim: Callable[[Band], None] = lambda band: None
+    # what the stage's executor laid out for the job: empty until the band's turn
+    tensors: Sequence[BandTensor] = ()
+    claimed: bool = False  # a parked band's receiver has come
+    # seconds on the wire, connect (or the pull's acceptance) to acknowledgement (or to
+    # the failure): the transport sets it; bandwidth is bytes over it
     wire_s: float = 0.0
+
+    def turn(self) -> AbstractAsyncContextManager[None]:
+        """The band's turn to go out: its tensors laid out, the byte budget held."""
+        return self.take_turn(self)
+
+    def claim(self) -> None:
+        """A parked band's receiver has come (call it on the event loop, with no await
+        between the receiver's acceptance and this): the lease no longer runs, and the
+        band has the sender's timeout from now."""
+        if not self.claimed:
+            self.claimed = True
+            self.on_claim(self)
 
     @property
     def num_bytes(self) -> int:
         return sum(t.num_bytes for t in self.tensors)
+
+    @property
+    def peer(self) -> str:
+        """Who receives the band, as messages name it."""
+        return "the decoder pulling it" if self.address.kind == "pull" else self.job.target
 
     def header(self, settings: HandoffSettings) -> wire.BandHeader:
         """The band's header on WavePP's wire."""
@@ -135,7 +179,7 @@ class Band:
         a refusal or an acknowledgement of another band."""
         job = self.job
         if ack.request_id != job.request_id or ack.stage != stage:
-            raise BandFailed("bad ack", f"{job.target} acknowledged {ack.request_id!r} stage "
+            raise BandFailed("bad ack", f"{self.peer} acknowledged {ack.request_id!r} stage "
                              f"{ack.stage}, not {job.request_id!r} stage {stage}")  # fmt: skip
         if not ack.ok:
             raise BandFailed("refused", ack.error or "the receiver refused the band")
@@ -147,6 +191,20 @@ class Transport(Protocol):
     built by the sender (``TransportClass``)."""
 
     kinds: tuple[str, ...]  # wire.Address kinds it serves
+    # its bands wait for their receiver to come (a pull) under the sender's lease, and
+    # take their turn themselves; False: the sender gives deliver a band whose turn it is
+    parks: bool
+    address: str | None  # where it serves receivers (a band server), as they reach it
+
+    async def run(self) -> None:
+        """Serve what the transport serves beside its bands (a band server's
+        connections) until cancelled; returns at once for a transport that serves
+        nothing."""
+        ...
+
+    def figures(self) -> dict[str, float]:
+        """Its counts for metrics (the stage's figures; empty when it counts nothing)."""
+        ...
 
     async def deliver(self, band: Band) -> int:
         """Hand the band to its receiver: the payload bytes acknowledged, or

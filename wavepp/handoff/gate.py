@@ -25,6 +25,7 @@ from wavepp.handoff.wire import (
     band_bytes,
     decode_header,
     expected_tensors,
+    fingerprint_mismatch,
     header_length,
 )
 
@@ -58,11 +59,10 @@ class Gate:
     def check(self, header: BandHeader) -> None:
         """A decoded header against this receiver's model; ``WireError`` naming what
         differs. (Pure: nothing is claimed or allocated.)"""
-        mine, theirs = self.fingerprint, header.fingerprint
-        for field in mine.__struct_fields__:
-            a, b = getattr(theirs, field), getattr(mine, field)
-            if a != b:
-                raise WireError(f"fingerprint {field}: the band has {a!r}, this model has {b!r}")
+        mine = self.fingerprint
+        differs = fingerprint_mismatch(header.fingerprint, mine, "the band", "this model")
+        if differs:
+            raise WireError(differs)
         if header.first_token >= mine.vocab_size:
             raise WireError(f"first_token {header.first_token} >= vocab_size {mine.vocab_size}")
         t = header.num_tokens

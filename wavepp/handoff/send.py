@@ -14,8 +14,12 @@ waits for one.
 
 Memory: at most ``budget_bytes`` of bands are on their way at once per stage; a band
 that does not fit waits its turn (its blocks stay in the pool) and one larger than the
-whole budget goes alone. ``timeout_s`` bounds a band from the request's last chunk to
-the acknowledgement, the waits for the budget and for a thread included. Threads: a
+whole budget goes alone. ``timeout_s`` bounds a pushed band from the request's last chunk
+to the acknowledgement, the waits for the budget and for a thread included. A band for a
+``pull:`` target waits on the stage's band server (``wavepp.handoff.pull``) under a lease
+instead: ``lease_s`` from the request's last chunk here, holding no budget; once its
+decoder has come the lease stops, and the pull has ``timeout_s`` from then, the wait
+for the budget included. A lease that runs out settles the band ``expired``. Threads: a
 transport's blocking work runs in the sender's worker threads, at most ``BAND_THREADS``
 at once, counted apart from the threads of the rest of the process (the planes'): bands
 stuck on receivers that stopped reading hold threads until their timeouts, and must not
@@ -24,10 +28,12 @@ stall the waves.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
 
 import anyio
 
@@ -42,14 +48,17 @@ from wavepp.handoff.base import (
     TransportClass,
     WorkerThreads,
 )
+from wavepp.handoff.pull import PullTransport
 from wavepp.handoff.socket_send import SocketTransport
 from wavepp.handoff.vllm_example import ExampleConnectorTransport
 from wavepp.rounds.messages import HandoffOutcome
 from wavepp.state import RequestId
 
 BAND_THREADS = 8  # a stage's bands on their way in worker threads at once
-# every transport a stage has: WavePP's wire over sockets, the vLLM example layout's files
-TRANSPORTS: tuple[TransportClass, ...] = (SocketTransport, ExampleConnectorTransport)
+# every transport a stage has: WavePP's wire over sockets, pulls from the stage's band
+# server, the vLLM example layout's files
+TRANSPORTS: tuple[TransportClass, ...] = (SocketTransport, PullTransport,
+                                          ExampleConnectorTransport)
 
 
 class HandoffSender:
@@ -77,9 +86,9 @@ class HandoffSender:
         # the bands' own worker threads: a band stuck on a receiver that stopped reading
         # holds one until its timeout, and must not hold one the planes' threads need
         self._threads = WorkerThreads(BAND_THREADS, thread_setup)
+        self._all = [make(settings, self._threads) for make in transports]
         self._transports: dict[str, Transport] = {}  # by address kind: the first that serves it
-        for make in transports:
-            transport = make(settings, self._threads)
+        for transport in self._all:
             for kind in transport.kinds:
                 self._transports.setdefault(kind, transport)
         self._send_jobs, self._jobs = anyio.create_memory_object_stream[BandJob](math.inf)
@@ -90,6 +99,18 @@ class HandoffSender:
         self._outcomes: list[HandoffOutcome] = []  # settled since the last poll()
         self._wake = anyio.Event()  # set when an outcome settles (for settled())
         self.num_pending = 0  # jobs sent and not settled
+
+    @property
+    def address(self) -> str | None:
+        """Where this stage's band server is reached (``pull:`` targets), or None."""
+        return next((t.address for t in self._all if t.address), None)
+
+    def figures(self) -> dict[str, float]:
+        """The transports' counts (bands parked for pulling, pulls refused, ...)."""
+        out: dict[str, float] = {}
+        for transport in self._all:
+            out.update(transport.figures())
+        return out
 
     # -- the seam ------------------------------------------------------------------
 
@@ -123,8 +144,10 @@ class HandoffSender:
     # -- running -------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Serve jobs until cancelled (the run is over)."""
+        """Serve jobs (and the transports' servers) until cancelled (the run is over)."""
         async with anyio.create_task_group() as tg, self._jobs:
+            for transport in self._all:
+                tg.start_soon(transport.run)
             async for job in self._jobs:
                 if job.request_id in self._aborted:
                     self._aborted.discard(job.request_id)
@@ -136,24 +159,29 @@ class HandoffSender:
 
     async def _one(self, job: BandJob, scope: anyio.CancelScope) -> None:
         reason, detail, sent = "", "", 0
-        band = None
+        band, parks = None, False
         with scope:
             try:
-                deadline = job.ended_at + self.settings.timeout_s
-                with anyio.fail_after(max(deadline - time.monotonic(), 0.0)):
-                    band = Band(job, self._address(job), self._band(job), deadline)
-                    transport = self._transports[band.address.kind]
-                    held = min(band.num_bytes, self.settings.budget_bytes)
-                    await self._acquire(held)
-                    try:
+                address = self._address(job)
+                transport = self._transports[address.kind]
+                parks = transport.parks
+                waits = self.settings.lease_s if parks else self.settings.timeout_s
+                deadline = job.ended_at + waits
+                with anyio.fail_after(max(deadline - time.monotonic(), 0.0)) as limit:
+                    band = Band(job, address, deadline, self._turn,
+                                partial(self._claimed, limit))  # fmt: skip
+                    if parks:
                         sent = await transport.deliver(band)
-                    finally:
-                        self._in_use -= held
-                        self._budget_freed.set()  # every waiter looks again
-                        self._budget_freed = anyio.Event()
+                    else:
+                        async with band.turn():
+                            sent = await transport.deliver(band)
             except TimeoutError:
-                reason = "timeout"
-                detail = f"not acknowledged within {self.settings.timeout_s:g} s"
+                if parks and band is not None and not band.claimed:
+                    reason = "expired"
+                    detail = f"not pulled within the lease of {self.settings.lease_s:g} s"
+                else:
+                    reason = "timeout"
+                    detail = f"not acknowledged within {self.settings.timeout_s:g} s"
             except BandFailed as failure:
                 reason, detail = failure.reason, failure.detail
             except Exception as error:
@@ -163,9 +191,28 @@ class HandoffSender:
         self._scopes.pop(job.request_id, None)
         self._settle(job, reason, detail, sent, 0.0 if band is None else band.wire_s)
 
+    def _claimed(self, limit: anyio.CancelScope, band: Band) -> None:
+        """A parked band's decoder has come: the lease stops, the timeout starts."""
+        limit.deadline = anyio.current_time() + self.settings.timeout_s
+        band.deadline = time.monotonic() + self.settings.timeout_s
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, band: Band) -> AsyncIterator[None]:
+        """The band's tensors from the stage's executor, and its share of the budget
+        while it goes out."""
+        band.tensors = self._band(band.job)
+        held = min(band.num_bytes, self.settings.budget_bytes)
+        await self._acquire(held)
+        try:
+            yield
+        finally:
+            self._in_use -= held
+            self._budget_freed.set()  # every waiter looks again
+            self._budget_freed = anyio.Event()
+
     def _address(self, job: BandJob) -> wire.Address:
         try:
-            address = wire.parse_address(job.target)
+            address = wire.parse_target(job.target)
         except ValueError as error:
             raise BandFailed("error", str(error)) from None
         if address.kind not in self._transports:

@@ -1,5 +1,7 @@
 """A band over a socket: WavePP's wire (``wavepp.handoff.wire``) to a ``unix:`` or
-``tcp://`` receiver, one connection per band (``docs/handoff.md``).
+``tcp://`` receiver, one connection per band (``docs/handoff.md``); and the same
+exchange over a connection a decoder opened to pull the band (:meth:`SocketTransport.send`
+with its socket, ``wavepp.handoff.pull``).
 
 On a CPU stage the pool's rows go out without a copy (scatter-gather ``sendmsg`` of
 runs of rows); a tensor without such buffers (a GPU stage's rows, a recurrent state) is
@@ -39,16 +41,30 @@ class SocketTransport:
     """Bands to ``unix:`` and ``tcp://`` receivers (``wavepp.handoff.base.Transport``)."""
 
     kinds = ("unix", "tcp")
+    parks = False
+    address = None
 
     def __init__(self, settings: HandoffSettings, threads: WorkerThreads) -> None:
         self.settings, self._threads = settings, threads
 
+    async def run(self) -> None:
+        """Nothing to serve: the transport connects to its receivers."""
+
+    def figures(self) -> dict[str, float]:
+        return {}
+
     async def deliver(self, band: Band) -> int:
+        return await self.send(band)
+
+    async def send(self, band: Band, sock: socket.socket | None = None) -> int:
+        """The band's exchange with its receiver: over a new connection to the band's
+        address, or over ``sock`` (connected by the receiver: a pull; the call owns it
+        from then on and closes it). The payload bytes acknowledged, or BandFailed."""
         prefix = wire.encode_band_prefix(band.header(self.settings))
         if self.inline(band.tensors):
-            ack = await self._on_loop(band, prefix)
+            ack = await self._on_loop(band, prefix, sock)
         else:
-            ack = await self._in_thread(band, prefix)
+            ack = await self._in_thread(band, prefix, sock)
         return band.check_ack(ack, self.settings.stage)
 
     def inline(self, tensors: Sequence[BandTensor]) -> bool:
@@ -60,14 +76,16 @@ class SocketTransport:
             t.pieces is not None or (t.num_bytes <= INLINE_COPY_BYTES and not t.waits)
             for t in tensors)  # fmt: skip
 
-    async def _on_loop(self, band: Band, prefix: bytes) -> wire.Ack:
-        """A small band's exchange on the event loop (a non-blocking socket): connect,
-        the band's buffers, the acknowledgement. The sender's scope bounds every wait."""
-        target = band.job.target
+    async def _on_loop(self, band: Band, prefix: bytes, sock: socket.socket | None) -> wire.Ack:
+        """A small band's exchange on the event loop (a non-blocking socket): connect
+        (unless ``sock`` is connected), the band's buffers, the acknowledgement. The
+        sender's scope bounds every wait."""
+        target = band.peer
         started = time.perf_counter()
         try:
             try:
-                conn = await _io.connect(band.address, math.inf)
+                conn = (_io.Connection(sock, math.inf) if sock is not None
+                        else await _io.connect(band.address, math.inf))  # fmt: skip
             except OSError as error:
                 raise BandFailed("connect", f"cannot connect to {target}: {error}") from None
             try:
@@ -86,18 +104,21 @@ class SocketTransport:
         finally:
             band.wire_s = time.perf_counter() - started
 
-    async def _in_thread(self, band: Band, prefix: bytes) -> wire.Ack:
-        """The band's exchange from a worker thread."""
+    async def _in_thread(self, band: Band, prefix: bytes, sock: socket.socket | None) -> wire.Ack:
+        """The band's exchange from a worker thread (connecting first unless ``sock`` is
+        connected)."""
         address = band.address
-        sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
-                             if ":" in address.host else socket.AF_INET)  # fmt: skip
+        connect = sock is None
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX if address.kind == "unix" else socket.AF_INET6
+                                 if ":" in address.host else socket.AF_INET)  # fmt: skip
         claim, finished = threading.Lock(), threading.Event()
         try:
             # One worker thread does the band's whole I/O with blocking calls: scatter-
             # gather sends straight from the pool's blocks, no copy in between. A cancel
             # or the timeout shuts the socket, which ends the thread's blocking calls.
             return await self._threads.run(_send_band, sock, band, prefix, claim, finished,
-                                           abandon_on_cancel=True)  # fmt: skip
+                                           connect, abandon_on_cancel=True)  # fmt: skip
         finally:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -117,7 +138,7 @@ class SocketTransport:
 
 
 def _send_band(sock: socket.socket, band: Band, prefix: bytes, claim: threading.Lock,
-               finished: threading.Event) -> wire.Ack | None:  # fmt: skip
+               finished: threading.Event, connect: bool) -> wire.Ack | None:  # fmt: skip
     """In a worker thread (where a TP band's shards are put together). Takes ``claim``
     first: if the event loop took it (the band was given up before this thread began),
     returns None at once, touching nothing. Otherwise owns ``sock``; sets
@@ -127,7 +148,7 @@ def _send_band(sock: socket.socket, band: Band, prefix: bytes, claim: threading.
         return None
     started = time.perf_counter()
     try:
-        return _exchange(sock, band, prefix)
+        return _exchange(sock, band, prefix, connect)
     finally:
         band.wire_s = time.perf_counter() - started
         finished.set()
@@ -177,10 +198,10 @@ def _failures(target: str):
                          f"acknowledging ({str(error) or type(error).__name__})") from None
 
 
-def _exchange(sock: socket.socket, band: Band, prefix: bytes) -> wire.Ack:
-    """A band's whole exchange with blocking calls: connect, the prefix and header,
-    every tensor's bytes, the ack."""
-    address, target, deadline = band.address, band.job.target, band.deadline
+def _exchange(sock: socket.socket, band: Band, prefix: bytes, connect: bool) -> wire.Ack:
+    """A band's whole exchange with blocking calls: connect (``connect``), the prefix
+    and header, every tensor's bytes, the ack."""
+    address, target, deadline = band.address, band.peer, band.deadline
 
     def left() -> float:
         remaining = deadline - time.monotonic()
@@ -192,7 +213,7 @@ def _exchange(sock: socket.socket, band: Band, prefix: bytes) -> wire.Ack:
         with contextlib.suppress(OSError):  # fewer, larger transfers (capped by the kernel)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         where = address.path if address.kind == "unix" else (address.host, address.port)
-        while True:
+        while connect:
             try:
                 sock.settimeout(left())
                 sock.connect(where)

@@ -137,9 +137,17 @@ class ExampleConnectorTransport:
     staging folders into place once every stage's are (``wavepp.runtime.handoff``)."""
 
     kinds = ("dir",)
+    parks = False
+    address = None
 
     def __init__(self, settings: HandoffSettings, threads: WorkerThreads) -> None:
         self.settings, self._threads = settings, threads
+
+    async def run(self) -> None:
+        """Nothing to serve: the transport writes files."""
+
+    def figures(self) -> dict[str, float]:
+        return {}
 
     async def deliver(self, band: Band) -> int:
         folder = Path(band.address.path)

@@ -13,6 +13,14 @@ One band (one connection per band)::
 The receiver answers once: ``b"WPHA" | u32 LE ack_len | ack`` (msgpack of ``Ack``).
 Version 3 is the only one, and it defines no flag: a prefix of another version, or with
 a flag set, is refused.
+
+A decoder that pulls a band from a stage's band server (target ``pull:``) opens the
+connection and sends one pull frame first; the stage answers with the band above (then
+reads the decoder's ack) or with a refusing ack::
+
+    b"WPHP" | u16 LE version (1) | u16 LE flags (0) | u32 LE pull_len | pull
+
+``pull`` is the msgspec JSON of ``Pull`` (at most ``MAX_PULL_BYTES``).
 """
 
 from __future__ import annotations
@@ -49,6 +57,13 @@ LAYER_KINDS = "AML"  # A: GQA/MHA K/V, M: MLA latent, L: recurrent state
 
 _PREFIX = struct.Struct("<4sHHI")
 _ACK_PREFIX = struct.Struct("<4sI")
+
+PULL_MAGIC = b"WPHP"
+PULL_VERSION = 1  # the pull frame's own version (the band it answers is WIRE_VERSION's)
+PULL_PREFIX_BYTES = PREFIX_BYTES  # magic, version, flags, pull_len
+MAX_PULL_BYTES = 1 << 16
+MAX_AUTH_CHARS = 4096
+PULL_TARGET = "pull:"  # a request's handoff target: its bands wait on the stages' band servers
 
 
 class WireError(ValueError):
@@ -112,6 +127,16 @@ class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     error: Annotated[str, msgspec.Meta(max_length=MAX_ERROR_CHARS)] = ""  # why not
 
 
+class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A decoder's request for one stage's band of a request held for pulling."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+    #  WavePP's id of the request (kv_transfer_params.wavepp.request_id)
+    stage: Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]  # the stage asked
+    fingerprint: Fingerprint  # the decoder's model: the stage's must be equal field by field
+    auth: Annotated[str, msgspec.Meta(max_length=MAX_AUTH_CHARS)] = ""  # reserved; "" today
+
+
 _HEADER_DECODER = msgspec.msgpack.Decoder(BandHeader)
 _ACK_DECODER = msgspec.msgpack.Decoder(Ack)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -130,18 +155,26 @@ def encode_band_prefix(header: BandHeader) -> bytes:
 
 def header_length(prefix: bytes) -> int:
     """header_len from a band's first ``PREFIX_BYTES`` bytes, checked."""
+    return _frame_length(prefix, "band", BAND_MAGIC, WIRE_VERSION, "header_len",
+                         MAX_HEADER_BYTES, "wire")  # fmt: skip
+
+
+def _frame_length(prefix: bytes, what: str, magic: bytes, version: int, length_name: str,
+                  limit: int, version_name: str) -> int:  # fmt: skip
+    """The length a 12-byte prefix (magic, u16 version, u16 flags, u32 length) announces,
+    checked: ``what`` names the frame in the errors."""
     if len(prefix) != PREFIX_BYTES:
-        raise WireError(f"band prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
-    magic, version, flags, length = _PREFIX.unpack(prefix)
-    if magic != BAND_MAGIC:
-        raise WireError(f"bad band magic {magic!r}, expected {BAND_MAGIC!r}")
-    if version != WIRE_VERSION:
-        raise WireError(f"wire version {version} is not supported (this side speaks "
-                        f"{WIRE_VERSION})")  # fmt: skip
+        raise WireError(f"{what} prefix is {len(prefix)} bytes, expected {PREFIX_BYTES}")
+    got, got_version, flags, length = _PREFIX.unpack(prefix)
+    if got != magic:
+        raise WireError(f"bad {what} magic {got!r}, expected {magic!r}")
+    if got_version != version:
+        raise WireError(f"{version_name} version {got_version} is not supported (this side "
+                        f"speaks {version})")  # fmt: skip
     if flags:
-        raise WireError(f"unknown band flags {flags:#x} (version {WIRE_VERSION} has none)")
-    if not 1 <= length <= MAX_HEADER_BYTES:
-        raise WireError(f"header_len {length} outside 1..{MAX_HEADER_BYTES}")
+        raise WireError(f"unknown {what} flags {flags:#x} (version {version} has none)")
+    if not 1 <= length <= limit:
+        raise WireError(f"{length_name} {length} outside 1..{limit}")
     return length
 
 
@@ -243,12 +276,54 @@ def ack_length(prefix: bytes) -> int:
 
 
 def decode_ack(raw: bytes) -> Ack:
-    if len(raw) > MAX_ACK_BYTES:
-        raise WireError(f"ack of {len(raw)} bytes exceeds {MAX_ACK_BYTES}")
+    return _decode_bounded(raw, _ACK_DECODER, MAX_ACK_BYTES, "ack")
+
+
+def _decode_bounded(raw: bytes, decoder, limit: int, what: str):
+    """``decoder.decode(raw)`` for at most ``limit`` bytes; WireError otherwise."""
+    if len(raw) > limit:
+        raise WireError(f"{what} of {len(raw)} bytes exceeds {limit}")
     try:
-        return _ACK_DECODER.decode(raw)
+        return decoder.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
-        raise WireError(f"ack does not decode: {error}") from None
+        raise WireError(f"{what} does not decode: {error}") from None
+
+
+# -- pulls ---------------------------------------------------------------------------
+
+_PULL_DECODER = msgspec.json.Decoder(Pull)
+
+
+def encode_pull(pull: Pull) -> bytes:
+    """Magic, version, flags, pull_len and the JSON pull. Raises ``WireError`` for a pull
+    a stage would refuse before reading it (one over ``MAX_PULL_BYTES``)."""
+    raw = msgspec.json.encode(pull)
+    if len(raw) > MAX_PULL_BYTES:
+        raise WireError(f"pull of {len(raw)} bytes exceeds {MAX_PULL_BYTES}")
+    return _PREFIX.pack(PULL_MAGIC, PULL_VERSION, 0, len(raw)) + raw
+
+
+def pull_length(prefix: bytes) -> int:
+    """pull_len from a pull frame's first ``PULL_PREFIX_BYTES`` bytes, checked."""
+    return _frame_length(prefix, "pull", PULL_MAGIC, PULL_VERSION, "pull_len", MAX_PULL_BYTES,
+                         "pull")  # fmt: skip
+
+
+def decode_pull(raw: bytes) -> Pull:
+    """A ``Pull`` from its JSON bytes (strict: exactly the struct's fields and types)."""
+    return _decode_bounded(raw, _PULL_DECODER, MAX_PULL_BYTES, "pull")
+
+
+def fingerprint_mismatch(theirs: Fingerprint, mine: Fingerprint, their_side: str,
+                         my_side: str) -> str | None:  # fmt: skip
+    """The first field where two fingerprints differ, as one line naming both sides'
+    values (``fingerprint num_kv_heads: the decoder has 8, WavePP has 2``); None when
+    they are equal."""
+    for field in mine.__struct_fields__:
+        a, b = getattr(theirs, field), getattr(mine, field)
+        if a != b:
+            return f"fingerprint {field}: {their_side} has {a!r}, {my_side} has {b!r}"
+    return None
 
 
 # -- addresses -----------------------------------------------------------------------
@@ -261,9 +336,10 @@ MAX_UNIX_PATH_BYTES = 107
 
 @attrs.frozen
 class Address:
-    """Where a band goes: a Unix socket, a TCP endpoint, or a folder (``dir``)."""
+    """Where a band goes: a Unix socket, a TCP endpoint, a folder (``dir``), or the
+    stage's own band server, where a decoder pulls it (``pull``: ``PULL_TARGET``)."""
 
-    kind: str  # unix | tcp | dir
+    kind: str  # unix | tcp | dir | pull
     path: str = ""  # unix, dir: absolute path
     host: str = ""  # tcp: a name, IPv4, or IPv6 (without brackets)
     port: int = 0  # tcp: 1..65535
@@ -275,8 +351,9 @@ class Address:
         return f"{self.kind}:{self.path}"
 
 
-def parse_address(text: str) -> Address:
-    """``unix:/abs/path``, ``tcp://HOST:PORT`` or ``dir:/abs/path``; ValueError otherwise."""
+def parse_address(text: str, *, any_port: bool = False) -> Address:
+    """``unix:/abs/path``, ``tcp://HOST:PORT`` or ``dir:/abs/path``; ValueError otherwise.
+    ``any_port``: a listener's address, whose port may be 0 (any free one)."""
 
     def bad(why: str) -> ValueError:
         return ValueError(f"address {text!r}: {why}; accepted forms: {_ACCEPTED}")
@@ -299,8 +376,9 @@ def parse_address(text: str) -> Address:
         if not sep or not port_text.isdigit() or not port_text.isascii():
             raise bad("no :PORT")
         port = int(port_text)
-        if not 1 <= port <= 65535:
-            raise bad(f"port {port} outside 1..65535")
+        low = 0 if any_port else 1
+        if not low <= port <= 65535:
+            raise bad(f"port {port} outside {low}..65535")
         if host.startswith("[") and host.endswith("]"):
             try:
                 ipaddress.IPv6Address(host[1:-1])
@@ -311,6 +389,13 @@ def parse_address(text: str) -> Address:
             raise bad(f"host {host!r} is not a name or an IPv4 address (IPv6 goes in [])")
         return Address(kind="tcp", host=host, port=port)
     raise bad("unknown form")
+
+
+def parse_target(text: str) -> Address:
+    """A band's target: an address :func:`parse_address` reads, or ``PULL_TARGET``."""
+    if text == PULL_TARGET:
+        return Address(kind="pull")
+    return parse_address(text)
 
 
 # -- what a model's bands hold -------------------------------------------------------

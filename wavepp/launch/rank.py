@@ -22,7 +22,7 @@ from wavepp.launch.backends import Backend
 from wavepp.launch.lifecycle import FAULT_GRACE_S, Lifecycle, reason
 from wavepp.launch.log import log
 from wavepp.launch.record import run_record, stage_report
-from wavepp.launch.setup import Setup, agree_setup, open_planes
+from wavepp.launch.setup import Setup, agree_band_servers, agree_setup, open_planes
 from wavepp.plan import CostFit, CostModel, PlanContext
 from wavepp.plan.cost import PRIOR_WEIGHT
 from wavepp.policy import Policy, PolicyError, for_run
@@ -32,7 +32,7 @@ from wavepp.rungs import RUNGS
 from wavepp.runtime.coordinator import Coordinator
 from wavepp.runtime.feed import Feed
 from wavepp.runtime.followers import follow_rounds, follow_waves
-from wavepp.runtime.handoff import HandoffTargets
+from wavepp.runtime.handoff import BandServers, HandoffTargets
 from wavepp.runtime.planning import WavePlanner
 from wavepp.transport.planes import Planes
 from wavepp.transport.watchdog import Watchdog
@@ -117,7 +117,8 @@ class RankZero:
 
     def __init__(self, c: RunConfig, world: int, setup: Setup, planes: Planes,
                  parts: StageParts, announcer, watchdog: Watchdog | None,
-                 client: Client | None) -> None:  # fmt: skip
+                 client: Client | None,
+                 band_servers: BandServers | None = None) -> None:  # fmt: skip
         self.client = client
         self.watchdog = watchdog
         stage = parts.stage
@@ -135,7 +136,7 @@ class RankZero:
         self.engine = Engine(self.coordinator, vocab_size=setup.vocab,
                              min_capacity=setup.min_capacity, block_size=stage.block_size,
                              kv_events=None if announcer is None else announcer.info,
-                             watchdog=watchdog)  # fmt: skip
+                             watchdog=watchdog, band_servers=band_servers)  # fmt: skip
         self.feed = None
         if client is None:
             self.feed = Feed(self.engine, setup.specs, concurrency=c.concurrency,
@@ -204,14 +205,17 @@ async def rank_main(c: RunConfig, backend: Backend, life: Lifecycle, rank: int, 
     # otherwise the run's first round waits out the slowest stage's start-up (2.2 s of a
     # 9.9 s run at P = 2 with --compile), inside the measured time.
     _, attention_only = await planes.rounds.all_min([1, int(not stage.has_recurrent)])
+    band_servers = await agree_band_servers(
+        planes.rounds, None if stage.handoffs is None else stage.handoffs.address,
+        c.handoff_lease_s)  # fmt: skip
     publisher = announcer = None
     if rank == 0 and c.kv_events:
         publisher, announcer = start_kv_events(c, world, parts.cache_log,
                                                hybrid=not attention_only)  # fmt: skip
     if watchdog is not None:  # this stage's figures ride on its heartbeat (for metrics)
         watchdog.publish(stage.figures)
-    zero = (RankZero(c, world, setup, planes, parts, announcer, watchdog, client)
-            if rank == 0 else None)  # fmt: skip
+    zero = (RankZero(c, world, setup, planes, parts, announcer, watchdog, client,
+                     band_servers) if rank == 0 else None)  # fmt: skip
 
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:

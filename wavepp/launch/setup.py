@@ -2,7 +2,9 @@
 
 :func:`preflight` runs before any process group (on every rank, and in a launcher);
 then every rank opens its planes (:func:`open_planes`) and agrees with the others on
-the workload, the placement of layers and every stage's pool (:func:`agree_setup`).
+the workload, the placement of layers and every stage's pool (:func:`agree_setup`);
+once the stages are built, rank 0 learns where each serves its bands to decoders
+(:func:`agree_band_servers`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from typing import TYPE_CHECKING
 import attrs
 
 from wavepp.config import RunConfig, check_for_world, layer_counts, stage_capacities, validate
+from wavepp.handoff import wire
 from wavepp.launch.backends import Backend, backend_for
 from wavepp.launch.log import log
 from wavepp.plan.placement import Placement, PlacementError, even, given, typical_wave
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import RUNGS, Admission
+from wavepp.runtime.handoff import BandServers
 from wavepp.state import block_hashes, num_blocks_for
 from wavepp.transport.planes import Planes, build_planes
 from wavepp.transport.watchdog import Watchdog
@@ -169,6 +173,31 @@ async def agree_setup(c: RunConfig, backend: Backend, rank: int, world: int,
                 "(rank 0 decides for all stages)")  # fmt: skip
         capacity = min_capacity
     return Setup(vocab, specs, rejected, cancels, capacity, min_capacity, pools, placement)
+
+
+async def agree_band_servers(plane: RoundsPlane, address: str | None,
+                             lease_s: float) -> BandServers | None:  # fmt: skip
+    """Rank 0: every stage's band server (``address``: this stage's, as decoders reach
+    it), or None when the stages serve none; None on the other ranks. A stage's address
+    is checked as any peer's input."""
+    gathered = await plane.gather((address or "").encode())
+    if gathered is None:
+        return None
+    addresses = []
+    for stage, raw in enumerate(gathered):
+        try:
+            text = raw.decode()
+            if text:
+                wire.parse_address(text)
+        except (UnicodeDecodeError, ValueError) as error:
+            raise RuntimeError(f"stage {stage} sent a band server address that is not one: "
+                               f"{raw[:200]!r} ({error})") from None  # fmt: skip
+        addresses.append(text)
+    if not any(addresses):
+        return None
+    if not all(addresses):
+        raise RuntimeError(f"only some stages serve bands to decoders: {addresses}")
+    return BandServers(tuple(addresses), lease_s)
 
 
 async def agree_placement(c: RunConfig, backend: Backend, rank: int, world: int,

@@ -1,9 +1,12 @@
-"""``python -m wavepp.route --replica URL [--replica URL ...] --port 8000 [--policy NAME]``.
+"""``python -m wavepp.route --replica URL [--replica URL ...] [--decoder URL ...] --port 8000``.
 
 A router over WavePP servers (``python -m wavepp.serve``): it learns each replica's block
 size and KV-event endpoints from its ``GET /v1/models``, keeps one index per replica fed
-by its events, and sends each request where the policy says (``docs/fleet.md``). SIGTERM
-or SIGINT drains it: new requests get 503, the ones in flight answer, exit 0.
+by its events, and sends each request where the policy says (``docs/fleet.md``). With
+``--decoder`` (vLLM servers with WavePP's connector), completions and chats are prefilled
+on a replica and decoded on the least busy decoder (``wavepp.route.pd``,
+``docs/handoff.md``). SIGTERM or SIGINT drains it: new requests get 503, the ones in
+flight answer, exit 0.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import anyio
 
 from wavepp.policy.load import PolicyError
 from wavepp.route.app import http_client, run_router
+from wavepp.route.pd import Decoder, Disaggregated
 from wavepp.route.policies import DEFAULT_ROUTE_POLICY, ROUTE_POLICIES, load_route_policy
 from wavepp.route.replicas import Replica, WatchOptions, log
 from wavepp.route.router import Router
@@ -25,11 +29,18 @@ from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m wavepp.route",
-        description="Route /v1/prefill and /v1/completions over WavePP servers by their KV "
-        "events (docs/fleet.md).",
+        description="Route /v1/prefill, /v1/completions and /v1/chat/completions over WavePP "
+        "servers by their KV events (docs/fleet.md); with --decoder, prefill completions and "
+        "chats on a replica and decode them on a vLLM decoder (docs/handoff.md).",
     )
     p.add_argument("--replica", action="append", required=True, metavar="URL",
                    help="a replica's base URL, e.g. http://10.0.0.5:8001 (repeat per replica)")
+    p.add_argument("--decoder", action="append", default=[], metavar="URL",
+                   help="a decoder's base URL: a vLLM server with WavePP's connector "
+                   "(kv_connector WavePPConnector), e.g. http://10.0.0.6:8100 (repeat per "
+                   "decoder); completions and chats then go through a replica's prefill "
+                   "and the decoder with the fewest requests in flight whose /health "
+                   "answers [none: the replicas answer them]")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free one) [8000]")
     p.add_argument("--policy", default=DEFAULT_ROUTE_POLICY,
@@ -67,9 +78,11 @@ def check(args: argparse.Namespace) -> None:
         if not ok:
             raise SystemExit(f"wavepp route: {message}")
 
-    for url in args.replica:
-        need(url.startswith(("http://", "https://")), f"--replica {url!r} is not an http(s) URL")
-    need(len(set(args.replica)) == len(args.replica), "a --replica URL is given twice")
+    for option, urls in (("--replica", args.replica), ("--decoder", args.decoder)):
+        for url in urls:
+            need(url.startswith(("http://", "https://")), f"{option} {url!r} is not an http(s) "
+                 "URL")
+        need(len(set(urls)) == len(urls), f"a {option} URL is given twice")
     need(0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}")
     for name in ("health_interval_s", "health_timeout_s", "events_timeout_s", "drain_timeout_s"):
         value = getattr(args, name)
@@ -101,10 +114,12 @@ def main(argv: list[str] | None = None) -> None:
         async with http_client() as client, anyio.create_task_group() as tg:
             tg.start_soon(on_signal)
             router = Router(replicas, policy, args.policy, client)
+            decoders = [Decoder(f"d{i}", url) for i, url in enumerate(args.decoder)]
+            pd = Disaggregated(router, decoders) if decoders else None
             await run_router(router, args.host, args.port, watch=watch, make_index=make_index,
                              subscribe=subscribe, max_body_bytes=args.max_body_bytes,
                              drain_timeout_s=args.drain_timeout_s, log_level=args.log_level,
-                             stop=stop)  # fmt: skip
+                             stop=stop, pd=pd)  # fmt: skip
             tg.cancel_scope.cancel()
 
     anyio.run(run)

@@ -1,11 +1,12 @@
 """The router's HTTP side: the Starlette app, and running it under uvicorn until SIGTERM.
 
-Routes: ``POST /v1/prefill`` and ``POST /v1/completions`` (forwarded, see
-:mod:`wavepp.route.router`), ``DELETE /v1/requests/{id}`` (to the replica the request is
-at), ``GET /health`` (200 while at least one replica is up; every replica's state, the
-deadlines met so far),
-``GET /metrics`` (``wavepp_route_*``) and ``GET /v1/models`` (a replica's, with the
-fleet's size: what ``wavepp.bench.load`` reads). A client that disconnects while its
+Routes: ``POST /v1/prefill``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(forwarded, see :mod:`wavepp.route.router`; with decoders, completions and chats are
+prefilled on a replica and decoded on a decoder, :mod:`wavepp.route.pd`),
+``DELETE /v1/requests/{id}`` (to the replica the request is at), ``GET /health`` (200
+while at least one replica is up; every replica's state — and decoder's —, the deadlines
+met so far), ``GET /metrics`` (``wavepp_route_*``) and ``GET /v1/models`` (a replica's,
+with the fleet's size: what ``wavepp.bench.load`` reads). A client that disconnects while its
 request waits closes the router's connection to the replica, which cancels the request
 there. SIGTERM drains: new requests get 503, the ones in flight get ``drain_timeout_s``.
 """
@@ -26,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from wavepp.route.body import peek
+from wavepp.route.pd import Disaggregated
 from wavepp.route.replicas import MakeIndex, Subscribe, WatchOptions, log
 from wavepp.route.router import Router
 from wavepp.serve.api import ApiError
@@ -44,7 +46,9 @@ def _error(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              pd: Disaggregated | None = None) -> Starlette:  # fmt: skip
+    """``pd``: the decoders' path for completions and chats (``--decoder``), if any."""
     metrics = router.metrics
 
     async def forward(request: Request, route: str) -> Response:
@@ -52,6 +56,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
             raw = await read_body(request, max_body_bytes)
             arrived = time.monotonic()  # a deadline counts from here (docs/fleet.md)
             answer: Response | None = None
+            disaggregated = pd is not None and route != "/v1/prefill"
 
             async def watch_disconnect() -> None:
                 while (await request.receive())["type"] != "http.disconnect":
@@ -61,7 +66,10 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch_disconnect)
                 try:
-                    answer = await router.forward(route, peek(route, raw), arrived)
+                    if disaggregated:
+                        answer = await pd.forward(route, raw, request.headers, arrived)
+                    else:
+                        answer = await router.forward(route, peek(route, raw), arrived)
                 except ApiError as error:  # raised here, not out of the task group
                     answer = refuse(error)
                 tg.cancel_scope.cancel()
@@ -79,6 +87,9 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
     async def completions(request: Request) -> Response:
         return await forward(request, "/v1/completions")
 
+    async def chat_completions(request: Request) -> Response:
+        return await forward(request, "/v1/chat/completions")
+
     async def cancel(request: Request) -> Response:
         try:
             code, raw = await router.cancel(request.path_params["request_id"])
@@ -92,6 +103,8 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
         status = "draining" if router.draining else "ok" if up else "unavailable"
         body = {"status": status, "policy": router.policy_name, "replicas_up": up,
                 "replicas": replicas, "deadlines": metrics.attainment.snapshot()}  # fmt: skip
+        if pd is not None:
+            body["decoders"] = [d.snapshot() for d in pd.decoders]
         return JSONResponse(body, status_code=200 if up and not router.draining else 503)
 
     async def prometheus(request: Request) -> Response:
@@ -117,6 +130,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> S
     routes = [
         Route("/v1/prefill", prefill, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/requests/{request_id:str}", cancel, methods=["DELETE"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
@@ -139,12 +153,14 @@ async def run_router(
     drain_timeout_s: float = 25.0,
     log_level: str = "warning",
     stop: anyio.Event | None = None,
+    pd: Disaggregated | None = None,
 ) -> None:
-    """Watch the replicas and serve until ``stop`` is set (SIGTERM sets it); then drain."""
+    """Watch the replicas (and decoders) and serve until ``stop`` is set (SIGTERM sets
+    it); then drain."""
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        build_app(router, max_body_bytes), lifespan="off",
+        build_app(router, max_body_bytes, pd), lifespan="off",
         http=h11_with_header_timeout(HEADER_TIMEOUT_S), ws="none", log_level=log_level,
         access_log=False, timeout_graceful_shutdown=2.0, server_header=False,
     )  # fmt: skip
@@ -164,14 +180,18 @@ async def run_router(
     async def announce() -> None:
         while not server.started:
             await anyio.sleep(0.05)
+        decoders = "" if pd is None else ", decoders " + " ".join(
+            f"{d.name}={d.url}" for d in pd.decoders)  # fmt: skip
         log(f"listening on http://{bound_host}:{bound_port} (pid {os.getpid()}), policy "
             f"{router.policy_name}, replicas " + " ".join(
-                f"{r.name}={r.url}" for r in router.replicas))  # fmt: skip
+                f"{r.name}={r.url}" for r in router.replicas) + decoders)  # fmt: skip
 
     try:
         async with anyio.create_task_group() as tg:
             for replica in router.replicas:
                 tg.start_soon(replica.watch, router.client, watch, make_index, subscribe)
+            for decoder in pd.decoders if pd is not None else ():
+                tg.start_soon(decoder.watch, router.client, watch)
             tg.start_soon(drain)
             tg.start_soon(announce)
             await server.serve(sockets=[sock])

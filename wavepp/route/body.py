@@ -1,12 +1,13 @@
-"""What the router reads of a request body: its id, its prompt's token ids, whether it
-streams, its priority and deadline.
+"""What the router reads of a request body: its id, its prompt's token ids (a chat's
+messages as text, for the text tree), whether it streams, its priority and deadline.
 
 The body itself is forwarded as it came, with two exceptions: a request without an id gets
-one (``id`` for ``/v1/prefill``, ``request_id`` for ``/v1/completions``), so that a retry
-on another replica runs under the same id; and a request with a deadline is sent with
-what is left of it (:func:`with_deadline`). A body the router cannot read (not JSON, a
-field of the wrong type) is forwarded anyway, routed as a prompt of unknown tokens with
-no deadline: the replica answers it as a single server would (a 400 naming the field).
+one (``id`` for ``/v1/prefill``, ``request_id`` for ``/v1/completions`` and
+``/v1/chat/completions``), so that a retry on another replica runs under the same id; and
+a request with a deadline is sent with what is left of it (:func:`with_deadline`). A body
+the router cannot read (not JSON, a field of the wrong type) is forwarded anyway, routed
+as a prompt of unknown tokens with no deadline: the replica answers it as a single server
+would (a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from wavepp.ids import id_problem
 from wavepp.serve.api import PRIORITY_RANGE
 from wavepp.workload import MAX_DEADLINE_S
 
-ID_FIELD = {"/v1/prefill": "id", "/v1/completions": "request_id"}
+ID_FIELD = {"/v1/prefill": "id", "/v1/completions": "request_id",
+            "/v1/chat/completions": "request_id"}  # fmt: skip
 
 
 class _Prefill(msgspec.Struct):
@@ -33,12 +35,19 @@ class _Prefill(msgspec.Struct):
     deadline_s: Any = None
 
 
-class _Completion(msgspec.Struct):
-    prompt: Any = None
+class _OpenAI(msgspec.Struct, kw_only=True):
     request_id: Any = None
     stream: Any = False
     priority: Any = 0
     deadline_s: Any = None
+
+
+class _Completion(_OpenAI, kw_only=True):
+    prompt: Any = None
+
+
+class _Chat(_OpenAI, kw_only=True):
+    messages: Any = None
 
 
 @attrs.frozen
@@ -57,6 +66,7 @@ class Peek:
     deadline_s: float | None = None
     # the prompt's chained block hashes per block size, filled once as replicas ask
     hashes_of: dict[int, tuple[int, ...]] = attrs.field(factory=dict, eq=False, repr=False)
+    headers: dict[str, str] = attrs.field(factory=dict)  # sent with the body (X-Request-Id)
 
 
 def _ids(value: Any) -> np.ndarray | None:
@@ -76,6 +86,23 @@ def _prompt(value: Any) -> tuple[np.ndarray | None, str | None]:
     return _ids(value), None
 
 
+def _chat_text(messages: Any) -> str | None:
+    """A chat's messages as one text (roles and text contents, in order): the text
+    tree's key, so that chats sharing a beginning share a prefix."""
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "\n".join(p.get("text", "") for p in content
+                                if isinstance(p, dict) and isinstance(p.get("text"), str))
+        parts.append(f"{message.get('role')}\n{content if isinstance(content, str) else ''}\n")
+    return "".join(parts)
+
+
 def _priority(value: Any) -> int:
     ok = type(value) is int and PRIORITY_RANGE[0] <= value <= PRIORITY_RANGE[1]
     return value if ok else 0
@@ -90,16 +117,22 @@ def new_request_id() -> str:
     return f"route-{uuid.uuid4().hex}"
 
 
+KINDS = {"/v1/prefill": _Prefill, "/v1/completions": _Completion,
+         "/v1/chat/completions": _Chat}  # fmt: skip
+
+
 def peek(route: str, raw: bytes) -> Peek:
     """The router's reading of ``raw``, a body for ``route`` (a key of :data:`ID_FIELD`)."""
-    kind = _Prefill if route == "/v1/prefill" else _Completion
     try:
-        parsed = msgspec.json.decode(raw, type=kind)
+        parsed = msgspec.json.decode(raw, type=KINDS[route])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return Peek(raw, None, False, None, None, False)
     priority, deadline_s = _priority(parsed.priority), _deadline(parsed.deadline_s)
     if isinstance(parsed, _Prefill):
         tokens, text, given, stream = _ids(parsed.tokens), parsed.text, parsed.id, False
+    elif isinstance(parsed, _Chat):
+        tokens, text = None, _chat_text(parsed.messages)
+        given, stream = parsed.request_id, parsed.stream is True
     else:
         tokens, text = _prompt(parsed.prompt)
         given, stream = parsed.request_id, parsed.stream is True

@@ -6,6 +6,8 @@ predicted for them (and how many answers had exactly the predicted reuse), answe
 requests with a deadline and those that met it (the replica's ``deadline_met``), retries
 by reason, answers by HTTP code, deadlines that passed at the router; gauges: replicas
 up, each replica's state, requests in flight, the blocks its index holds, SLO attainment.
+With decoders (``--decoder``): each leg's answers by HTTP code, prefills whose cache the
+replica held for the decoder (or not), and each decoder's state and requests in flight.
 """
 
 from __future__ import annotations
@@ -51,6 +53,25 @@ class ReplicaCollector:
             if r.index is not None:
                 blocks.add_metric([r.name], r.index.num_blocks)
         yield from (state, in_flight, blocks)
+
+
+class DecoderCollector:
+    """At each scrape, the decoders' states and requests in flight."""
+
+    def __init__(self, decoders: Sequence) -> None:
+        self.decoders = decoders
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(PREFIX + "decoders_up", "decoders taking requests",
+                                value=sum(1 for d in self.decoders if d.state == "up"))
+        in_flight = GaugeMetricFamily(PREFIX + "decoder_in_flight", "decode legs sent and "
+                                      "not answered", labels=["decoder"])  # fmt: skip
+        up = GaugeMetricFamily(PREFIX + "decoder_up", "1 while the decoder's /health answers",
+                               labels=["decoder"])  # fmt: skip
+        for d in self.decoders:
+            in_flight.add_metric([d.name], d.in_flight)
+            up.add_metric([d.name], int(d.state == "up"))
+        yield from (in_flight, up)
 
 
 class Attainment:
@@ -123,6 +144,30 @@ class RouteMetrics:
         self.attainment = Attainment()
         registry.register(ReplicaCollector(replicas))
         registry.register(self.attainment)
+        self.legs = Counter(PREFIX + "pd_legs", "prefill and decode legs of requests sent to a "
+                            "decoder (--decoder), by leg and HTTP code", ["leg", "code"],
+                            registry=registry)  # fmt: skip
+        self.held = Counter(PREFIX + "pd_prefills", "prefills answered for a decoder, by "
+                            "whether the replica held the cache for it (held) or not (none: "
+                            "the decoder computed the prompt)", ["cache"],
+                            registry=registry)  # fmt: skip
+        self.decoder_answers = Counter(PREFIX + "decoder_answers", "decoders' answers, by "
+                                       "decoder and HTTP code", ["decoder", "code"],
+                                       registry=registry)  # fmt: skip
+
+    def watch_decoders(self, decoders: Sequence) -> None:
+        """Show the decoders' states and loads at each scrape."""
+        self.registry.register(DecoderCollector(decoders))
+
+    def pd_leg(self, leg: str, code: int, *, held: bool | None = None,
+               decoder: str | None = None) -> None:  # fmt: skip
+        """A leg of a P/D request answered ``code`` (``held``: the prefill's cache is held
+        for the decoder; ``decoder``: which decoder answered)."""
+        self.legs.labels(leg, str(code)).inc()
+        if held is not None:
+            self.held.labels("held" if held else "none").inc()
+        if decoder is not None:
+            self.decoder_answers.labels(decoder, str(code)).inc()
 
     def sent(self, replica: str) -> None:
         self.requests.labels(replica, self.policy).inc()

@@ -205,7 +205,7 @@ class Router:
                 flight.scope = scope
                 request = self.client.build_request(
                     "POST", replica.url + route, content=body,
-                    headers={"content-type": "application/json"},
+                    headers={"content-type": "application/json", **peek.headers},
                 )  # fmt: skip
                 try:
                     upstream = await self.client.send(request, stream=True)
@@ -219,7 +219,7 @@ class Router:
                             "text/event-stream"):  # fmt: skip
                         handed_on = True
                         return self._stream(replica, flight, upstream, headers)
-                    raw = await _read_capped(upstream)
+                    raw = await read_capped(upstream)
                 except httpx.TransportError as error:
                     return self._lost(replica, error)
                 finally:
@@ -249,7 +249,7 @@ class Router:
         return _Retry("lost", f"lost the connection before answering ({type(error).__name__})")
 
     async def _unavailable(self, replica: Replica, upstream: httpx.Response) -> _Retry:
-        raw = await _read_capped(upstream)
+        raw = await read_capped(upstream)
         try:
             error = msgspec.json.decode(raw)["error"]
             message, kind = str(error["message"]), error.get("type")
@@ -313,12 +313,13 @@ class Router:
         return reply.status_code, reply.content
 
 
-async def _read_capped(upstream: httpx.Response) -> bytes:
+async def read_capped(upstream: httpx.Response, who: str = "a replica") -> bytes:
+    """An answer's whole body, ApiError(502) past ``MAX_ANSWER_BYTES``."""
     parts, size = [], 0
     async for chunk in upstream.aiter_bytes():
         size += len(chunk)
         if size > MAX_ANSWER_BYTES:
-            raise ApiError(502, f"a replica's answer is over {MAX_ANSWER_BYTES:,} bytes",
+            raise ApiError(502, f"{who}'s answer is over {MAX_ANSWER_BYTES:,} bytes",
                            "server_error")  # fmt: skip
         parts.append(chunk)
     return b"".join(parts)

@@ -11,6 +11,8 @@ import shutil
 import time
 from pathlib import Path
 
+import attrs
+
 from wavepp.errors import RequestRejected
 from wavepp.handoff import wire
 from wavepp.workload import RequestSpec
@@ -19,10 +21,21 @@ FORMATS = ("wavepp", "vllm-example")
 STAGING = ".wavepp-staging"  # under --handoff-dir: folders being written
 
 
+@attrs.frozen
+class BandServers:
+    """Where a run's stages serve bands to decoders that pull them (``pull:`` targets),
+    as rank 0 agreed it at setup."""
+
+    addresses: tuple[str, ...]  # stage s's band server, as decoders reach it
+    lease_s: float  # how long a band waits for its decoder after its last chunk, seconds
+
+
 class HandoffTargets:
     """Rank 0: the address a request's cache goes to, checked at intake.
 
-    A request names an address (``unix:/path``, ``tcp://host:port``) or asks for the
+    A request names an address (``unix:/path``, ``tcp://host:port``), asks for its
+    cache to be held on the stages' band servers until a decoder pulls it (``pull:``,
+    a run with ``--handoff-serve``), or asks for the
     run's default (``True``): ``--handoff-to``, or with ``--handoff-format vllm-example``
     folders under ``--handoff-dir`` named as vLLM's ``ExampleConnector`` names them (a
     hash of the block-aligned prompt, ``--handoff-block-size``).
@@ -36,8 +49,10 @@ class HandoffTargets:
     """
 
     def __init__(self, default: str | None, fmt: str, folder: str | None, block_size: int,
-                 layer_kinds: str) -> None:  # fmt: skip
+                 layer_kinds: str, pulls: bool = False) -> None:  # fmt: skip
+        """``pulls``: the stages serve bands to decoders (``--handoff-serve``)."""
         self.default = default
+        self.pulls = pulls
         self.format = fmt
         self.folder = Path(folder).resolve() if folder else None
         self.block_size = block_size
@@ -59,6 +74,11 @@ class HandoffTargets:
         if not isinstance(asked, str):
             raise RequestRejected(f"handoff must be an address string or true, got {asked!r}",
                                   "invalid")  # fmt: skip
+        if asked == wire.PULL_TARGET:
+            if not self.pulls:
+                raise RequestRejected("handoff: pull: needs the stages' band servers "
+                                      "(--handoff-serve)", "invalid")  # fmt: skip
+            return asked
         try:
             address = wire.parse_address(asked)
         except ValueError as error:

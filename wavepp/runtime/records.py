@@ -9,6 +9,7 @@ import anyio
 import attrs
 
 from wavepp.errors import RequestRejected as RequestRejected  # re-exported
+from wavepp.handoff.wire import PULL_TARGET
 from wavepp.ids import ID_RULE as ID_RULE  # re-exported
 from wavepp.ids import id_problem as id_problem  # re-exported
 from wavepp.rounds.errors import ProtocolError as ProtocolError  # re-exported
@@ -105,6 +106,8 @@ class Record:
     released_at: float | None = None  # submitted: entered the waiting queue
     admitted_at: float | None = None
     first_chunk_at: float | None = None  # its first chunk left stage 0's planner
+    last_chunk_at: float | None = None  # its latest chunk left stage 0's planner
+    prefilled_at: float | None = None  # its first token came back (handing off since)
     done_at: float | None = None
     cached_tokens: int = 0
     first_token: int = -1
@@ -116,9 +119,14 @@ class Record:
     # why a cancel was asked, kept when the first token clears ``cancel_reason``: its
     # cancel wave is on its way, and may still stop a band of a handoff
     cancel_asked: str | None = None
+    # every stage dropped it while its bands were still on their way: it ends (cancelled)
+    # with its last band's outcome
+    cancel_confirmed: bool = False
     miss_reason: str | None = None  # why it reused < 80% of its expected reuse
     handoff_outcomes: dict = attrs.field(factory=dict)  # stage -> HandoffOutcome
     finished: anyio.Event = attrs.field(factory=anyio.Event)
+    # its caller may be answered: it ended, or its bands wait for a decoder to pull them
+    answered: anyio.Event = attrs.field(factory=anyio.Event)
     _status: Status = attrs.field(default=Status.QUEUED, init=False)
 
     @property
@@ -151,6 +159,11 @@ class Record:
         self._move(Status.RUNNING)
         self.first_chunk_at = now
 
+    @property
+    def held_for_pull(self) -> bool:
+        """Its cache waits on the stages' band servers for a decoder (``pull:``)."""
+        return getattr(self.offer, "handoff", "") == PULL_TARGET
+
     def prefill(self, cached: int, token: int, logit: float) -> None:
         """Its first token came back; a cancel asked meanwhile came too late."""
         if self._status is not Status.RUNNING:
@@ -159,9 +172,13 @@ class Record:
         self.cached_tokens, self.first_token, self.top_logit = cached, token, logit
         self.cancel_reason = None
 
-    def hand_off(self) -> None:
-        """Prefilled; its cache's bands are still on their way."""
+    def hand_off(self, now: float) -> None:
+        """Prefilled; its cache's bands are still on their way (or, pulled, waiting for
+        their decoder: its caller is answered now)."""
         self._move(Status.HANDING_OFF)
+        self.prefilled_at = now
+        if self.held_for_pull:
+            self.answered.set()
 
     def ask_cancel(self, reason: str) -> bool:
         """Note a cancel; False when it is over or a cancel was already asked for."""
@@ -176,6 +193,22 @@ class Record:
         self.error = (self.cancel_reason or self.cancel_asked) if status is Status.CANCELLED \
             else error  # fmt: skip
         self.finished.set()
+        self.answered.set()
+
+    def answer(self) -> Result:
+        """What its caller is answered with: its result, or — its cache waiting for a
+        decoder to pull it — its prefill's (status done, handoff status ``held``, and
+        ``held_since``: wall-clock seconds no later than the start of any stage's
+        lease)."""
+        if self._status is not Status.HANDING_OFF or not self.held_for_pull:
+            return self.result()
+        summary = self.handoff_summary() or {}
+        # every stage's lease started after its last chunk left stage 0's planner
+        held = summary if summary.get("status") == "failed" else {
+            **summary, "status": "held", "held_since": self.last_chunk_at or self.prefilled_at}
+        return attrs.evolve(self.result(), status=Status.DONE.value,
+                            first_token=self.first_token, top_logit=self.top_logit,
+                            done_at=self.prefilled_at or 0.0, handoff=held)  # fmt: skip
 
     def result(self) -> Result:
         done = self._status is Status.DONE

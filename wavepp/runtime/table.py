@@ -148,6 +148,7 @@ class RequestTable:
         record = self._live[rid]
         if record.status is not Status.RUNNING:
             record.start(now)
+        record.last_chunk_at = now
         return record
 
     def ask_cancel(self, rid: RequestId, reason: str) -> Record | None:
@@ -166,7 +167,7 @@ class RequestTable:
             return
         record.prefill(cached, token, logit)
         if record.offer.handoff and not self._handed_off(record):
-            record.hand_off()
+            record.hand_off(time.time())
             self.awaiting_handoff.add(rid)
             return
         self._end(record, Status.DONE, None, held_room=True)
@@ -190,7 +191,11 @@ class RequestTable:
         if record is None or not record.offer.handoff or outcome.stage >= self.num_stages:
             return  # cancelled (its cancel settled it) or a peer's stray outcome
         record.handoff_outcomes[outcome.stage] = outcome
-        if record.status is Status.HANDING_OFF and self._handed_off(record):
+        if record.status is not Status.HANDING_OFF:
+            return
+        if record.cancel_confirmed and len(record.handoff_outcomes) >= self.num_stages:
+            self._end(record, Status.CANCELLED, None, held_room=True)
+        elif self._handed_off(record):
             self._end(record, Status.DONE, None, held_room=True)
 
     def fail(self, rid: RequestId, error: str) -> None:
@@ -199,10 +204,16 @@ class RequestTable:
             self._end(record, Status.FAILED, error, held_room=True)
 
     def settle_cancel(self, rid: RequestId) -> None:
-        """Every stage dropped the request (or it never reached one)."""
+        """Every stage dropped the request (or it never reached one). One handing off
+        ends once every stage's band has ended too (each ends at once, stopped by the
+        cancel): its result then says how each went."""
         record = self._live.get(rid)
-        if record is not None:
-            self._end(record, Status.CANCELLED, None, held_room=record.admitted_at is not None)
+        if record is None:
+            return
+        if record.status is Status.HANDING_OFF and len(record.handoff_outcomes) < self.num_stages:
+            record.cancel_confirmed = True
+            return
+        self._end(record, Status.CANCELLED, None, held_room=record.admitted_at is not None)
 
     def drain(self) -> None:
         """Take no new requests; end the run once the live ones have ended."""

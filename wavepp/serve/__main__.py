@@ -3,8 +3,10 @@
 Rank 0 serves HTTP (see :mod:`wavepp.serve.app`) next to the runtime; ranks > 0 serve
 their pipeline stage. The run options are those of ``wavepp.main`` (``--model``,
 ``--rung``, ``--capacity-blocks``, ...); the workload options only size the default
-pool (``--prompt-tokens`` x ``--concurrency``). ``--decode ADDRESS|auto`` adds a decoder:
-``/v1/completions`` with ``max_tokens`` > 1 hands the prompt's cache to it and answers
+pool (``--prompt-tokens`` x ``--concurrency``). Each stage serves its bands to decoders
+that pull them (vLLM's P/D protocol; ``--handoff-serve``, auto here by default).
+``--decode ADDRESS|auto`` adds a decoder: ``/v1/completions`` and
+``/v1/chat/completions`` with ``max_tokens`` > 1 hand the prompt's cache to it and answer
 with its tokens (``wavepp.serve.decode``). SIGTERM drains: no new requests, the
 ones in flight answer, the leak check runs, and the exit status says whether it held.
 """
@@ -16,8 +18,10 @@ import sys
 from pathlib import Path
 
 import attrs
+import jinja2
 
-from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, ServeOptions
+from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, NO_CHAT, ServeOptions
+from wavepp.serve.chat import ChatTemplate
 from wavepp.serve.decode import check_decode_option, decoder
 
 
@@ -36,7 +40,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--tokenizer", default=None,
-        help="tokenizer.json for text prompts [the checkpoint directory's, if it has one]",
+        help="tokenizer.json for text prompts; its folder's chat template "
+        "(chat_template.jinja, or chat_template in tokenizer_config.json) serves "
+        "/v1/chat/completions [the checkpoint directory's, if it has one]",
     )  # fmt: skip
     p.add_argument(
         "--max-in-flight", type=int, default=0,
@@ -68,9 +74,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def tokenizer_functions(path: Path | None):
-    """(text -> ids, id -> text) from a tokenizer.json, or (None, None) without one."""
+    """(text -> ids, id -> text, the chat template or None, why there is none) from a
+    tokenizer.json and the tokenizer files beside it (``wavepp.serve.chat``)."""
     if path is None:
-        return None, None
+        return None, None, None, NO_CHAT
     from tokenizers import Tokenizer
 
     try:
@@ -84,7 +91,17 @@ def tokenizer_functions(path: Path | None):
     def detokenize(token: int) -> str:
         return tokenizer.decode([token])
 
-    return tokenize, detokenize
+    def encode_chat(text: str) -> list[int]:  # the template places the special tokens
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    try:
+        chat = ChatTemplate.from_directory(path.parent, encode_chat)
+    except (ValueError, jinja2.TemplateError) as error:
+        raise SystemExit(f"wavepp serve: the chat template in {path.parent}: {error}") from None
+    no_chat = (f"the model has no chat template: {path.parent} holds neither "
+               "chat_template.jinja nor a chat_template in tokenizer_config.json (send the "
+               "prompt to /v1/completions)")  # fmt: skip
+    return tokenize, detokenize, chat, no_chat
 
 
 def _tokenizer_path(explicit: str | None, model: str | None) -> Path | None:
@@ -121,11 +138,15 @@ def check(argv: list[str] | None, world: int | None = None):
             flag = "--" + name.replace("_", "-")
             raise SystemExit(f"wavepp serve: {flag} must be positive, got {value:g}")
     config = load(rest)
+    if config.executor == "torch" and config.handoff_serve is None:
+        # the server's stages serve bands to decoders (vLLM's P/D protocol) by default
+        config = attrs.evolve(config, handoff_serve="auto")
     if world is not None:
         from wavepp.launch import preflight
 
         preflight(config, world)
-    tokenize, detokenize = tokenizer_functions(_tokenizer_path(args.tokenizer, config.model))
+    tokenize, detokenize, chat, no_chat = tokenizer_functions(
+        _tokenizer_path(args.tokenizer, config.model))  # fmt: skip
     options = ServeOptions(
         max_body_bytes=args.max_body_bytes,
         model_name=args.served_model_name or str(config.model or "wavepp"),
@@ -137,6 +158,8 @@ def check(argv: list[str] | None, world: int | None = None):
         drain_timeout_s=args.drain_timeout_s,
         decode=check_decode_option(args.decode),
         simulated=config.executor == "sim",
+        chat=chat,
+        no_chat=no_chat,
     )
     if options.decode is not None and config.executor != "torch":
         raise SystemExit("wavepp serve: --decode needs the torch executor")

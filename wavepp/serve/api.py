@@ -17,7 +17,11 @@ import attrs
 import msgspec
 import numpy as np
 
+from wavepp.handoff.wire import PULL_TARGET
 from wavepp.ids import MAX_ID_CHARS, id_problem
+from wavepp.runtime.handoff import BandServers
+from wavepp.serve.errors import ApiError as ApiError  # re-exported
+from wavepp.serve.pd import KvTransferParams, check_shape, remote_decode
 from wavepp.workload import MAX_DEADLINE_S
 
 PRIORITY_RANGE = (-1000, 1000)
@@ -27,19 +31,6 @@ Priority = Annotated[int, msgspec.Meta(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1
 Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
 """``deadline_s``: the result is due this many seconds after the server submitted the
 request to the engine (the result's ``timings.submitted_at``)."""
-
-
-class ApiError(Exception):
-    """A request the server refuses: ``status`` is the HTTP status, the message says why."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.status}}
 
 
 class PrefillBody(msgspec.Struct):
@@ -53,36 +44,51 @@ class PrefillBody(msgspec.Struct):
     deadline_s: Deadline | None = None
 
 
-class CompletionBody(msgspec.Struct):
-    """``POST /v1/completions`` (OpenAI shape); unknown fields are ignored."""
+class OpenAIBody(msgspec.Struct, kw_only=True):
+    """What ``/v1/completions`` and ``/v1/chat/completions`` bodies share (OpenAI shape);
+    unknown fields are ignored."""
 
-    prompt: str | list  # text, token ids, or a batch of one of either
     model: str | None = None
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # chat's name for it; a P/D proxy sets it to 1
     stream: bool = False
     n: int = 1
     priority: Priority = 0
     request_id: RequestIdText | None = None
     deadline_s: Deadline | None = None
     user: str | None = None
-    # What a prefill cannot do: refused when set to anything but the neutral value.
+    seed: int | None = None  # nothing to seed: the first token is the greedy one
+    stream_options: dict | None = None  # the decoder's (usage is always in the answer)
+    # vLLM's P/D: do_remote_decode asks for the cache held for a decoder (wavepp.serve.pd)
+    kv_transfer_params: KvTransferParams | None = None
+    # What a prefill cannot do: refused when set to anything but the neutral value (with
+    # kv_transfer_params.do_remote_decode: the decoder's to honour, listed as ignored).
     logprobs: Any = None
     temperature: Any = None
     top_p: Any = None
-    best_of: Any = None
     stop: Any = None
-    suffix: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    min_tokens: Any = None
+
+
+class CompletionBody(OpenAIBody, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list  # text, token ids, or a batch of one of either
+    best_of: Any = None
+    suffix: Any = None
     echo: Any = None
 
 
 NEUTRAL = {"logprobs": (None,), "temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0),
            "best_of": (None, 1), "stop": (None, [], ""), "suffix": (None, ""),
            "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logit_bias": (None, {}), "echo": (None, False)}  # fmt: skip
+           "logit_bias": (None, {}), "echo": (None, False), "min_tokens": (None, 0, 1)}  # fmt: skip
 """Completion fields a prefill server does not do, and the values that ask nothing of it."""
+# fields a prefill for a decoder leaves to it, besides those above, when they are set
+DECODER_FIELDS = ("seed", "stream_options")
 
 
 @attrs.frozen
@@ -94,12 +100,20 @@ class Submission:
     priority: int  # class: higher is admitted first, FCFS inside a class
     handoff: str | bool | None = None  # where its cache goes (docs/handoff.md); None: nowhere
     deadline_s: float | None = None  # result due this many seconds after submission; None: none
+    # OpenAI requests: the fields this prefill ignores as a decoder's to honour (vLLM's
+    # P/D), said in the answer
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def for_decoder(self) -> bool:
+        """Its cache is held on the band servers for a decoder to pull (vLLM's P/D)."""
+        return self.handoff == PULL_TARGET
 
 
 Tokenize = Callable[[str], list[int]]
 
 
-def _decode(raw: bytes, kind: type) -> Any:
+def decode_body(raw: bytes, kind: type) -> Any:
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as error:
@@ -108,14 +122,14 @@ def _decode(raw: bytes, kind: type) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {error}") from None
 
 
-def _check_id(request_id: str | None) -> str | None:
+def check_id(request_id: str | None) -> str | None:
     problem = None if request_id is None else id_problem(request_id)
     if problem:
         raise ApiError(400, problem)
     return request_id
 
 
-def _token_array(tokens: list[int]) -> np.ndarray:
+def token_array(tokens: list[int]) -> np.ndarray:
     """The body's ids as int32 (JSON allows any integer). Whether they are a prompt the
     model can run — not empty, inside its vocabulary, short enough — is the engine's
     intake's to say, once, for every caller (its RequestRejected says which kind)."""
@@ -141,13 +155,13 @@ def _text_tokens(text: str, tokenize: Tokenize | None) -> list[int]:
 
 
 def parse_prefill(raw: bytes, tokenize: Tokenize | None) -> Submission:
-    body: PrefillBody = _decode(raw, PrefillBody)
+    body: PrefillBody = decode_body(raw, PrefillBody)
     if (body.tokens is None) == (body.text is None):
         raise ApiError(400, 'send exactly one of "tokens" (a list of token ids) and "text"')
     tokens = body.tokens if body.tokens is not None else _text_tokens(body.text, tokenize)
     if body.handoff is False:
         body.handoff = None
-    return Submission(_token_array(tokens), _check_id(body.id), body.priority,
+    return Submission(token_array(tokens), check_id(body.id), body.priority,
                       body.handoff, body.deadline_s)  # fmt: skip
 
 
@@ -175,16 +189,42 @@ def _prompt_tokens(prompt: str | list, tokenize: Tokenize | None) -> list[int]:
 
 
 def parse_completion(
-    raw: bytes, tokenize: Tokenize | None, decode: str | None = None
-) -> tuple[Submission, CompletionBody]:
+    raw: bytes, tokenize: Tokenize | None, decode: str | None = None,
+    servers: BandServers | None = None,
+) -> tuple[Submission, CompletionBody]:  # fmt: skip
     """``decode``: the server's decoder address (``--decode``), which makes ``max_tokens``
-    above 1 and ``stream`` possible; the prompt's cache is then handed to it."""
-    body: CompletionBody = _decode(raw, CompletionBody)
-    check_max_tokens(body.max_tokens, decode is not None)
-    for field, neutral in NEUTRAL.items():
+    above 1 and ``stream`` possible; the prompt's cache is then handed to it. ``servers``:
+    where the stages serve bands to decoders, for vLLM's P/D (``wavepp.serve.pd``)."""
+    body: CompletionBody = decode_body(raw, CompletionBody)
+    handoff, ignored = openai_handoff(body, NEUTRAL, decode, servers)
+    tokens = _prompt_tokens(body.prompt, tokenize)
+    submission = Submission(token_array(tokens), check_id(body.request_id), body.priority,
+                            handoff, body.deadline_s, ignored)  # fmt: skip
+    return submission, body
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    return value is None or any(value == n and type(value) is type(n) for n in neutral
+                                if n is not None)  # fmt: skip
+
+
+def openai_handoff(body: Any, neutral: dict[str, tuple], decode: str | None,
+                   servers: BandServers | None) -> tuple[str | None, tuple[str, ...]]:  # fmt: skip
+    """Where an OpenAI body's prompt cache goes — held for a decoder to pull (vLLM's P/D,
+    ``kv_transfer_params.do_remote_decode``), to ``--decode``'s decoder, or nowhere — and
+    the fields the prefill ignores as the decoder's to honour; ApiError(400) for what
+    this server cannot do. ``neutral``: the body's sampling fields and their neutral
+    values."""
+    max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
+    if remote_decode(body.kv_transfer_params, servers):
+        check_shape(body.stream, body.max_tokens, body.max_completion_tokens)
+        ignored = [f for f, values in neutral.items() if not _neutral(getattr(body, f), values)]
+        ignored += [f for f in DECODER_FIELDS if getattr(body, f) is not None]
+        return PULL_TARGET, tuple(ignored + ["n"] * (body.n != 1))
+    check_max_tokens(max_tokens, decode is not None)
+    for field, values in neutral.items():
         value = getattr(body, field)
-        if not any(value == n and type(value) is type(n) for n in neutral if n is not None) \
-                and value is not None:  # fmt: skip
+        if not _neutral(value, values):
             raise ApiError(400, f"{field} {value!r:.60} is not supported: a prefill server "
                            "returns the greedy first token only (leave it out)")  # fmt: skip
     if body.stream and decode is None:
@@ -192,13 +232,8 @@ def parse_completion(
                        "one token (start the server with --decode ADDRESS or auto)")
     if body.n != 1:
         raise ApiError(400, f"n {body.n} is not supported: one completion per request")
-    tokens = _prompt_tokens(body.prompt, tokenize)
-    decoding = decode is not None and ((body.max_tokens or 1) > 1 or body.stream)
-    submission = Submission(
-        _token_array(tokens), _check_id(body.request_id), body.priority,
-        decode if decoding else None, body.deadline_s,
-    )  # fmt: skip
-    return submission, body
+    decoding = decode is not None and ((max_tokens or 1) > 1 or body.stream)
+    return (decode if decoding else None), ()
 
 
 MAX_DECODE_TOKENS = 4096  # the decode protocol's bound on max_tokens
@@ -259,35 +294,43 @@ def result_body(result: Any, simulated: bool) -> dict:
     }
 
 
+def wanted_tokens(body: Any) -> int:
+    """The tokens an OpenAI body asks for: ``max_tokens``, else ``max_completion_tokens``
+    (chat's name), else 1."""
+    if body.max_tokens is not None:
+        return body.max_tokens
+    return body.max_completion_tokens or 1
+
+
 def completion_body(
-    result: Any, body: CompletionBody, detokenize: Callable[[int], str] | None,
-    simulated: bool, token_ids: list[int] | None = None,
-) -> dict:
-    """``POST /v1/completions``'s answer, in the OpenAI shape plus a ``wavepp`` record.
-    ``token_ids``: what the decoder generated (the first token included); None: the
-    prefill's first token alone."""
+    result: Any, body: Any, detokenize: Callable[[int], str] | None,
+    simulated: bool, token_ids: list[int] | None = None, *, answer_id: str | None = None,
+    chat: bool = False,
+) -> dict:  # fmt: skip
+    """``POST /v1/completions``'s answer (``chat``: ``/v1/chat/completions``'), in the
+    OpenAI shape plus a ``wavepp`` record. ``token_ids``: what the decoder generated (the
+    first token included); None: the prefill's first token alone. ``answer_id``: the id
+    the answer carries after its ``cmpl-`` / ``chatcmpl-`` (the client's X-Request-Id;
+    default WavePP's request id)."""
     token = result.first_token
     done = result.status == "done"
     if token_ids is None:
         token_ids = [token] if done and token is not None else []
     text = "".join(detokenize(t) for t in token_ids) if detokenize is not None else ""
     finish = result.status if not done else (
-        "length" if len(token_ids) >= (body.max_tokens or 1) else "stop")
+        "length" if len(token_ids) >= wanted_tokens(body) else "stop")
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, token=token)
+    choice.update(token_ids=token_ids, logprobs=None, finish_reason=finish)
     return {
-        "id": f"cmpl-{result.request_id}",
-        "object": "text_completion",
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{answer_id or result.request_id}",
+        "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": body.model or "wavepp",
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "token": token,
-                "token_ids": token_ids,
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
+        "choices": [choice],
         "usage": {
             "prompt_tokens": result.num_tokens,
             "completion_tokens": len(token_ids),
@@ -296,6 +339,19 @@ def completion_body(
         },
         "wavepp": result_body(result, simulated),
     }
+
+
+def stream_event(answer: dict) -> dict:
+    """A streamed chunk from an answer built by :func:`completion_body`: no finish
+    reason, usage or ``wavepp`` record; a chat's message as its ``delta``."""
+    event = {k: v for k, v in answer.items() if k not in ("usage", "wavepp")}
+    choice = dict(event["choices"][0], finish_reason=None)
+    choice.pop("token", None)
+    if "message" in choice:
+        choice["delta"] = choice.pop("message")
+        event["object"] = "chat.completion.chunk"
+    event["choices"] = [choice]
+    return event
 
 
 STATUS_CODE = {"done": 200, "cancelled": 200, "rejected": 400, "failed": 500}

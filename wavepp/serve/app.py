@@ -5,16 +5,23 @@ Routes (all answers JSON except ``/metrics``; every refusal is a 4xx with
 
 - ``POST /v1/prefill``: ``{"tokens": [...]} | {"text": "..."}``, optional ``id`` and
   ``priority``; answers the result with its timings;
-- ``POST /v1/completions``: the OpenAI shape with ``max_tokens`` ≤ 1;
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: the OpenAI shape with
+  ``max_tokens`` ≤ 1 (more, and ``stream``, with ``--decode``); with
+  ``kv_transfer_params.do_remote_decode`` (vLLM's P/D, ``wavepp.serve.pd``) the prompt's
+  cache is held on the stages' band servers for a decoder to pull, and the answer
+  carries the ``kv_transfer_params`` it pulls with;
 - ``DELETE /v1/requests/{id}``: cancel a queued or running request;
 - ``GET /health``, ``GET /metrics``, ``GET /v1/models``.
 
-A client that disconnects while its request waits cancels it: the handler waits on the
-ASGI ``receive`` channel (which yields ``http.disconnect`` when the connection closes)
-next to the result, so nothing polls. Bodies are read up to ``max_body_bytes`` —
-``Content-Length`` first, then the streamed size — before anything is decoded — and
-within ``body_timeout_s`` (408 after it). A runtime fault (a rank dead or hung) answers
-every request in flight and every new one with a JSON 503 naming the cause.
+A request's id is the body's (``id``, ``request_id``), else the ``X-Request-Id`` header's
+when it is a valid id not in use, else the engine's own; an OpenAI answer's ``id`` echoes
+the header when there is one. A client that disconnects while its request waits cancels
+it: the handler waits on the ASGI ``receive`` channel (which yields ``http.disconnect``
+when the connection closes) next to the result, so nothing polls. Bodies are read up to
+``max_body_bytes`` — ``Content-Length`` first, then the streamed size — before anything
+is decoded — and within ``body_timeout_s`` (408 after it). A runtime fault (a rank dead
+or hung) answers every request in flight and every new one with a JSON 503 naming the
+cause.
 """
 
 from __future__ import annotations
@@ -32,24 +39,31 @@ from starlette.routing import Route
 
 from wavepp.errors import RequestRejected
 from wavepp.handoff.client import DecodeError, decode
+from wavepp.ids import id_problem
 from wavepp.serve.api import (
     STATUS_CODE,
     ApiError,
-    CompletionBody,
     Submission,
     Tokenize,
     completion_body,
     parse_completion,
     parse_prefill,
     result_body,
+    stream_event,
+    wanted_tokens,
 )
+from wavepp.serve.chat import ChatTemplate, parse_chat
+from wavepp.serve.pd import decoder_params
 from wavepp.serve.prom import CONTENT_TYPE, ServerMetrics
 from wavepp.serve.protocol import ServedEngine, ServedHandle, ServedResult
 
 logger = logging.getLogger("wavepp.serve")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-ROUTES = ("/v1/prefill", "/v1/completions", "/health", "/metrics", "/v1/models")
+ROUTES = ("/v1/prefill", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
+          "/v1/models")  # fmt: skip
+NO_CHAT = "this server has no tokenizer, so no chat template (send token ids to /v1/completions)"
+MAX_ECHOED_ID = 256  # characters of an X-Request-Id an answer's id echoes
 
 
 @attrs.frozen
@@ -65,6 +79,8 @@ class ServeOptions:
     decode: str | None = None  # the decoder's address (--decode): max_tokens > 1, stream
     decode_timeout_s: float = 300.0  # a decode's whole stream, seconds
     simulated: bool = False  # the sim executor predicts the waves: every answer says so
+    chat: ChatTemplate | None = None  # the model's chat template (/v1/chat/completions)
+    no_chat: str = NO_CHAT  # without one: why, as the 400 says
 
 
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait before trying again
@@ -200,7 +216,7 @@ class Frontend:
     # -- helpers -------------------------------------------------------------------------
 
     async def _run(self, request: Request, submission: Submission) -> ServedResult:
-        """Submit, await the result (cancelling on a disconnect), return it."""
+        """Submit, await the answer (cancelling on a disconnect), return it."""
         if self.fault:
             raise self._unavailable()
         limit = self.options.max_in_flight
@@ -213,16 +229,7 @@ class Frontend:
             )
         self.in_flight += 1  # before the first await: the limit holds under races
         try:
-            try:
-                handle = await self.engine.submit(
-                    submission.tokens,
-                    request_id=submission.request_id,
-                    priority=submission.priority,
-                    handoff=submission.handoff,
-                    deadline_s=submission.deadline_s,
-                )
-            except RequestRejected as error:
-                raise _rejection(error) from None
+            handle = await self._submit(request, submission)
             self.handles[handle.request_id] = handle
             try:
                 return await self._outcome(request, handle)
@@ -231,8 +238,26 @@ class Frontend:
         finally:
             self.in_flight -= 1
 
+    async def _submit(self, request: Request, submission: Submission) -> ServedHandle:
+        """The engine's handle: under the body's id, else the X-Request-Id header's when it
+        is a valid id not in use, else one the engine names."""
+        header = request.headers.get("x-request-id")
+        tries = [submission.request_id]
+        if submission.request_id is None and header is not None and id_problem(header) is None:
+            tries = [header, None]
+        for i, request_id in enumerate(tries):
+            try:
+                return await self.engine.submit(
+                    submission.tokens, request_id=request_id, priority=submission.priority,
+                    handoff=submission.handoff, deadline_s=submission.deadline_s)  # fmt: skip
+            except RequestRejected as error:
+                if error.reason != "duplicate" or i + 1 == len(tries):
+                    raise _rejection(error) from None
+        raise AssertionError("unreachable")
+
     async def _outcome(self, request: Request, handle: ServedHandle) -> ServedResult:
-        """The handle's result; cancels the request if the client goes away first."""
+        """The handle's answer (its result, or a held prefill's: ``Handle.answer``);
+        cancels the request if the client goes away first."""
         result = None
 
         async def watch_disconnect() -> None:
@@ -248,7 +273,7 @@ class Frontend:
                 self._waiting.add(scope)
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(watch_disconnect)
-                    result = await handle.result()
+                    result = await handle.answer()
                     tg.cancel_scope.cancel()
         finally:
             self._waiting.discard(scope)
@@ -283,41 +308,72 @@ class Frontend:
                 raw, parse_prefill, raw, self.options.tokenize
             )
             result = await self._run(request, submission)
-            return (result_body(result, self.options.simulated),
-                    STATUS_CODE.get(result.status, 500))  # fmt: skip
+            answer = result_body(result, self.options.simulated)
+            self._add_pull(answer, result, submission)
+            return answer, STATUS_CODE.get(result.status, 500)
 
         return await self._guarded("/v1/prefill", request, work)
 
     async def completions(self, request: Request) -> Response:
+        return await self._openai(request, "/v1/completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._openai(request, "/v1/chat/completions")
+
+    def _parse(self, route: str, raw: bytes):
+        o, servers = self.options, self.engine.band_servers
+        if route == "/v1/completions":
+            return parse_completion(raw, o.tokenize, o.decode, servers)
+        return parse_chat(raw, o.chat, o.no_chat, o.decode, servers)
+
+    async def _openai(self, request: Request, route: str) -> Response:
+        """A completion or a chat: prefilled (and held for a decoder, vLLM's P/D), or
+        decoded by ``--decode``'s decoder."""
+        chat = route != "/v1/completions"
+
         async def work(request: Request) -> tuple[dict, int] | Response:
             raw = await self.read(request)
-            submission, body = await _off_loop_if_big(
-                raw, parse_completion, raw, self.options.tokenize,
-                self.options.decode,
-            )
+            submission, body = await _off_loop_if_big(raw, self._parse, route, raw)
             result = await self._run(request, submission)
-            if submission.handoff is not None and result.status == "done":
-                return await self._decoded(result, body)
+            answer_id = _echoed(request.headers.get("x-request-id"))
+            if submission.handoff is not None and not submission.for_decoder \
+                    and result.status == "done":  # fmt: skip
+                return await self._decoded(result, body, answer_id, chat)
             answer = completion_body(result, body, self.options.detokenize,
-                                     self.options.simulated)  # fmt: skip
+                                     self.options.simulated, answer_id=answer_id,
+                                     chat=chat)  # fmt: skip
+            self._add_pull(answer, result, submission)
             if result.status in ("rejected", "failed"):
                 kind = "invalid_request_error" if result.status == "rejected" else "server_error"
                 answer["error"] = {"message": result.error, "type": kind}
             return answer, STATUS_CODE.get(result.status, 500)
 
-        return await self._guarded("/v1/completions", request, work)
+        return await self._guarded(route, request, work)
 
-    async def _decoded(self, result: ServedResult,
-                       body: CompletionBody) -> tuple[dict, int] | Response:  # fmt: skip
+    def _add_pull(self, answer: dict, result: ServedResult, submission: Submission) -> None:
+        """A prefill held for a decoder: the ``kv_transfer_params`` it pulls with (left out
+        when its cache is not held: the decoder then computes the prompt itself), and
+        the fields the prefill left to the decoder."""
+        if not submission.for_decoder:
+            return
+        params = decoder_params(result, submission.tokens.tolist(), self.engine.band_servers)
+        if params is not None:
+            answer["kv_transfer_params"] = params
+        if submission.ignored:
+            answer.get("wavepp", answer)["ignored"] = list(submission.ignored)
+
+    async def _decoded(self, result: ServedResult, body, answer_id: str | None,
+                       chat: bool) -> tuple[dict, int] | Response:  # fmt: skip
         """The prompt was prefilled and its cache handed to the decoder: its tokens."""
         handoff = result.handoff or {}
         if handoff.get("status") != "done":
             raise ApiError(502, f"the prompt's cache did not reach the decoder at "
                            f"{self.options.decode}: {handoff.get('error')}", "decoder_error")
-        stream = decode(self.options.decode, result.request_id, body.max_tokens or 1,
+        stream = decode(self.options.decode, result.request_id, wanted_tokens(body),
                         self.options.decode_timeout_s)  # fmt: skip
+        shape = {"answer_id": answer_id, "chat": chat}
         if body.stream:
-            return StreamingResponse(self._events(result, body, stream),
+            return StreamingResponse(self._events(result, body, stream, shape),
                                      media_type="text/event-stream")  # fmt: skip
         token_ids: list[int] = []
         try:
@@ -326,28 +382,33 @@ class Frontend:
         except DecodeError as error:
             raise ApiError(502, str(error), "decoder_error") from None
         return completion_body(result, body, self.options.detokenize, self.options.simulated,
-                               token_ids), 200  # fmt: skip
+                               token_ids, **shape), 200  # fmt: skip
 
-    async def _events(self, result: ServedResult, body: CompletionBody,
-                      stream) -> AsyncIterator[str]:  # fmt: skip
+    async def _events(self, result: ServedResult, body, stream,
+                      shape: dict) -> AsyncIterator[str]:  # fmt: skip
         """Server-sent events as OpenAI clients read them: a chunk per batch of tokens,
         the last with its finish reason and the usage, then ``[DONE]``."""
         token_ids: list[int] = []
-        detokenize = self.options.detokenize
+        detokenize, simulated = self.options.detokenize, self.options.simulated
         try:
             async for chunk in stream:
                 token_ids += chunk
-                event = completion_body(result, body, detokenize, self.options.simulated,
-                                        chunk)  # fmt: skip
-                event["choices"][0]["finish_reason"] = None
-                del event["choices"][0]["token"], event["usage"], event["wavepp"]
+                event = stream_event(completion_body(result, body, detokenize, simulated,
+                                                     chunk, **shape))  # fmt: skip
                 yield f"data: {json.dumps(event)}\n\n"
         except DecodeError as error:
             failure = ApiError(502, str(error), "decoder_error").body()
             yield f"data: {json.dumps(failure)}\n\n"
             return
-        final = completion_body(result, body, detokenize, self.options.simulated, token_ids)
-        final["choices"][0]["text"], final["choices"][0]["token_ids"] = "", []
+        final = completion_body(result, body, detokenize, simulated, token_ids, **shape)
+        choice = final["choices"][0]
+        choice["token_ids"] = []
+        if "message" in choice:
+            choice["delta"] = {"role": "assistant", "content": ""}
+            del choice["message"]
+            final["object"] = "chat.completion.chunk"
+        else:
+            choice["text"] = ""
         yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
 
     async def cancel(self, request: Request) -> Response:
@@ -401,6 +462,13 @@ class Frontend:
         return self._answer("/v1/models", body, 200)
 
 
+def _echoed(header: str | None) -> str | None:
+    """An X-Request-Id as an answer's id echoes it (a printable one of a sane length)."""
+    if header is None or not header.isprintable() or len(header) > MAX_ECHOED_ID:
+        return None
+    return header
+
+
 def _error_shaped(body: dict, status: int) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers={"Retry-After": str(RETRY_AFTER_S)})
 
@@ -422,6 +490,7 @@ def build_app(engine: ServedEngine, options: ServeOptions | None = None) -> Star
     routes = [
         Route("/v1/prefill", front.prefill, methods=["POST"]),
         Route("/v1/completions", front.completions, methods=["POST"]),
+        Route("/v1/chat/completions", front.chat_completions, methods=["POST"]),
         Route("/v1/requests/{request_id:str}", front.cancel, methods=["DELETE"]),
         Route("/health", front.health, methods=["GET"]),
         Route("/metrics", front.prometheus, methods=["GET"]),

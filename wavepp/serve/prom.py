@@ -35,6 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from wavepp.handoff.wire import PULL_TARGET
 from wavepp.serve.protocol import ServedEngine, ServedResult
 from wavepp.stats import percentile
 
@@ -54,7 +55,7 @@ LABEL_OF = {"requests": "state", "handoffs": "outcome", "tokens_waiting": "state
 HELP = {
     "requests": "requests by state",
     "handoffs": "requests that handed their cache on, by outcome: done, a failure reason "
-    "(timeout, connect, refused, disconnected, bad ack, error) or cancelled",
+    "(timeout, connect, refused, disconnected, bad ack, expired, error) or cancelled",
     "queue_depth": "requests waiting for admission",
     "tokens_waiting": "tokens waiting to be computed: queued = the whole prompts of the requests "
     "waiting for admission (what they reuse is not known yet), admitted = the uncached tokens "
@@ -78,6 +79,9 @@ COUNTERS = {"input_tokens", "cached_tokens", "good_hits", "expecting_reuse", "ad
             "with_deadline", "deadlines_met"}
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+# a pulled band's end (wavepp.handoff.base.REASONS) as the pull counters count it
+PULL_ABORTS = {"cancelled": "wavepp", "refused": "decoder"}  # reason -> who aborted it
 
 
 def metric_name(*parts: str) -> str:
@@ -268,6 +272,7 @@ class ServerMetrics:
             PREFIX + "handoff_seconds", "done handoffs: the request's last chunk to the "
             "decoder's acknowledgement, the slowest stage's", buckets=LATENCY_BUCKETS,
             registry=registry)  # fmt: skip
+        self.pulls = PullMetrics(registry)
         gauges: list[tuple[str, str, Callable[[], float]]] = [
             ("uptime_seconds", "seconds since the server started",
              lambda: self.clock() - self.started_at),
@@ -314,11 +319,14 @@ class ServerMetrics:
 
     def _count_handoff(self, handoff: Mapping[str, Any] | None) -> None:
         """A result's handoff summary (``Record.handoff_summary``): bytes, and the time of
-        a done one."""
+        a done one; a pulled one's stages one by one (:class:`PullMetrics`)."""
         stages = (handoff or {}).get("stages") or ()
         self.handoff_bytes.inc(sum(s.get("bytes") or 0 for s in stages))
         if handoff and handoff.get("status") == "done" and stages:
             self.handoff_time.observe(max(s.get("seconds") or 0.0 for s in stages))
+        if handoff and handoff.get("target") == PULL_TARGET:
+            for stage in stages:
+                self.pulls.observe(stage)
 
     def _trim(self) -> None:
         now = self.clock()
@@ -351,6 +359,52 @@ class ServerMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PullMetrics:
+    """Bands decoders pulled from the stages' band servers (``pull:``), per stage, from
+    each ended request's handoff: bytes, the time from the stage's last chunk to the
+    decoder's ack, the transfer's GB/s, and how the others ended — the lease run out,
+    aborted (by WavePP: a cancel; by the decoder: its refusal), or failed mid-pull. (The
+    pulls a stage refused before sending anything are its figures:
+    ``wavepp_engine_stages_pulls_refused``.)"""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Counter(PREFIX + "pull_bytes", "band bytes decoders pulled and acknowledged",
+                             ["stage"], registry=registry)  # fmt: skip
+        self.ack_seconds = Histogram(
+            PREFIX + "pull_ack_seconds", "a pulled band: the request's last chunk on the stage "
+            "to the decoder's ack (the wait for the decoder included)", ["stage"],
+            buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
+        self.gbps = Histogram(
+            PREFIX + "pull_gigabytes_per_second", "a pulled band's bytes over its time on the "
+            "wire (the pull's acceptance to the ack), 1e9 bytes per second", ["stage"],
+            buckets=GBPS_BUCKETS, registry=registry)  # fmt: skip
+        self.expiries = Counter(PREFIX + "pull_lease_expiries", "bands whose lease ran out "
+                                "before a decoder pulled them", ["stage"],
+                                registry=registry)  # fmt: skip
+        self.aborts = Counter(PREFIX + "pull_aborts", "bands held for pulling that were aborted: "
+                              "by wavepp (the request cancelled) or by the decoder (its ack "
+                              "refused the band)", ["stage", "by"], registry=registry)  # fmt: skip
+        self.failures = Counter(PREFIX + "pull_failures", "pulls that failed once under way, by "
+                                "reason (disconnected, timeout, bad ack, error)",
+                                ["stage", "reason"], registry=registry)  # fmt: skip
+
+    def observe(self, outcome: Mapping[str, Any]) -> None:
+        """One stage's outcome in a result's handoff summary."""
+        stage, reason = str(outcome.get("stage")), outcome.get("reason")
+        if outcome.get("ok"):
+            size, wire_s = outcome.get("bytes") or 0, outcome.get("wire_s") or 0.0
+            self.bytes.labels(stage).inc(size)
+            self.ack_seconds.labels(stage).observe(outcome.get("seconds") or 0.0)
+            if wire_s > 0:
+                self.gbps.labels(stage).observe(size / wire_s / 1e9)
+        elif reason == "expired":
+            self.expiries.labels(stage).inc()
+        elif reason in PULL_ABORTS:
+            self.aborts.labels(stage, PULL_ABORTS[reason]).inc()
+        else:
+            self.failures.labels(stage, str(reason)).inc()
 
 
 def _key(name: str, labels: Mapping[str, str]) -> str:

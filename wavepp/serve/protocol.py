@@ -9,6 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from wavepp.runtime.handoff import BandServers
+
 
 class ServedResult(Protocol):
     """How a request ended (``wavepp.engine.Result``): the fields the answers carry."""
@@ -48,6 +50,8 @@ class ServedHandle(Protocol):
 
     async def result(self) -> ServedResult: ...
 
+    async def answer(self) -> ServedResult: ...  # the result, or a pull: prefill's (held)
+
 
 @runtime_checkable
 class ServedEngine(Protocol):
@@ -57,6 +61,8 @@ class ServedEngine(Protocol):
     vocab_size: int | None  # None: token ids are not checked (the sim executor)
     block_size: int
     kv_events: dict | None  # where KV events are published (--kv-events), else None
+    # where the stages serve bands to decoders that pull them (pull: targets), else None
+    band_servers: BandServers | None
 
     async def submit(
         self, tokens: Sequence[int] | np.ndarray, *, request_id: str | None = None,
