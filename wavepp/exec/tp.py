@@ -59,6 +59,7 @@ from wavepp.handoff.base import BandJob, BandTensor
 from wavepp.model.tp import cache_rule, gather_shards, replicated, whole_shape
 from wavepp.rounds.messages import decode_untrusted
 from wavepp.state import BlockHash, RequestId
+from wavepp.transport.base import plane_error
 from wavepp.transport.frames import MAX_TENSOR_BYTES, DataLimits
 from wavepp.transport.gloo import GlooLink, gloo_links
 from wavepp.transport.planes import Leaders
@@ -346,8 +347,20 @@ class _Digest:
 def _agree(group: dist.ProcessGroup, digest: bytes, size: int) -> list[bytes]:
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
     every = [torch.zeros_like(mine) for _ in range(size)]
-    dist.all_gather(every, mine, group=group)
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as error:
+        raise plane_error("the stage's TP ranks' end-of-run digests", error) from None
     return [t.numpy().tobytes() for t in every]
+
+
+def stage_built(groups: StageGroups) -> None:
+    """Wait until every rank of this stage has built its shard."""
+    try:
+        dist.barrier(group=groups.compute)
+    except RuntimeError as error:
+        raise plane_error("waiting for the stage's TP ranks to build their shards",
+                          error) from None  # fmt: skip
 
 
 class TPLeader:

@@ -6,14 +6,13 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from wavepp.config import RunConfig
 from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype
 from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.exec.tp import StageGroups, TPLeader, follow_leader, receive_plan
+from wavepp.exec.tp import StageGroups, TPLeader, follow_leader, receive_plan, stage_built
 from wavepp.handoff.base import HandoffSettings
 from wavepp.handoff.socket_send import INLINE_BYTES
 from wavepp.launch.backends.base import Backend, sharing_refused
@@ -131,7 +130,7 @@ class TorchBackend(Backend):
             return executor
         leader = TPLeader(executor, groups, c.tp, c.handoff_timeout_s)
         leader.set_limits(leader.limits(c.budget))
-        dist.barrier(group=groups.compute)  # every rank of the stage has built its shard
+        stage_built(groups)
         return leader
 
     def _stage_executor(self, cfg: ModelConfig, weights: dict, units: range, first: bool,
@@ -174,7 +173,7 @@ class TorchBackend(Backend):
                                         groups)  # fmt: skip
         del weights  # the shard holds its own
         groups.posts[0].set_limits(executor.limits(c.budget))
-        dist.barrier(group=groups.compute)  # every rank of the stage has built its shard
+        stage_built(groups)
         follow_leader(executor, groups, c.tp, plan.first)
         return 0
 
