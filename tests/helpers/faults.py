@@ -44,10 +44,11 @@ def rank_logs(log_dir: Path) -> dict[int, str]:
 
 
 def break_a_rank(tmp_path: Path, nproc: int, options: Sequence[str], victim: int, sig: int,
-                 ready: str = "warm-up:", hang_guard_s: float = 120) -> Broken:  # fmt: skip
+                 ready: str = "warm-up:", settle_s: float = 1.0,
+                 hang_guard_s: float = 120) -> Broken:  # fmt: skip
     """Run ``torchrun --nproc-per-node nproc -m wavepp.main *options``; once rank 0 has
-    logged ``ready`` (and a moment more), send ``sig`` to rank ``victim``; wait (at most
-    ``hang_guard_s``) for every other rank and torchrun to end. A stopped victim is
+    logged ``ready`` and ``settle_s`` more, send ``sig`` to rank ``victim``; wait (at
+    most ``hang_guard_s``) for every other rank and torchrun to end. A stopped victim is
     killed once the others have ended, as an operator would."""
     tag = uuid.uuid4().hex
     log_dir = tmp_path / "logs"
@@ -65,7 +66,7 @@ def break_a_rank(tmp_path: Path, nproc: int, options: Sequence[str], victim: int
         assert ready in rank_logs(log_dir).get(0, ""), rank_logs(log_dir)
         pids = rank_pids(tag)
         assert len(pids) == nproc, (pids, rank_logs(log_dir))
-        time.sleep(1)  # into the run
+        time.sleep(settle_s)  # into the run
         assert proc.poll() is None, rank_logs(log_dir)
         t0 = time.monotonic()
         os.kill(pids[victim], sig)
@@ -95,12 +96,14 @@ class BrokenServer:
     text: str  # the launcher's stderr: every rank's lines, torchrun's, its own
 
 
-def _load(url: str, answers: list, stop: threading.Event, worker: int) -> None:
-    """Prefill requests one after another until told to stop or one is not a 200."""
+def load(url: str, answers: list, stop: threading.Event, worker: int) -> None:
+    """Prefill requests of 200 token ids below 401 one after another until told to stop
+    or one is not a 200; each answer is (status, content type, body), or (None, "", the
+    error) where none came."""
     with httpx.Client(base_url=url, timeout=120) as client:
         n = 0
         while not stop.is_set():
-            tokens = [(worker * 37 + n * 11 + k) % 250 + 1 for k in range(200)]
+            tokens = [(worker * 37 + n * 11 + k) % 400 + 1 for k in range(200)]
             try:
                 reply = client.post("/v1/prefill", json={"tokens": tokens})
             except httpx.HTTPError as error:
@@ -136,7 +139,7 @@ def break_a_serving_rank(tmp_path: Path, nproc: int, options: Sequence[str], vic
         pids = rank_pids(tag, "wavepp.serve")
         assert len(pids) == nproc, (pids, err_path.read_text()[-4000:])
         answers: list = []
-        workers = [threading.Thread(target=_load, args=(match.group(1), answers, stop, i))
+        workers = [threading.Thread(target=load, args=(match.group(1), answers, stop, i))
                    for i in range(3)]  # fmt: skip
         for thread in workers:
             thread.start()
