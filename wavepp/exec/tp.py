@@ -59,7 +59,7 @@ from wavepp.handoff.base import BandJob, BandTensor
 from wavepp.model.tp import cache_rule, gather_shards, replicated, whole_shape
 from wavepp.rounds.messages import decode_untrusted
 from wavepp.state import BlockHash, RequestId
-from wavepp.transport.base import plane_error
+from wavepp.transport.base import PlaneError, plane_error
 from wavepp.transport.frames import MAX_TENSOR_BYTES, DataLimits
 from wavepp.transport.gloo import GlooLink, gloo_links
 from wavepp.transport.planes import Leaders
@@ -315,7 +315,7 @@ class ShardInbox:
                 lambda: self._failure or len(self._shards.get(key, ())) == len(self._links),
                 timeout_s)  # fmt: skip
             if self._failure:
-                raise RuntimeError(f"the stage's TP ranks stopped sending shards: {self._failure}")
+                raise PlaneError(f"the stage's TP ranks stopped sending shards: {self._failure}")
             if not got:
                 raise TimeoutError(f"the stage's TP ranks sent no shards of {rid!r} within "
                                    f"{timeout_s:g} s")  # fmt: skip
@@ -388,7 +388,7 @@ class TPLeader:
 
     def _post(self, post: Post, tensor: torch.Tensor | None = None) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"posting to this stage's TP ranks failed: {self._failure}")
+            raise PlaneError(f"posting to this stage's TP ranks failed: {self._failure}")
         descriptor = _ENCODER.encode(post)
         self._digest.ran(descriptor, tensor)
         self._outbox.put((descriptor, tensor))
