@@ -142,7 +142,8 @@ class Lifecycle:
         ends the stage (a server drains on SIGTERM, and its stop ends this rank); what
         fails here after the signal — the leader gone — ends it quietly, as an
         interrupted rank, and so does a leader that has not ended within
-        INTERRUPT_GRACE_S."""
+        INTERRUPT_GRACE_S; unless a peer is found gone (torchrun's signal once a rank
+        died): then it fails naming that one."""
 
         def on_signal(signum: int, frame) -> None:
             if self.interrupted is None and not (sigterm_drains and signum == signal.SIGTERM):
@@ -152,7 +153,7 @@ class Lifecycle:
             signal.signal(signum, on_signal)
         watchdog = self.watchdog
         if watchdog is not None:
-            watchdog.set_status("running its stage leader's posts")
+            watchdog.set_status("following its stage leader")
         # the compute thread builds the shard and runs the posts (an interrupted rank
         # exits with it still waiting)
         future = compute.submit(work)
