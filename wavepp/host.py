@@ -41,3 +41,28 @@ def steal_share(before: tuple[int, ...] | None, after: tuple[int, ...] | None) -
     spent = [b - a for a, b in zip(before, after, strict=True)]
     total = sum(spent[: STEAL + 1])  # guest time after it is counted in user time already
     return spent[STEAL] / total if total > 0 else None
+
+
+def available_memory() -> int | None:
+    """Bytes this process could still allocate: the machine's ``MemAvailable`` (Linux's
+    estimate of what can be had without swapping), or less where a cgroup limits this
+    process (its ``memory.max`` minus its ``memory.current``); None where neither says."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -26,9 +26,9 @@ def run_plain(cmd: list[str], timeout: float = 240) -> subprocess.CompletedProce
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def rank_pids(tag: str) -> dict[int, int]:
-    """Each rank's pid (by its RANK) of the wavepp.main run started with
-    ``WAVEPP_TEST_TAG=tag`` in its environment."""
+def rank_pids(tag: str, module: str = "wavepp.main") -> dict[int, int]:
+    """Each rank's pid (by its RANK) of the ``module`` run (``wavepp.main``, or the
+    server's ``wavepp.serve``) started with ``WAVEPP_TEST_TAG=tag`` in its environment."""
     pids = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -38,7 +38,7 @@ def rank_pids(tag: str) -> dict[int, int]:
             cmd = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if f"WAVEPP_TEST_TAG={tag}".encode() in env and b"wavepp.main" in cmd:
+        if f"WAVEPP_TEST_TAG={tag}".encode() in env and f"\0{module}\0".encode() in cmd:
             for item in env:
                 if item.startswith(b"RANK="):
                     pids[int(item[5:])] = int(entry.name)

@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tests.helpers.faults import load
 from tests.helpers.run import ROOT
 
 pytestmark = pytest.mark.slow
@@ -48,23 +48,6 @@ def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str, int, Pat
     raise AssertionError(f"server not ready:\n{err_path.read_text()[-3000:]}")
 
 
-def _load(url: str, answers: list, stop: threading.Event, worker: int) -> None:
-    with httpx.Client(base_url=url, timeout=60) as client:
-        n = 0
-        while not stop.is_set():
-            tokens = [(worker * 37 + n * 11 + k) % 400 + 1 for k in range(200)]
-            try:
-                reply = client.post("/v1/prefill", json={"tokens": tokens})
-            except httpx.HTTPError as error:
-                answers.append((None, type(error).__name__))
-                return
-            answers.append((reply.status_code, reply.headers.get("content-type", ""),
-                            reply.text))  # fmt: skip
-            if reply.status_code != 200:
-                return
-            n += 1
-
-
 def test_sigterm_drains_past_slow_clients_and_exits_0(tmp_path):
     proc, url, _, err_path = _start(tmp_path, "--drain-timeout-s", "5",
                                     "--header-timeout-s", "2", "--body-timeout-s", "60")
@@ -76,7 +59,7 @@ def test_sigterm_drains_past_slow_clients_and_exits_0(tmp_path):
         slow.sendall(b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\n")
         answers: list = []
         stop = threading.Event()
-        workers = [threading.Thread(target=_load, args=(url, answers, stop, i)) for i in range(3)]
+        workers = [threading.Thread(target=load, args=(url, answers, stop, i)) for i in range(3)]
         for thread in workers:
             thread.start()
         while sum(1 for a in answers if a[0] == 200) < 6:
@@ -109,7 +92,7 @@ def test_rank_1_killed_under_load_answers_json_and_names_it(tmp_path):
         rank1 = next(pid for pid in ranks if pid != rank0)
         answers: list = []
         stop = threading.Event()
-        workers = [threading.Thread(target=_load, args=(url, answers, stop, i)) for i in range(3)]
+        workers = [threading.Thread(target=load, args=(url, answers, stop, i)) for i in range(3)]
         for thread in workers:
             thread.start()
         while sum(1 for a in answers if a[0] == 200) < 6:

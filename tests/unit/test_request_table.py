@@ -313,3 +313,23 @@ def test_a_cancel_confirmed_while_bands_are_out_ends_with_the_last_outcome():
         assert [(s["stage"], s["reason"]) for s in stages] == [(0, "cancelled"), (1, "cancelled")]
 
     run(main)
+
+
+@pytest.mark.parametrize("logit", [float("nan"), float("inf"), float("-inf")])
+def test_a_first_token_whose_logits_are_not_finite_fails_that_request_alone(logit):
+    def main() -> None:
+        table, intake = book()
+        records = {rid: intake.submit(spec(rid)) for rid in ("bad", "good")}
+        for rid in records:
+            table.waiting.remove(rid)
+            table.admitted(rid, 1.0)
+            table.started(rid, 2.0)
+        table.finish("bad", 0, 3, logit)
+        table.finish("good", 0, 7, 1.5)
+        bad, good = records["bad"].result(), records["good"].result()
+        assert bad.status == "failed" and bad.first_token is None and bad.top_logit is None
+        assert "logits at the prompt's last position are not finite" in bad.error
+        assert good.status == "done" and good.first_token == 7
+        assert table.totals["failed"] == 1 and table.num_unfinished == 0
+
+    run(main)

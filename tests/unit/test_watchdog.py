@@ -1,12 +1,17 @@
-"""The heartbeat watchdog's report on its peers, against a real TCPStore."""
+"""The heartbeat watchdog's report on its peers, against a real TCPStore; and what it
+reads of a peer's process on this machine."""
 
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from wavepp.transport import processes
 from wavepp.transport.watchdog import Watchdog
 
 
@@ -62,6 +67,7 @@ def test_finish_returns_once_the_heartbeat_thread_has_stopped(store):
     def slow_check(started):  # a store read that takes a while
         in_check.set()
         time.sleep(0.3)
+        return None, None
 
     dog._check = slow_check
     dog.start()
@@ -78,3 +84,89 @@ def test_a_beat_that_comes_after_finish_leaves_the_final_word(store, failure, wo
     dog.finish(failure)
     dog._write("7|a late beat")
     assert dog._read(0) == word
+
+
+@pytest.mark.parametrize("failure, lost, word", [(None, None, "done|finished"),
+                                                 ("boom", None, "failed|boom"),
+                                                 (None, "rank 3 died", "lost|rank 3 died")])
+def test_the_last_word_says_whom_a_rank_lost(store, failure, lost, word):
+    dog = Watchdog(0, 2, lambda _: None)
+    dog.finish(failure, lost=lost)
+    assert dog._read(0) == word
+
+
+def test_a_rank_that_lost_a_peer_is_not_blamed_for_it(store):
+    """Rank 1 failed because rank 2 died (a transfer to it broke): rank 0 names rank 2,
+    as rank 1 found it, and passes on the same cause, not "rank 1 failed"."""
+    ranks = [Watchdog(r, 3, lambda _: None, interval_s=0.05, tp=2) for r in range(3)]
+    ranks[1].finish(lost="rank 2 (stage 1, TP rank 0) stopped beating 4.0 s ago")
+    problem, cause = ranks[0]._check(time.monotonic())
+    assert problem == ("rank 2 (stage 1, TP rank 0) stopped beating 4.0 s ago "
+                       "(as rank 1 (stage 0, TP rank 1) found)")  # fmt: skip
+    assert cause == "rank 2 (stage 1, TP rank 0) stopped beating 4.0 s ago"
+    assert ranks[0].peer_report() == problem
+
+
+def _published(child: subprocess.Popen) -> str:
+    """The child's whereabouts, as it would publish them itself."""
+    start = processes._stat(child.pid)[1]
+    return f"{child.pid}|{start}|{processes.machine()}"
+
+
+@pytest.fixture()
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_what_became_of_a_process_on_this_machine(child):
+    here = processes.machine()
+    assert here is not None  # Linux
+    published = _published(child)
+    assert processes.fate(published, here) is None  # it runs
+    assert processes.fate(processes.whereabouts(), here) is None  # this process
+    assert processes.fate(published, "another machine") is None  # nothing known
+    assert processes.fate(f"{child.pid}|1|{here}", here) == "ended"  # its pid, reused
+    child.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while processes.fate(published, here) != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes.fate(published, here) == "stopped"
+    child.kill()
+    child.wait()
+    assert processes.fate(published, here) == "ended"
+
+
+def test_a_peer_whose_process_ended_is_named_at_once(store, child):
+    """A killed peer on this machine: no waiting for its heartbeat to go stale. One that
+    wrote its last word before it exited is not taken for dead."""
+    ranks = [Watchdog(r, 3, lambda _: None, interval_s=0.05, dead_after_s=60) for r in range(3)]
+    store.set("wavepp/process/1", _published(child))
+    ranks[1]._write("5|waiting for a wave from rank 0")
+    ranks[2]._write("5|rounds plane: all_min")
+    assert ranks[0]._check(time.monotonic()) == (None, None)
+    assert ranks[0].died() == ""
+    child.kill()
+    child.wait()
+    problem, _ = ranks[0]._check(time.monotonic())
+    assert problem == "rank 1 died (its process ended; it was waiting for a wave from rank 0)"
+    assert ranks[0].died() == problem
+    started = time.monotonic()
+    assert ranks[0].suspects(window_s=30) == problem  # certain: no window waited out
+    assert time.monotonic() - started < 10  # a hang guard
+    ranks[1].finish()  # its last word, written before it ended
+    assert ranks[0]._check(time.monotonic()) == (None, None)
+
+
+def test_a_stopped_peer_is_reported_as_stopped(store, child):
+    ranks = [Watchdog(r, 2, lambda _: None, interval_s=0.05, dead_after_s=0.1) for r in range(2)]
+    store.set("wavepp/process/1", _published(child))
+    ranks[1]._write("5|waiting for a wave from rank 0")
+    ranks[0]._check(time.monotonic())
+    child.send_signal(signal.SIGSTOP)
+    time.sleep(0.3)
+    problem, _ = ranks[0]._check(time.monotonic())
+    assert problem.startswith("rank 1 sent no heartbeat for ")
+    assert problem.endswith("(its process is stopped; it was waiting for a wave from rank 0)")

@@ -59,6 +59,7 @@ from wavepp.handoff.base import BandJob, BandTensor
 from wavepp.model.tp import cache_rule, gather_shards, replicated, whole_shape
 from wavepp.rounds.messages import decode_untrusted
 from wavepp.state import BlockHash, RequestId
+from wavepp.transport.base import PlaneError, plane_error
 from wavepp.transport.frames import MAX_TENSOR_BYTES, DataLimits
 from wavepp.transport.gloo import GlooLink, gloo_links
 from wavepp.transport.planes import Leaders
@@ -314,7 +315,7 @@ class ShardInbox:
                 lambda: self._failure or len(self._shards.get(key, ())) == len(self._links),
                 timeout_s)  # fmt: skip
             if self._failure:
-                raise RuntimeError(f"the stage's TP ranks stopped sending shards: {self._failure}")
+                raise PlaneError(f"the stage's TP ranks stopped sending shards: {self._failure}")
             if not got:
                 raise TimeoutError(f"the stage's TP ranks sent no shards of {rid!r} within "
                                    f"{timeout_s:g} s")  # fmt: skip
@@ -346,8 +347,20 @@ class _Digest:
 def _agree(group: dist.ProcessGroup, digest: bytes, size: int) -> list[bytes]:
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
     every = [torch.zeros_like(mine) for _ in range(size)]
-    dist.all_gather(every, mine, group=group)
+    try:
+        dist.all_gather(every, mine, group=group)
+    except RuntimeError as error:
+        raise plane_error("the stage's TP ranks' end-of-run digests", error) from None
     return [t.numpy().tobytes() for t in every]
+
+
+def stage_built(groups: StageGroups) -> None:
+    """Wait until every rank of this stage has built its shard."""
+    try:
+        dist.barrier(group=groups.compute)
+    except RuntimeError as error:
+        raise plane_error("waiting for the stage's TP ranks to build their shards",
+                          error) from None  # fmt: skip
 
 
 class TPLeader:
@@ -375,7 +388,7 @@ class TPLeader:
 
     def _post(self, post: Post, tensor: torch.Tensor | None = None) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"posting to this stage's TP ranks failed: {self._failure}")
+            raise PlaneError(f"posting to this stage's TP ranks failed: {self._failure}")
         descriptor = _ENCODER.encode(post)
         self._digest.ran(descriptor, tensor)
         self._outbox.put((descriptor, tensor))

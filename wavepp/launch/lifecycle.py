@@ -70,7 +70,10 @@ class Lifecycle:
             signal.signal(signum, signal.SIG_IGN)
 
     def fail(self, error: BaseException) -> NoReturn:
-        """Log why this rank fails (and which peer looks gone), tell the peers, exit 1."""
+        """Log why this rank fails, tell the peers, exit 1. Where a transfer broke (a
+        :class:`PlaneError`) and the watchdog finds a peer gone, that peer is the cause:
+        this rank's line leads with it, and the peers learn it (``lost``) rather than
+        blame this rank."""
         self.failing = True
         if threading.current_thread() is threading.main_thread():
             # When the run's signal receiver closed, asyncio put the default handlers
@@ -86,9 +89,13 @@ class Lifecycle:
             # the cause already found (watchdog.declare), or let a dead peer's heartbeat
             # go stale
             peers = self.watchdog.fatal or self.watchdog.suspects()
-            # the peers learn why, and whom this rank suspects, so they can name it too
-            self.watchdog.finish(failure=(why + (f" — {peers}" if peers else ""))[:2000])
-        log(f"failed: {why}" + (f" — {peers}" if peers and peers not in why else ""))
+        if peers and broken_link(error):
+            self.watchdog.finish(lost=peers)
+            log(f"failed: {peers} — here: {why}")
+        else:
+            if self.watchdog is not None:  # the peers learn why, and whom this rank suspects
+                self.watchdog.finish(failure=(why + (f" — {peers}" if peers else ""))[:2000])
+            log(f"failed: {why}" + (f" — {peers}" if peers and peers not in why else ""))
         if not any(isinstance(e, SystemExit | PlaneError | KeyboardInterrupt)
                    for e in leaves(error)):  # fmt: skip
             traceback.print_exception(error)
@@ -110,7 +117,9 @@ class Lifecycle:
         with anyio.open_signal_receiver(*SIGNALS) as signals:
             async for signum in signals:
                 if sigterm_drains and signum == signal.SIGTERM:
-                    if drain is not None and not (watchdog is not None and watchdog.fatal):
+                    # torchrun's SIGTERM once a rank died is no drain: the fault answers
+                    failed = watchdog is not None and (watchdog.fatal or watchdog.died())
+                    if drain is not None and not failed:
                         log("SIGTERM: draining (no new requests; the running ones finish)")
                         drain()
                     continue  # a failed peer shows on the planes
@@ -118,7 +127,9 @@ class Lifecycle:
                 if watchdog is not None:  # torchrun stops everyone when one rank dies
                     peers = await anyio.to_thread.run_sync(watchdog.suspects)
                     if peers:
-                        raise PlaneError(f"stopped by the launcher; {peers}")
+                        watchdog.declare(peers)
+                        raise PlaneError(f"stopped by the launcher "
+                                         f"({signal.Signals(signum).name})")  # fmt: skip
                 scope.cancel()
                 return
 
@@ -131,7 +142,8 @@ class Lifecycle:
         ends the stage (a server drains on SIGTERM, and its stop ends this rank); what
         fails here after the signal — the leader gone — ends it quietly, as an
         interrupted rank, and so does a leader that has not ended within
-        INTERRUPT_GRACE_S."""
+        INTERRUPT_GRACE_S; unless a peer is found gone (torchrun's signal once a rank
+        died): then it fails naming that one."""
 
         def on_signal(signum: int, frame) -> None:
             if self.interrupted is None and not (sigterm_drains and signum == signal.SIGTERM):
@@ -139,6 +151,9 @@ class Lifecycle:
 
         for signum in SIGNALS:
             signal.signal(signum, on_signal)
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.set_status("following its stage leader")
         # the compute thread builds the shard and runs the posts (an interrupted rank
         # exits with it still waiting)
         future = compute.submit(work)
@@ -153,7 +168,14 @@ class Lifecycle:
                 if self.interrupted is None:
                     self.fail(error)
                 break
-        log(f"interrupted by {signal.Signals(self.interrupted).name}")
+        name = signal.Signals(self.interrupted).name
+        peers = (watchdog.fatal or watchdog.suspects()) if watchdog is not None else ""
+        if peers:  # the launcher stops every rank once one died: name that one
+            watchdog.declare(peers)
+            self.fail(PlaneError(f"stopped by the launcher ({name})"))
+        if watchdog is not None:  # an interrupted rank ends on purpose: not a cause
+            watchdog.finish()
+        log(f"interrupted by {name}")
         self.exit(128 + self.interrupted)
 
 
@@ -162,6 +184,20 @@ def leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for e in error.exceptions for leaf in leaves(e)]
     return [error]
+
+
+def broken_link(error: BaseException) -> bool:
+    """``error`` holds a failed collective or transfer (a peer gone, likely)."""
+    return any(isinstance(e, PlaneError) for e in leaves(error))
+
+
+def blame(watchdog: Watchdog, error: BaseException) -> str:
+    """Why the run failed, as this rank tells its callers: the cause already found; for
+    a broken transfer the peer gone (after the watchdog's window); else ``error``."""
+    if watchdog.fatal:
+        return watchdog.fatal
+    peers = watchdog.suspects() if broken_link(error) else ""
+    return peers or reason(error)
 
 
 def reason(error: BaseException) -> str:

@@ -8,6 +8,7 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.to_thread
 import attrs
 
 from wavepp.config import RunConfig, kv_events_replay
@@ -19,7 +20,7 @@ from wavepp.exec.tp import StageGroups, StagePlan, send_plan
 from wavepp.ids import RETAINED_IDS
 from wavepp.kv_events.changes import StageLog, report_limit
 from wavepp.launch.backends import Backend
-from wavepp.launch.lifecycle import FAULT_GRACE_S, Lifecycle, reason
+from wavepp.launch.lifecycle import FAULT_GRACE_S, Lifecycle, blame
 from wavepp.launch.log import log
 from wavepp.launch.record import run_record, stage_report
 from wavepp.launch.setup import Setup, agree_band_servers, agree_setup, open_planes
@@ -34,6 +35,7 @@ from wavepp.runtime.feed import Feed
 from wavepp.runtime.followers import follow_rounds, follow_waves
 from wavepp.runtime.handoff import BandServers, HandoffTargets
 from wavepp.runtime.planning import WavePlanner
+from wavepp.transport.base import PlaneError
 from wavepp.transport.planes import Planes
 from wavepp.transport.watchdog import Watchdog
 
@@ -171,8 +173,9 @@ class RankZero:
             try:
                 await self.coordinator.run(client_done.wait)
             except Exception as error:
-                if watchdog is not None:
-                    watchdog.declare(reason(error))
+                if watchdog is not None:  # the callers' answers name the cause
+                    with anyio.CancelScope(shield=True):
+                        watchdog.declare(await anyio.to_thread.run_sync(blame, watchdog, error))
                     with anyio.move_on_after(FAULT_GRACE_S, shield=True):
                         await client_done.wait()
                 raise
@@ -183,6 +186,19 @@ async def follow(planes: Planes, parts: StageParts) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(follow_rounds, planes.rounds, parts.stage, parts.mode)
         tg.start_soon(follow_waves, parts.stage, planes.inbound, planes.outbound, planes.done)
+
+
+async def _unbalanced(rank: int, report: StageReport, watchdog: Watchdog | None) -> None:
+    """Stage ``rank`` > 0 ended its run still holding requests: rank 0 stopped it early
+    because the run failed (a peer gone: PlaneError naming it, via the watchdog), or its
+    leak check failed (said here; rank 0's record has the details)."""
+    held = (f"stage {rank} still holds {report.leases} leases, {report.escrowed} escrowed "
+            f"and {report.pending} pending blocks")  # fmt: skip
+    peers = "" if watchdog is None else await anyio.to_thread.run_sync(watchdog.suspects)
+    if peers:
+        watchdog.declare(peers)
+        raise PlaneError(f"rank 0 ended the run early: {held}")
+    log(f"leak check failed: {held}")
 
 
 async def rank_main(c: RunConfig, backend: Backend, life: Lifecycle, rank: int, world: int,
@@ -244,6 +260,8 @@ async def rank_main(c: RunConfig, backend: Backend, life: Lifecycle, rank: int, 
     else:
         gathered = await planes.rounds.gather(encode(report))
         if rank != 0:
+            if not report.balanced:
+                await _unbalanced(rank, report, watchdog)
             return None, 0 if report.balanced else 1
         reports = [decode_untrusted(raw, StageReport) for raw in gathered]
         status = 0 if all(r.balanced for r in reports) else 1

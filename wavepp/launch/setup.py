@@ -57,6 +57,7 @@ def preflight(c: RunConfig, world: int) -> Backend:
     backend = backend_for(c)
     num_layers = backend.check(world)
     check_for_world(c, world, num_layers)
+    backend.check_fit(world, auto_capacity(c, []))
     counts = layer_counts(c.layers_per_stage)
     if backend.whole_layers and counts and any(n % 1 for n in counts):
         raise SystemExit(f"wavepp: --layers-per-stage {c.layers_per_stage}: the sim places "

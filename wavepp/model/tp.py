@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from wavepp.model.config import GROUPED, ModelConfig
+from wavepp.transport.base import plane_error
 
 
 class TPGroup(Protocol):
@@ -79,7 +80,11 @@ class DistTPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        dist.all_reduce(x, group=self.group)
+        try:
+            dist.all_reduce(x, group=self.group)
+        except RuntimeError as error:  # a rank of the stage gone: the watchdog names it
+            raise plane_error(f"the all-reduce over this stage's {self.size} TP ranks",
+                              error) from None  # fmt: skip
         return x
 
 

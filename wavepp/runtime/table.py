@@ -161,9 +161,15 @@ class RequestTable:
 
     def finish(self, rid: RequestId, cached: int, token: int, logit: float) -> None:
         """The last stage's first token for ``rid``: done, or handing off until every
-        stage's band has ended."""
+        stage's band has ended; failed where its logits are not finite (the others go
+        on)."""
         record = self._live.get(rid)
         if record is None:  # ended meanwhile (a cancel settled it)
+            return
+        if not math.isfinite(logit):  # NaN or inf: the model gave no usable answer
+            self._end(record, Status.FAILED, f"the model's logits at the prompt's last "
+                      f"position are not finite (top logit {logit}): no first token",
+                      held_room=True)  # fmt: skip
             return
         record.prefill(cached, token, logit)
         if record.offer.handoff and not self._handed_off(record):

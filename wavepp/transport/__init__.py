@@ -7,5 +7,5 @@
 - ``unix``: both planes over Unix sockets, for ranks that share one host;
 - ``planes``: ``build_planes``, which picks and builds this rank's planes;
 - ``watchdog``: heartbeats beside the planes (over the rendezvous store), naming a dead
-  or hung rank.
+  or hung rank; ``processes``: whether a peer's process on this machine still runs.
 """

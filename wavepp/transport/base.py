@@ -4,6 +4,7 @@ beside the admission protocol that drives it.)"""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -14,6 +15,21 @@ if TYPE_CHECKING:
 
 class PlaneError(RuntimeError):
     """A collective or transfer failed: a peer died, hung past the timeout, or sent junk."""
+
+
+_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # Gloo's "[.../pair.cc:537] "
+
+
+def plane_error(what: str, error: BaseException) -> PlaneError:
+    """``error`` from a collective or transfer of ``torch.distributed`` (Gloo's, NCCL's)
+    as a :class:`PlaneError` saying that ``what`` failed, in the backend's first sentence
+    without its source location and advice ("Connection closed by peer
+    [127.0.0.1]:9631"): which peer is gone is the watchdog's to say."""
+    if isinstance(error, PlaneError):
+        return error
+    text = _SOURCE.sub("", str(error).strip()).split(". This is typically", 1)[0]
+    first = text.splitlines()[0][:300] if text else type(error).__name__
+    return PlaneError(f"{what} failed: {first}")
 
 
 def no_status(status: str) -> None:

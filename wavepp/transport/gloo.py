@@ -26,7 +26,7 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from wavepp.transport.base import PlaneError, no_status
+from wavepp.transport.base import no_status, plane_error
 from wavepp.transport.frames import (
     HEADER_WORDS,
     INLINE_MIN_BYTES,
@@ -74,7 +74,7 @@ class GlooRoundsPlane:
         try:
             return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
         except RuntimeError as error:
-            raise PlaneError(f"rounds plane {what} failed: {error}") from None
+            raise plane_error(f"rounds plane {what}", error) from None
         finally:
             self.on_wait("running")
 
@@ -188,10 +188,13 @@ class GlooLink:
     def send_blocking(self, descriptor: bytes, tensor: torch.Tensor | None) -> None:
         header = torch.tensor(make_header(self.src, descriptor, tensor), dtype=torch.int64)
         with self._send_lock:
-            self._send(header, self.group)
-            self._send(_bytes_tensor(descriptor), self.group)
-            if tensor is not None and tensor.numel():
-                self._send_tensor(tensor)
+            try:
+                self._send(header, self.group)
+                self._send(_bytes_tensor(descriptor), self.group)
+                if tensor is not None and tensor.numel():
+                    self._send_tensor(tensor)
+            except RuntimeError as error:  # the peer gone: the watchdog names it
+                raise plane_error(f"sending to rank {self.dst}", error) from None
 
     def _send_tensor(self, tensor: torch.Tensor) -> None:
         if self.stream is None:
@@ -206,14 +209,17 @@ class GlooLink:
 
     def recv_blocking(self, max_bytes: int | None = None) -> tuple[bytes, torch.Tensor | None]:
         with self._recv_lock:
-            words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-            self._recv(words, self.group)
-            header = parse_header(words.tolist(), self.src, self.limits, max_bytes)
-            desc = torch.empty(header.descriptor_bytes, dtype=torch.uint8)
-            self._recv(desc, self.group)
-            tensor = None
-            if header.dtype is not None:
-                tensor = self._recv_tensor(header)
+            try:
+                words = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+                self._recv(words, self.group)
+                header = parse_header(words.tolist(), self.src, self.limits, max_bytes)
+                desc = torch.empty(header.descriptor_bytes, dtype=torch.uint8)
+                self._recv(desc, self.group)
+                tensor = None
+                if header.dtype is not None:
+                    tensor = self._recv_tensor(header)
+            except RuntimeError as error:  # a bad header stays itself (plane_error)
+                raise plane_error(f"receiving from rank {self.src}", error) from None
         return desc.numpy().tobytes(), tensor
 
     @torch.inference_mode()

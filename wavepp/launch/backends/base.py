@@ -49,6 +49,12 @@ class Backend(Protocol):
         known before loading (None: a checkpoint's, read by :meth:`load`)."""
         ...
 
+    def check_fit(self, stages: int, default_blocks: int) -> None:
+        """What the run needs of this machine against what it has, and a checkpoint's
+        tensors against its config, before any rank allocates: SystemExit with one line
+        (both figures, or the file and the tensor). ``default_blocks``: a stage's pool
+        where --capacity-blocks gives none. Nothing to check for a simulator."""
+
     def load(self) -> None:
         """Read what the stages are built from, on the compute thread (nothing to read
         for a simulator)."""

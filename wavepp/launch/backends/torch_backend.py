@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from wavepp.config import RunConfig
+from wavepp.config import RunConfig, stage_capacities
 from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype
 from wavepp.exec.layer_costs import measure as measure_costs
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.exec.tp import StageGroups, TPLeader, follow_leader, receive_plan
+from wavepp.exec.tp import StageGroups, TPLeader, follow_leader, receive_plan, stage_built
 from wavepp.handoff.base import HandoffSettings
 from wavepp.handoff.socket_send import INLINE_BYTES
+from wavepp.host import available_memory
 from wavepp.launch.backends.base import Backend, sharing_refused
 from wavepp.launch.log import log
 from wavepp.model import BUILTIN, build_stage, random_weights
-from wavepp.model.checkpoint import OWN_CONFIG, load_checkpoint
+from wavepp.model.checkpoint import check_tensors, config_file, load_checkpoint, read_config
 from wavepp.model.config import ModelConfig
+from wavepp.model.fields import CheckpointError
+from wavepp.model.footprint import Footprint, footprint
 from wavepp.model.tp import NO_TP, DistTPGroup, check_tp
 from wavepp.plan.placement import Placement, WaveShape, balanced
 from wavepp.runtime.handoff import HandoffTargets, fingerprint
@@ -37,23 +39,53 @@ class TorchBackend(Backend):
         self.config = c
         self._cfg: ModelConfig | None = None  # read by load
         self._weights: dict[str, torch.Tensor] | None = None  # until the stage is built
+        self._described: ModelConfig | None = None  # the config, checked by check
 
     @staticmethod
     def runs(c: RunConfig) -> bool:
         return c.executor == "torch"
 
-    def check(self, stages: int) -> int | None:
+    def check(self, stages: int) -> int:
         c = self.config
-        if c.model in BUILTIN:
-            try:
-                check_tp(BUILTIN[c.model], c.tp)
-            except ValueError as error:
-                raise SystemExit(f"wavepp: {error}") from None
-            return BUILTIN[c.model].num_layers
-        if not Path(c.model).is_dir():
+        if c.model not in BUILTIN and not Path(c.model).is_dir():
             raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
                              f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
-        return None
+        try:
+            cfg = BUILTIN[c.model] if c.model in BUILTIN else read_config(c.model)
+        except CheckpointError as error:
+            raise SystemExit(f"wavepp: --model {c.model}: {error}") from None
+        try:
+            check_tp(cfg, c.tp)
+        except ValueError as error:
+            raise SystemExit(f"wavepp: {error}") from None
+        self._described = cfg
+        return cfg.num_layers
+
+    def check_fit(self, stages: int, default_blocks: int) -> None:
+        """The model's weights and the KV pools at the run's settings (at least: every
+        stage's pool at the smallest stage's size; snapshots of recurrent states) against
+        this machine's available memory, on this machine's share of the ranks; on a GPU
+        the weights alone (they are read into host memory first). Then a checkpoint's
+        tensors against its config, from their headers."""
+        c = self.config
+        cfg = self._described
+        try:
+            model = footprint(cfg)
+        except OverflowError as error:
+            raise SystemExit(f"wavepp: --model {c.model}: the model cannot be held: "
+                             f"{error}") from None
+        need, parts = memory_need(c, model, stages, default_blocks)
+        have = available_memory()
+        if have is not None and need > have:
+            source = "" if c.model in BUILTIN else f"{config_file(Path(c.model)).name}: "
+            raise SystemExit(f"wavepp: --model {c.model}: {source}the run needs at least "
+                             f"{need / 1e9:,.1f} GB ({parts}); this machine has "
+                             f"{have / 1e9:,.1f} GB available")  # fmt: skip
+        if c.model not in BUILTIN:
+            try:
+                check_tensors(c.model, model.tensors)
+            except CheckpointError as error:
+                raise SystemExit(f"wavepp: --model {c.model}: {error}") from None
 
     def load(self) -> None:
         self._cfg, self._weights = self._read()
@@ -65,7 +97,10 @@ class TorchBackend(Backend):
             cfg = BUILTIN[c.model]
             model = cfg, random_weights(cfg, c.seed)
         elif Path(c.model).is_dir():
-            model = load_checkpoint(c.model, pick_dtype(c.dtype))
+            try:
+                model = load_checkpoint(c.model, pick_dtype(c.dtype))
+            except CheckpointError as error:
+                raise SystemExit(f"wavepp: --model {c.model}: {error}") from None
         else:
             raise SystemExit(f"wavepp: --model {c.model!r} is neither built in "
                              f"({', '.join(BUILTIN)}) nor a checkpoint directory")  # fmt: skip
@@ -80,18 +115,7 @@ class TorchBackend(Backend):
         return self._cfg.num_layers
 
     def vocab(self) -> int:
-        c = self.config
-        if c.model in BUILTIN:
-            return BUILTIN[c.model].vocab_size
-        config = Path(c.model) / "config.json"
-        own = Path(c.model) / OWN_CONFIG
-        source = own if own.exists() else config
-        try:
-            return int(json.loads(source.read_text())["vocab_size"])
-        except (OSError, KeyError, ValueError) as error:
-            raise SystemExit(
-                f"wavepp: cannot read the vocabulary size of {c.model!r}: {error}"
-            ) from None
+        return self._cfg.vocab_size
 
     def plane_device(self) -> torch.device:
         return pick_device(self.config.device)
@@ -131,7 +155,7 @@ class TorchBackend(Backend):
             return executor
         leader = TPLeader(executor, groups, c.tp, c.handoff_timeout_s)
         leader.set_limits(leader.limits(c.budget))
-        dist.barrier(group=groups.compute)  # every rank of the stage has built its shard
+        stage_built(groups)
         return leader
 
     def _stage_executor(self, cfg: ModelConfig, weights: dict, units: range, first: bool,
@@ -177,7 +201,28 @@ class TorchBackend(Backend):
                                         groups)  # fmt: skip
         del weights  # the shard holds its own
         groups.posts[0].set_limits(executor.limits(c.budget))
-        dist.barrier(group=groups.compute)  # every rank of the stage has built its shard
+        stage_built(groups)
         follow_leader(executor, groups, c.tp, plan.first)
         return 0
 
+
+
+def memory_need(c: RunConfig, model: Footprint, stages: int,
+                default_blocks: int) -> tuple[int, str]:  # fmt: skip
+    """(bytes this machine's ranks need at least, what they are), for :meth:`check_fit`."""
+    element = torch.empty((), dtype=pick_dtype(c.dtype)).element_size()
+    weights = model.weight_elements * element
+    capacity = min(stage_capacities(c, stages) or [default_blocks])
+    kv = stages * capacity * c.block_size * model.cache_row * element
+    snapshots = stages * (c.snapshot_capacity or capacity) * model.state * 4  # fp32
+    # this machine's share of the run's ranks (all of them for one node, and a launcher)
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    share = min(1.0, int(local) / int(world)) if local and world else 1.0
+    on_gpu = pick_device(c.device).type != "cpu"
+    parts = [f"{weights / 1e9:,.1f} GB of weights in {c.dtype}"]
+    if not on_gpu:
+        parts.append(f"{(kv + snapshots) / 1e9:,.1f} GB of KV pools: {capacity:,} blocks of "
+                     f"{c.block_size} tokens a stage"
+                     + (", with recurrent-state snapshots" if snapshots else ""))  # fmt: skip
+    need = weights if on_gpu else weights + kv + snapshots
+    return int(need * share), ", ".join(parts)
