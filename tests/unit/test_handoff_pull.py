@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.puller import pull, pull_frame
-from tests.unit.test_handoff_send import FP, band_of, job
+from tests.helpers.sender_bands import FP, band_of, job
 from wavepp.handoff import pull as pull_module
 from wavepp.handoff import wire
 from wavepp.handoff.base import HandoffSettings

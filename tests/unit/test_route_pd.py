@@ -12,7 +12,7 @@ import anyio
 import httpx
 
 from tests.helpers.fake_decoder import TOKENS, FakeDecoder
-from tests.unit.test_route_proxy import Fleet, run
+from tests.helpers.fake_fleet import Fleet, run
 from wavepp.route.app import build_app
 from wavepp.route.pd import Decoder, Disaggregated
 from wavepp.route.replicas import WatchOptions
