@@ -141,9 +141,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("wavepp.serve",),  # the HTTP server
     ("wavepp.route",),  # the router over servers
     # launchers and tools: the run's entry, the server's supervisor, the fleet, the load
-    # generator, the decode worker, the policy checker, the experiments
+    # generator, the decode worker, the policy checker, vLLM's connector (imported by vLLM
+    # only), the experiments
     ("wavepp.main", "wavepp.serve.launch", "wavepp.fleet", "wavepp.bench", "wavepp.decode",
-     "wavepp.checker", "benchmarks"),
+     "wavepp.checker", "wavepp.vllm", "benchmarks"),
 )
 
 

@@ -1,0 +1,57 @@
+"""A fake WavePP band server: a thread on a Unix socket that answers every pull frame
+with the band it was given (built with ``wavepp.handoff.client.build_band``, and then
+made wrong on purpose by the test), and counts the pulls and acks it got."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from tests.helpers.puller import exactly
+from wavepp.handoff import wire
+
+
+class FakeStage:
+    """Serves ``bands[request_id]`` = (header, payload tensors) at ``unix:{path}``."""
+
+    def __init__(self, path: Path, bands: dict[str, tuple[wire.BandHeader, list[torch.Tensor]]]):
+        self.path, self.bands = path, bands
+        self.address = f"unix:{path}"
+        self.counts: Counter[str] = Counter()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(str(path))
+        self._sock.listen(16)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError, EOFError, wire.WireError):
+            conn.settimeout(30)
+            length = wire.pull_length(exactly(conn, wire.PULL_PREFIX_BYTES))
+            pull = wire.decode_pull(exactly(conn, length))
+            self.counts["pulls"] += 1
+            header, payload = self.bands[pull.request_id]
+            conn.sendall(wire.encode_band_prefix(header))
+            for tensor in payload:
+                conn.sendall(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            magic = exactly(conn, 4)
+            ack = wire.decode_ack(exactly(conn, wire.ack_length(magic + exactly(conn, 4))))
+            self.counts["acked ok" if ack.ok else "acked refused"] += 1
+
+    def close(self) -> None:
+        self._sock.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()

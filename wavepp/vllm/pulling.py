@@ -1,0 +1,138 @@
+"""One stage's band, pulled by the connector (``docs/handoff.md``, one pull on the
+wire): a blocking socket in one of the connector's threads. Nothing of the band is handed
+on before its header has passed the receiver's checks (``wavepp.handoff.gate.Gate``:
+the wire version and bounds, the band's fingerprint against the decoder's field by field,
+every layer's tensors for the prompt's length) and matches what the request's
+``kv_transfer_params`` named (request, stage, stages, prompt length); then each tensor is
+read whole and given to ``take``, in the band's order. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import torch
+
+from wavepp.handoff import wire
+from wavepp.handoff.gate import Gate
+
+
+class PullFailed(Exception):
+    """A band that did not come, or came wrong (the message says why, in one line)."""
+
+
+def _connect(address: str, timeout_s: float) -> socket.socket:
+    where = wire.parse_address(address)
+    if where.kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(where.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    return socket.create_connection((where.host, where.port), timeout=timeout_s)
+
+
+class _Reader:
+    """Exact reads before a deadline; each recv waits at most ``timeout_s``."""
+
+    def __init__(self, sock: socket.socket, deadline: float, timeout_s: float) -> None:
+        self.sock, self.deadline, self.timeout_s = sock, deadline, timeout_s
+
+    def into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise PullFailed(f"the band did not arrive in time ({got} of {len(view)} "
+                                 "bytes of a read)")  # fmt: skip
+            self.sock.settimeout(min(self.timeout_s, left))
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise PullFailed(f"the stage closed the connection after {got} of "
+                                 f"{len(view)} bytes of a read")  # fmt: skip
+            got += n
+
+    def exactly(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.into(memoryview(buf))
+        return bytes(buf)
+
+
+def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num_tokens: int,
+              take: Callable[[wire.TensorSpec, torch.Tensor], None], deadline: float,
+              read_timeout_s: float = 10.0, opened: Callable[[socket.socket], None] | None = None
+              ) -> wire.BandHeader:  # fmt: skip
+    """Pull stage ``pull.stage``'s band of ``pull.request_id`` from ``address``, check it
+    and give each tensor to ``take``; acknowledge it once every tensor is taken, or
+    answer ``ok: false`` with the error when ``take`` or a check raises. Returns the
+    header; PullFailed naming why otherwise (a refusal carries the stage's own words).
+    ``opened``: called with the socket once connected (the caller may shut it down to
+    stop a pull that has run out of time)."""
+    try:
+        sock = _connect(address, read_timeout_s)
+    except (OSError, ValueError) as error:
+        raise PullFailed(f"stage {pull.stage} at {address}: cannot connect ({error})") from None
+    header = None
+    try:
+        if opened is not None:
+            opened(sock)
+        reader = _Reader(sock, deadline, read_timeout_s)
+        try:
+            sock.sendall(wire.encode_pull(pull))
+            magic = reader.exactly(4)
+            if magic == wire.ACK_MAGIC:
+                length = wire.ack_length(magic + reader.exactly(wire.ACK_PREFIX_BYTES - 4))
+                ack = wire.decode_ack(reader.exactly(length))
+                raise PullFailed(f"stage {pull.stage} refused the pull: {ack.error}")
+            length = wire.header_length(magic + reader.exactly(wire.PREFIX_BYTES - 4))
+            header = wire.decode_header(reader.exactly(length))
+            gate.check(header)
+            _check_named(header, pull, num_stages, num_tokens)
+            for spec in header.tensors:
+                buf = bytearray(spec.nbytes)
+                reader.into(memoryview(buf))
+                tensor = torch.frombuffer(buf, dtype=getattr(torch, spec.dtype)) if buf else (
+                    torch.empty(0, dtype=getattr(torch, spec.dtype)))  # fmt: skip
+                tensor = tensor.view(spec.shape)
+                if spec.layer == -1:
+                    gate.check_tokens({(-1, spec.name): tensor})
+                take(spec, tensor)
+        except (PullFailed, wire.WireError, ValueError) as error:
+            why = str(error)
+            if header is not None:
+                _answer(sock, header, False, why)
+            if isinstance(error, PullFailed):
+                raise
+            raise PullFailed(f"stage {pull.stage}'s band refused: {why}") from None
+        except OSError as error:
+            raise PullFailed(f"stage {pull.stage} at {address}: {error}") from None
+        if not _answer(sock, header, True, ""):
+            raise PullFailed(f"stage {pull.stage}: the acknowledgement could not be sent")
+        return header
+    finally:
+        sock.close()
+
+
+def _check_named(header: wire.BandHeader, pull: wire.Pull, num_stages: int,
+                 num_tokens: int) -> None:  # fmt: skip
+    """The band is the one asked for, of the request kv_transfer_params named."""
+    got = (header.request_id, header.stage, header.num_stages, header.num_tokens)
+    want = (pull.request_id, pull.stage, num_stages, num_tokens)
+    for name, a, b in zip(("request_id", "stage", "num_stages", "num_tokens"), got, want,
+                          strict=True):  # fmt: skip
+        if a != b:
+            raise wire.WireError(f"the band's {name} is {a!r}, kv_transfer_params name {b!r}")
+
+
+def _answer(sock: socket.socket, header: wire.BandHeader, ok: bool, error: str) -> bool:
+    try:
+        sock.settimeout(5.0)
+        sock.sendall(wire.encode_ack(wire.Ack(header.request_id, header.stage, ok, error)))
+        return True
+    except (OSError, wire.WireError):
+        return False
