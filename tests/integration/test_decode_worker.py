@@ -35,6 +35,7 @@ def worker(tmp_path_factory):
     cmd = [sys.executable, "-m", "wavepp.decode", "--model", str(path),
            "--listen", f"unix:{sock}", "--threads", "1", "--max-band-mib", "16"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc.log_path = root / "worker.log"  # what the worker logs, for the tests to read
     try:
         deadline = time.monotonic() + 180  # a hang guard: loading transformers takes a while
         line = ""
@@ -133,3 +134,89 @@ def test_malformed_band_unknown_request_and_sampling_are_refused(worker):
         "[44, 2, 16] for 44 tokens"
     )
     assert good.ok and len(tokens) == 3 and proc.poll() is None
+
+
+def expected_tokens(model, tokens: torch.Tensor, new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        full = model.generate(tokens[None], attention_mask=torch.ones_like(tokens[None]),
+                              max_new_tokens=new_tokens, do_sample=False)  # fmt: skip
+    return full[0, tokens.shape[0] :].tolist()
+
+
+def test_concurrent_generations_are_batched_and_each_decodes_like_generate(worker):
+    """Five decodes of different prompt lengths and lengths at once, joining at different
+    steps: each gets what generate() gives its prompt alone, and a short one started
+    after a long one ends while the long one is still decoding (continuous batching:
+    one at a time, the short one would wait for the long one's last token)."""
+    model, address, _ = worker
+    shapes = [(61, 120), (7, 5), (33, 17), (18, 9), (45, 12)]  # (prompt tokens, max_tokens)
+    prompts = [prompt(100 + i, n) for i, (n, _) in enumerate(shapes)]
+    want = [expected_tokens(model, p, m) for p, (_, m) in zip(prompts, shapes, strict=True)]
+    assert len(want[0]) > 2 * max(len(w) for w in want[1:]), "pick a longer-running prompt"
+    bands = [bands_for(model, f"cb-{i}", p, [2, 2]) for i, p in enumerate(prompts)]
+
+    async def main():
+        got: dict[int, list[int]] = {i: [] for i in range(len(shapes))}
+        long_seen_when_short_done: list[int] = []
+        with anyio.fail_after(180):  # a hang guard
+            for b in bands:
+                for h, p in b:
+                    assert (await send_band(address, h, p)).ok
+
+            async def client(i: int) -> None:
+                async for chunk in decode(address, f"cb-{i}", shapes[i][1], 30):
+                    got[i] += chunk
+                    if i == 0 and len(got[0]) == 3:  # the long one runs: the rest start
+                        for j in range(1, len(shapes)):
+                            tg.start_soon(client, j)
+                if i == 1:
+                    long_seen_when_short_done.append(len(got[0]))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client, 0)
+        return got, long_seen_when_short_done
+
+    got, seen = anyio.run(main)
+    for i in range(len(shapes)):
+        assert got[i] == want[i], (i, shapes[i])
+    assert seen and seen[0] < len(want[0]), seen
+
+
+def test_a_client_that_leaves_stops_its_request_wherever_it_is(worker):
+    """A client that closes its connection while its request waits for its cache, or
+    while it decodes, stops it there (the worker says so); the worker serves on."""
+    model, address, proc = worker
+    tokens = prompt(7, 30)
+    bands = bands_for(model, "gone-b", tokens, [4])
+
+    async def leave_after(request_id: str, chunks: int) -> None:
+        seen = 0
+        stream = decode(address, request_id, 4096, 600)
+        async for _ in stream:
+            seen += 1
+            if seen >= chunks:
+                break
+        await stream.aclose()  # the connection closes
+
+    async def main():
+        with anyio.fail_after(120):  # a hang guard
+            # waiting for a cache that never comes (for up to 600 s): the close stops it
+            with anyio.move_on_after(0.5):
+                await leave_after("gone-a", 1)
+            for h, p in bands:
+                assert (await send_band(address, h, p)).ok
+            await leave_after("gone-b", 2)  # decoding 4096 tokens: it leaves after two
+            return await decode_all(address, "gone-c", 1, timeout_s=0.2)
+
+    with pytest.raises(DecodeError, match="no band arrived"):  # the worker still answers
+        anyio.run(main)
+    wanted = [r"'gone-a': the client closed its connection",
+              r"'gone-b': the client went away after \d+ of 4096 tokens: stopped"]  # fmt: skip
+    deadline = time.monotonic() + 60  # a hang guard: the worker logs as it stops them
+    text = proc.log_path.read_text()
+    while time.monotonic() < deadline and not all(re.search(w, text) for w in wanted):
+        time.sleep(0.2)
+        text = proc.log_path.read_text()
+    for w in wanted:
+        assert re.search(w, text), text[-3000:]
+    assert proc.poll() is None

@@ -27,6 +27,8 @@ import anyio.to_thread
 
 from wavepp.handoff.wire import parse_address
 
+PING_MAGIC = b"WPHP"  # a liveness probe on the worker's address; it answers PONG
+PONG = b"WPHP"
 START_TIMEOUT_S = 300.0  # loading the model may take minutes for a large checkpoint
 
 
