@@ -65,12 +65,14 @@ pytestmark = [
 
 
 def run_vllm(tmp: Path, name: str, model: Path, prompts: list[list[int]],
-             params: list[dict | None] | None) -> tuple[dict, str]:  # fmt: skip
+             params: list[dict | None] | None,
+             again: list[dict] = ()) -> tuple[dict, str]:  # fmt: skip
     job = tmp / f"{name}.json"
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "block_size": BLOCK,
                                "max_len": 512, "max_tokens": DECODE,
                                "connector": params is not None,
-                               "params": params or [None] * len(prompts)}))  # fmt: skip
+                               "params": params or [None] * len(prompts),
+                               "again": list(again)}))  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     proc = subprocess.run([VLLM_PYTHON, str(DRIVER), str(job)], env=env, cwd=tmp,
@@ -141,6 +143,9 @@ def test_vllm_decodes_what_wavepp_prefilled_and_recomputes_what_it_refuses(tmp_p
     try:
         with httpx.Client(base_url=url, timeout=120) as client:
             params = {rid: prefill(client, ids, rid) for rid, ids in real.items()}
+            # s94 prefilled again, decoded once vLLM's own cache has its prefix: nothing to
+            # load, so the connector refuses the held bands (released now, not at the lease)
+            again = [{"prompt": shared["s94"], "params": prefill(client, shared["s94"], "s94b")}]
         params["gone"]["wavepp"]["stages"][1] = f"unix:{tmp_path}/nobody-here.sock"
         params["badtype"]["wavepp"]["stages"] = 5
         params["unknown"]["wavepp"]["colour"] = "blue"
@@ -154,7 +159,7 @@ def test_vllm_decodes_what_wavepp_prefilled_and_recomputes_what_it_refuses(tmp_p
         for rid in fakes:
             params[rid] = fake_params(fakes[rid], rid, stage.address)
         handed, log = run_vllm(tmp_path, "connector", model_dir, list(prompts.values()),
-                               [copy.deepcopy(params[n]) for n in names])  # fmt: skip
+                               [copy.deepcopy(params[n]) for n in names], again)  # fmt: skip
         with httpx.Client(base_url=url, timeout=120) as client:
             metrics = client.get("/metrics").text
             for rid in ("gone", "badtype", "unknown", "far"):  # never pulled: not held on
@@ -172,6 +177,7 @@ def test_vllm_decodes_what_wavepp_prefilled_and_recomputes_what_it_refuses(tmp_p
     record = json.loads((tmp_path / "server.json").read_text())
     assert all(s["balanced"] for s in record["leak_check"])
     assert record["handoff"]["done"] == len(shared) + 1, record["handoff"]  # pulled whole
+    assert record["handoff"]["refused"] == 1, record["handoff"]  # s94b: released
 
     # the same greedy tokens as vLLM alone, for every prompt: loaded, partly loaded or
     # recomputed after a load error; but the control, whose band is the right prompt's
@@ -181,9 +187,13 @@ def test_vllm_decodes_what_wavepp_prefilled_and_recomputes_what_it_refuses(tmp_p
         assert same == (name != "garbage"), name
         assert len(alone["outputs"][i]["token_ids"]) == DECODE
 
+    # the second round: s94 again, its prefix from vLLM's own cache, its bands released
+    assert handed["outputs"][len(names)]["token_ids"] == alone["outputs"][0]["token_ids"]
+    assert handed["counts"]["released"] == 2, handed["counts"]
+
     # vLLM's request ids to our names; one load per prompt the connector claimed
     # (the engine's ids are the output's with a suffix: "3" -> "3-8f651cb5")
-    by_id = dict(zip(handed["request_ids"], names, strict=True))
+    by_id = dict(zip(handed["request_ids"][: len(names)], names, strict=True))
     loads = {by_id[load["request_id"].split("-")[0]]: load for load in handed["loads"]}
     assert set(loads) == set(names), loads
     expected_end = {"s94": 64, "s109": 96, "s96": 96, "s77": 64, "differ": 32, "garbage": 64}

@@ -2,10 +2,12 @@
 (never imported by WavePP's tests): vLLM decodes token-id prompts greedily, with
 ``WavePPConnector`` as its ``kv_consumer`` when ``argv[1]``'s job says so (each prompt
 with its ``kv_transfer_params``), or on its own. One answer line on stdout, after
-``@@wavepp ``: per prompt its new token ids; and the connector's counters and loads."""
+``@@wavepp ``: per prompt its new token ids (the job's ``again`` prompts, if any, in a
+second ``generate`` after the first); and the connector's counters and loads."""
 
 import json
 import sys
+import time
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -27,13 +29,20 @@ def main():
               skip_tokenizer_init=True, max_model_len=job["max_len"], seed=0,
               enforce_eager=True, max_num_seqs=16, distributed_executor_backend="uni",
               **connector)  # fmt: skip
-    params = []
-    for extra in job["params"]:
+
+    def sampling(extra):
         args = {"kv_transfer_params": extra} if extra is not None else None
-        params.append(SamplingParams(max_tokens=job["max_tokens"], temperature=0.0,
-                                     ignore_eos=True, detokenize=False,
-                                     extra_args=args))  # fmt: skip
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params)
+        return SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True,
+                              detokenize=False, extra_args=args)  # fmt: skip
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]],
+                        [sampling(extra) for extra in job["params"]])  # fmt: skip
+    # a second round, once the first one's prompts are in vLLM's own prefix cache
+    again = job.get("again", [])
+    if again:
+        outs += llm.generate([TokensPrompt(prompt_token_ids=a["prompt"]) for a in again],
+                             [sampling(a["params"]) for a in again])  # fmt: skip
+        time.sleep(1.0)  # the connector's releases run in its threads: let them end
     answer = {"outputs": [{"token_ids": list(o.outputs[0].token_ids),
                            "finish_reason": o.outputs[0].finish_reason}
                           for o in outs]}  # fmt: skip

@@ -209,10 +209,13 @@ def test_a_band_is_checked_before_anything_is_taken(tmp_path):
         with pytest.raises(PullFailed, match="prompt differs"):
             pull_band(stage.address, wire.Pull("ok", 0, FP), gate, num_stages=1, num_tokens=40,
                       take=refuse, deadline=time.monotonic() + 30)  # fmt: skip
+        # a band the decoder needs none of: refused at its header, nothing taken
+        assert pull("ok", refuse="the decoder needs none of it").layers == [0, 1]
+        assert taken == []
         deadline = time.monotonic() + 10
-        while stage.counts["acked refused"] < 3 and time.monotonic() < deadline:
+        while stage.counts["acked refused"] < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert stage.counts["acked ok"] == 1 and stage.counts["acked refused"] == 3
+        assert stage.counts["acked ok"] == 1 and stage.counts["acked refused"] == 4
     finally:
         stage.close()
     with pytest.raises(PullFailed, match="cannot connect"):

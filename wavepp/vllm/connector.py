@@ -84,6 +84,7 @@ class LoadSpec:
     block_ids: list[int]
     digest: str  # plan.token_digest of the decoder's prompt[:end]
     error: str = ""  # set: the load fails at once (malformed kv_transfer_params)
+    release: bool = False  # nothing to load: refuse the bands, so the stages free them now
 
 
 @dataclass
@@ -195,9 +196,12 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:  # fmt: skip
         params = request.kv_transfer_params
-        if num_external_tokens <= 0 or not plan.is_ours(params):
+        if not plan.is_ours(params):
             return
         got = self._plan(request)
+        if num_external_tokens <= 0:  # vLLM's own cache had the prefix: release the bands
+            self._release(request, got)
+            return
         b = self.block_size
         end, start = got.end, got.end - num_external_tokens
         block_ids = list(blocks.get_block_ids()[0])[start // b : end // b]
@@ -214,6 +218,16 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
             error=error))  # fmt: skip
         params["do_remote_prefill"] = False  # loaded once: not again after a preemption
 
+    def _release(self, request: Request, got: _Plan) -> None:
+        """The request loads nothing (vLLM's own prefix cache had it, or it ended before it
+        was scheduled): its bands are pulled and refused, which releases them on the
+        stages now rather than at the end of their lease."""
+        request.kv_transfer_params["do_remote_prefill"] = False
+        if got.source is not None:
+            s = got.source
+            self._pending.append(LoadSpec(request.request_id, s.request_id, s.stages,
+                                          s.num_tokens, 0, 0, [], "", release=True))  # fmt: skip
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = WavePPMetadata(self._pending)
         self._pending = []
@@ -221,7 +235,10 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:  # fmt: skip
-        self._plans.pop(request.request_id, None)
+        got = self._plans.pop(request.request_id, None)
+        if plan.is_ours(request.kv_transfer_params):  # never allocated: aborted first
+            self._release(request, got or self._plan(request))
+            self._plans.pop(request.request_id, None)
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -258,6 +275,9 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
             return
         now = time.monotonic()
         for spec in meta.loads:
+            if spec.release:
+                self._release_bands(spec)
+                continue
             load = _Load(spec, now + float(self.settings["timeout_s"]), now)
             self._loads[spec.req_id] = load
             if spec.error:
@@ -268,6 +288,29 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             for s, address in enumerate(spec.stages):
                 load.futures.append(self._pool.submit(self._pull, load, s, address))
+
+    def _release_bands(self, spec: LoadSpec) -> None:
+        """Refuse every stage's band of a request that loads nothing (not reported to
+        vLLM: the request never waited for it)."""
+        if self._pool is None:
+            return
+        deadline = time.monotonic() + float(self.settings["timeout_s"])
+        why = "the decoder needs none of it (its own prefix cache had the prompt)"
+
+        def one(stage: int, address: str) -> None:
+            try:
+                pull_band(address, wire.Pull(spec.wavepp_id, stage, self.fp), self._gate,
+                          num_stages=len(spec.stages), num_tokens=spec.num_tokens,
+                          take=lambda t, x: None, deadline=deadline,
+                          read_timeout_s=float(self.settings["read_timeout_s"]),
+                          refuse=why)  # fmt: skip
+                COUNTS["released"] += 1
+            except Exception as error:  # the lease frees it anyway
+                log.info("WavePPConnector: request %s: stage %d's band not released: %s",
+                         spec.req_id, stage, error)  # fmt: skip
+
+        for s, address in enumerate(spec.stages):
+            self._pool.submit(one, s, address)
 
     def _pull(self, load: _Load, stage: int, address: str) -> None:
         spec = load.spec

@@ -23,6 +23,10 @@ class PullFailed(Exception):
     """A band that did not come, or came wrong (the message says why, in one line)."""
 
 
+class _Refused(ValueError):
+    """The decoder refuses a band it needs none of (``pull_band``'s ``refuse``)."""
+
+
 def _connect(address: str, timeout_s: float) -> socket.socket:
     where = wire.parse_address(address)
     if where.kind == "unix":
@@ -57,6 +61,17 @@ class _Reader:
                                  f"{len(view)} bytes of a read")  # fmt: skip
             got += n
 
+    def drop(self, n: int) -> None:
+        """Read ``n`` bytes and drop them; quietly stop at the deadline or a closed peer."""
+        chunk = memoryview(bytearray(min(n, 1 << 20)))
+        try:
+            while n > 0:
+                step = min(n, len(chunk))
+                self.into(chunk[:step])
+                n -= step
+        except (PullFailed, OSError):
+            pass
+
     def exactly(self, n: int) -> bytes:
         buf = bytearray(n)
         self.into(memoryview(buf))
@@ -65,14 +80,16 @@ class _Reader:
 
 def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num_tokens: int,
               take: Callable[[wire.TensorSpec, torch.Tensor], None], deadline: float,
-              read_timeout_s: float = 10.0, opened: Callable[[socket.socket], None] | None = None
-              ) -> wire.BandHeader:  # fmt: skip
+              read_timeout_s: float = 10.0, opened: Callable[[socket.socket], None] | None = None,
+              refuse: str = "") -> wire.BandHeader:  # fmt: skip
     """Pull stage ``pull.stage``'s band of ``pull.request_id`` from ``address``, check it
     and give each tensor to ``take``; acknowledge it once every tensor is taken, or
     answer ``ok: false`` with the error when ``take`` or a check raises. Returns the
     header; PullFailed naming why otherwise (a refusal carries the stage's own words).
     ``opened``: called with the socket once connected (the caller may shut it down to
-    stop a pull that has run out of time)."""
+    stop a pull that has run out of time). ``refuse``: the decoder needs none of the band
+    (vLLM had the prompt cached itself): its header is read, and the band refused with
+    this reason, which releases it on the stage at once instead of at its lease's end."""
     try:
         sock = _connect(address, read_timeout_s)
     except (OSError, ValueError) as error:
@@ -91,11 +108,15 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
                 raise PullFailed(f"stage {pull.stage} refused the pull: {ack.error}")
             length = wire.header_length(magic + reader.exactly(wire.PREFIX_BYTES - 4))
             header = wire.decode_header(reader.exactly(length))
+            left = wire.band_bytes(header)  # of the payload, not read yet
+            if refuse:
+                raise _Refused(refuse)
             gate.check(header)
             _check_named(header, pull, num_stages, num_tokens)
             for spec in header.tensors:
                 buf = bytearray(spec.nbytes)
                 reader.into(memoryview(buf))
+                left -= spec.nbytes
                 tensor = torch.frombuffer(buf, dtype=getattr(torch, spec.dtype)) if buf else (
                     torch.empty(0, dtype=getattr(torch, spec.dtype)))  # fmt: skip
                 tensor = tensor.view(spec.shape)
@@ -104,8 +125,14 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
                 take(spec, tensor)
         except (PullFailed, wire.WireError, ValueError) as error:
             why = str(error)
-            if header is not None:
+            if header is not None and not isinstance(error, PullFailed):
+                # as a receiver does: the rest of the payload read and dropped (up to the
+                # band limit), so the stage reads the refusal rather than a broken pipe
+                if left <= gate.max_band_bytes:
+                    reader.drop(left)
                 _answer(sock, header, False, why)
+            if isinstance(error, _Refused):
+                return header
             if isinstance(error, PullFailed):
                 raise
             raise PullFailed(f"stage {pull.stage}'s band refused: {why}") from None
