@@ -187,8 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         from wavepp.serve.server import serve
 
         async with decoder(options.decode, config.model, config.seed, config.dtype,
-                           log) as address:  # fmt: skip
-            await serve(engine, args.host, args.port, attrs.evolve(options, decode=address),
+                           log) as state:  # fmt: skip
+            address = state.address if state is not None else None
+            await serve(engine, args.host, args.port,
+                        attrs.evolve(options, decode=address, decoder=state),
                         log_level=args.log_level)  # fmt: skip
 
     from wavepp.main import run_ranks

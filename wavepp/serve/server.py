@@ -8,7 +8,9 @@ metrics from ``engine.results()``.
 
 A drain ends whatever clients do. From the moment the engine drains, ``/health`` and new
 requests answer 503 (``Retry-After``); the requests in flight get ``drain_timeout_s`` to
-answer, then the rest are cancelled (their result says why); bodies still arriving are
+answer — a completion that decodes (``--decode``) is in flight until its last byte
+is sent — then the rest are cancelled (their result says why; a decoding completion
+answers a JSON 503, a stream an error event then ``[DONE]``); bodies still arriving are
 cut off; the listener closes and :func:`serve` returns. A client that sends its headers
 slowly is dropped after ``header_timeout_s``, one whose body is slow gets 408 after
 ``body_timeout_s``. When the engine reports a fault (a rank dead or hung), every
@@ -159,16 +161,19 @@ async def serve(
     async def stop_when_draining() -> None:
         await stopping.wait()
         if not engine.fault():
-            _log(f"draining: new requests get 503; {len(front.handles)} in flight get up to "
-                 f"{options.drain_timeout_s:g} s (--drain-timeout-s)")  # fmt: skip
+            decoding = front.decoding_now()
+            _log(f"draining: new requests get 503; {len(front.handles) + decoding} in flight "
+                 f"({decoding} decoding) get up to {options.drain_timeout_s:g} s "
+                 "(--drain-timeout-s)")  # fmt: skip
         with anyio.move_on_after(options.drain_timeout_s):
             await front.settled()  # a fault answers them all at once (follow_fault)
-        if front.handles and not engine.fault():
+        if (front.handles or front.decoding) and not engine.fault():
             reason = (f"cancelled: the server drained and its drain timeout "
                       f"({options.drain_timeout_s:g} s, --drain-timeout-s) ran out")  # fmt: skip
             count = front.cancel_in_flight(reason)
-            front.metrics.drain_cancels.inc(count)
-            _log(f"drain timeout: cancelled {count} requests still in flight")
+            cut = front.cut_decodes(reason)
+            front.metrics.drain_cancels.inc(count + cut)
+            _log(f"drain timeout: cancelled {count} requests and {cut} completions still in flight")
         with anyio.move_on_after(SHUTDOWN_GRACE_S):  # their answers go out
             await front.settled()
         front.stop_reading()
