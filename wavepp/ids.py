@@ -8,7 +8,7 @@ ID_RULE = (f"a request id is 1 to {MAX_ID_CHARS} printable characters without '/
            "in a requests file); it names one request until that request has ended and, on a "
            f"server, {RETAINED_IDS:,} later ones have too; a repeat meanwhile is refused (409 "
            "on the server); a rejected request leaves no trace, so its id is free at once")
-"""The one id rule of the Python API, the server and requests files (README, Serving)."""
+"""The one id rule of the Python API, the server and requests files (docs/guide.md, Serving)."""
 
 
 def id_problem(request_id: object) -> str | None:

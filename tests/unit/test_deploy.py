@@ -386,11 +386,7 @@ def test_every_command_line_passes_its_programs_own_checks():
         assert args.module and args.training_script == "wavepp.serve"
     for argv in modules["wavepp.serve"]:
         check_serve(argv)
-    known = {o for action in route_parser()._actions for o in action.option_strings}
     for argv in modules["wavepp.route"]:
-        if "--decoder" not in known:  # lands with the prefill/decode issue (deploy/README.md)
-            argv = [a for i, a in enumerate(argv)
-                    if a != "--decoder" and (i == 0 or argv[i - 1] != "--decoder")]  # fmt: skip
         check_route(route_parser().parse_args(argv))
 
 

@@ -1,5 +1,6 @@
-"""Every command the README shows runs after the README's install (``pip install -e .``),
-or the README says which extra it needs: each documented module answers ``--help``."""
+"""Every command the README, the guide and benchmarks/README.md show runs after the README's
+install (``pip install -e .``), or the text says which extra it needs: each documented module
+answers ``--help``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", ROOT / "docs" / "guide.md", ROOT / "benchmarks" / "README.md"]
+README = "\n".join(path.read_text() for path in DOCS)
 MODULES = sorted(set(re.findall(r"-m\s+((?:wavepp|benchmarks)[\w.]*\w)", README)))
 
 
