@@ -120,6 +120,13 @@ BAD = [
     ("/v1/prefill", json.dumps({"tokens": [1] * 100_000}).encode(), 400, "can never fit"),
     ("/v1/prefill", json.dumps({"tokens": [5000] * 100_000}).encode(), 400, "100,000 token"),
     ("/v1/prefill", b"[" * 100_000, 400, ""),
+    # nested past msgspec's depth guard, in a typed field, an unknown one, a chat's message
+    ("/v1/prefill", b'{"tokens": [1], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "too deeply"),
+    ("/v1/completions", b'{"prompt": [1], "x": ' + b"[" * 99_999 + b"]" * 99_999 + b"}", 400,
+     "too deeply"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": '
+     + b"[" * 100_000 + b"]" * 100_000 + b"}]}", 400, "too deeply"),
     ("/v1/completions", b'{"prompt": [1, 2], "max_tokens": 16}', 400, "max_tokens 16"),
     ("/v1/completions", b'{"prompt": [1, 2], "stream": true}', 400, "stream"),
     ("/v1/completions", b'{"prompt": [[1], [2]]}', 400, "batched prompts (2)"),

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from wavepp.ids import id_problem
-from wavepp.serve.api import PRIORITY_RANGE
+from wavepp.serve.api import PRIORITY_RANGE, TOO_DEEP, ApiError
 from wavepp.workload import MAX_DEADLINE_S
 
 ID_FIELD = {"/v1/prefill": "id", "/v1/completions": "request_id",
@@ -126,7 +126,9 @@ def peek(route: str, raw: bytes) -> Peek:
     try:
         parsed = msgspec.json.decode(raw, type=KINDS[route])
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return Peek(raw, None, False, None, None, False)
+        return Peek(raw, None, False, None, None, False)  # the replica's 400 says why
+    except RecursionError:  # msgspec's depth guard: no replica would read it either
+        raise ApiError(400, TOO_DEEP) from None
     priority, deadline_s = _priority(parsed.priority), _deadline(parsed.deadline_s)
     if isinstance(parsed, _Prefill):
         tokens, text, given, stream = _ids(parsed.tokens), parsed.text, parsed.id, False

@@ -37,6 +37,7 @@ from wavepp.ids import id_problem
 from wavepp.route.body import new_request_id, peek
 from wavepp.route.replicas import WatchOptions, log
 from wavepp.route.router import Router, read_capped
+from wavepp.serve.api import TOO_DEEP
 from wavepp.serve.errors import ApiError
 
 # what vLLM's toy proxy sends P (BRIEF §6): the keys a NIXL prefiller expects, unset
@@ -113,6 +114,8 @@ class Disaggregated:
             client_body = msgspec.json.decode(raw)
         except msgspec.DecodeError as error:
             raise ApiError(400, f"request body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise ApiError(400, TOO_DEEP) from None
         if not isinstance(client_body, dict):
             raise ApiError(400, "request body must be a JSON object")
         rid = _request_id(headers, client_body)

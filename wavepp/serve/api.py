@@ -112,6 +112,8 @@ class Submission:
 
 Tokenize = Callable[[str], list[int]]
 
+TOO_DEEP = "request body is not valid JSON: nested too deeply"
+
 
 def decode_body(raw: bytes, kind: type) -> Any:
     try:
@@ -120,6 +122,8 @@ def decode_body(raw: bytes, kind: type) -> Any:
         raise ApiError(400, f"invalid request body: {error}") from None
     except msgspec.DecodeError as error:
         raise ApiError(400, f"request body is not valid JSON: {error}") from None
+    except RecursionError:  # msgspec's own depth guard, for an untyped field's value
+        raise ApiError(400, TOO_DEEP) from None
 
 
 def check_id(request_id: str | None) -> str | None:
