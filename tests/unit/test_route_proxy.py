@@ -155,7 +155,7 @@ def test_a_replica_taken_out_while_a_request_waits_gets_a_cancel_and_the_request
 def test_an_id_goes_to_each_replica_once_and_a_replicas_409_is_the_last_word():
     async def test():
         fleet = Fleet()
-        answered: dict[str, set[str]] = {"r0": set(), "r1": set()}
+        answered: dict[str, set[str]] = {"r0": {"taken"}, "r1": set()}  # r0 ran "taken" once
 
         async def remembers(name, request, body):
             if body["id"] in answered[name]:
@@ -167,12 +167,46 @@ def test_an_id_goes_to_each_replica_once_and_a_replicas_409_is_the_last_word():
         fleet.behave = {"r0": remembers, "r1": remembers}
         router = fleet.router("least-load")
         async with client_of(router) as client:
-            first = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "same"})
-            second = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "same"})
-            third = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "same"})
-        assert first.headers["x-wavepp-replica"] == "r0"
-        assert second.headers["x-wavepp-replica"] == "r1"  # r0 saw the id: not asked again
-        assert third.status_code == 409  # every replica saw it: as one server answers
+            first = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "taken"})
+            second = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "taken"})
+        assert first.status_code == 409 and first.headers["x-wavepp-replica"] == "r0"
+        assert second.status_code == 200  # refused, it ran nowhere: r1, not asked, runs it
+        assert second.headers["x-wavepp-replica"] == "r1"
+
+    run(test)
+
+
+def test_an_id_the_fleet_has_answered_is_refused_and_runs_nowhere_again():
+    async def test():
+        fleet = Fleet()
+        router = fleet.router("round-robin")
+        async with client_of(router) as client:
+            first = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "once"})
+            again = [await client.post("/v1/prefill", json={"tokens": [3], "id": "once"})
+                     for _ in range(3)]  # fmt: skip
+            other = await client.post("/v1/prefill", json={"tokens": [1, 2], "id": "other"})
+        assert first.status_code == 200 and other.status_code == 200
+        for reply in again:
+            assert reply.status_code == 409, reply.text
+            assert "has been answered" in reply.json()["error"]["message"]
+        assert [body["id"] for _, path, body in fleet.seen if path == "/v1/prefill"] == [
+            "once", "other"]
+
+    run(test)
+
+
+def test_a_deeply_nested_body_is_a_400_from_the_router_and_reaches_no_replica():
+    async def test():
+        fleet = Fleet()
+        deep = b"[" * 100_000 + b"]" * 100_000
+        async with client_of(fleet.router()) as client:
+            replies = [await client.post(route, content=b'{"tokens": [1], "x": ' + deep + b"}")
+                       for route in ("/v1/prefill", "/v1/completions", "/v1/chat/completions")]
+            fine = await client.post("/v1/prefill", json={"tokens": [1, 2]})
+        for reply in replies:
+            assert reply.status_code == 400, reply.text
+            assert "nested too deeply" in reply.json()["error"]["message"]
+        assert fine.status_code == 200 and len(fleet.seen) == 1
 
     run(test)
 

@@ -74,6 +74,8 @@ class Router:
         self.seq = 0  # requests routed so far
         self.in_flight: dict[str, Replica | None] = {}  # request id -> replica it is at now
         self.recent: collections.OrderedDict[str, set[str]] = collections.OrderedDict()
+        # ids a replica answered 2xx: refused for the window a server keeps its ended ids
+        self.finished: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.draining = False
 
     # -- choosing ---------------------------------------------------------------------
@@ -112,6 +114,14 @@ class Router:
         while len(self.recent) > RECENT_IDS:
             self.recent.popitem(last=False)
 
+    def _finish(self, request_id: str | None, code: int) -> None:
+        if request_id is None or not 200 <= code < 300:
+            return  # refused or failed: the id ran nowhere to the end, so it stays free
+        self.finished[request_id] = None
+        self.finished.move_to_end(request_id)
+        while len(self.finished) > RETAINED_IDS:
+            self.finished.popitem(last=False)
+
     # -- forwarding -------------------------------------------------------------------
 
     async def forward(self, route: str, peek: Peek, arrived: float) -> Response:
@@ -123,6 +133,9 @@ class Router:
         if rid is not None and rid in self.in_flight:
             raise ApiError(409, f"request id {rid!r} is in flight (ids name one request at a "
                            "time)")  # fmt: skip
+        if rid is not None and rid in self.finished:
+            raise ApiError(409, f"request id {rid!r} has been answered (an id names one request "
+                           f"until {RETAINED_IDS:,} later ones have ended)")  # fmt: skip
         if rid is not None:
             self.in_flight[rid] = None
         response = None
@@ -133,6 +146,8 @@ class Router:
         finally:  # a stream's id stays in flight until the stream ends
             if rid is not None and not isinstance(response, StreamingResponse):
                 self.in_flight.pop(rid, None)
+                if response is not None:
+                    self._finish(rid, response.status_code)
 
     async def _attempts(self, route: str, peek: Peek, due: float | None) -> Response:
         """``due``: the request's deadline on ``time.monotonic``'s clock (None: none)."""
@@ -292,6 +307,7 @@ class Router:
                 self._land(replica, flight)
                 if self.in_flight.get(flight.request_id or "") is replica:
                     self.in_flight.pop(flight.request_id or "", None)
+                    self._finish(flight.request_id, upstream.status_code)
                 self.metrics.passed_on(replica.name, upstream.status_code)
 
         return StreamingResponse(relay(), status_code=upstream.status_code, headers=headers,
