@@ -364,8 +364,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(argv: list[str] | None = None) -> RunConfig:
-    """Defaults, then the ``--config`` file, then the command line; every value checked."""
+def load(argv: list[str] | None = None, others: frozenset[str] = frozenset()) -> RunConfig:
+    """Defaults, then the ``--config`` file, then the command line; every value checked.
+    ``others``: keys of the file that a caller reads itself (the server's own options)."""
     args = vars(parser().parse_args(argv))
     values: dict[str, Any] = {}
     try:
@@ -378,6 +379,8 @@ def load(argv: list[str] | None = None) -> RunConfig:
             known = {f.name for f in attrs.fields(RunConfig)}
             for key, value in data.items():
                 name = key.replace("-", "_")
+                if name in others:
+                    continue
                 if name not in known:
                     raise OptionError(f"{path}: unknown option {key!r}")
                 values[name] = check_option(name, value, str(path))

@@ -38,3 +38,35 @@ def test_a_sim_server_labels_its_answers_simulated():
 
     assert check(["--executor", "sim", "--model", "llama3-70b"])[0].simulated
     assert not check(["--executor", "torch"])[0].simulated
+
+
+def test_a_config_file_carries_the_servers_own_options_beside_the_run_options(tmp_path):
+    from wavepp.serve.__main__ import check
+
+    run = tmp_path / "serve.toml"
+    run.write_text('max_in_flight = 8\ndrain_timeout_s = 5\nserved_model_name = "m"\nport = 8123\n'
+                   'executor = "sim"\nmodel = "llama3-70b"\n')  # fmt: skip
+    options, config, args = check(["--config", str(run)])
+    assert (options.max_in_flight, options.drain_timeout_s, options.model_name) == (8, 5.0, "m")
+    assert args.port == 8123 and config.model == "llama3-70b"
+    options, _, args = check(["--config", str(run), "--max-in-flight", "2"])
+    assert options.max_in_flight == 2  # the command line over the file, as for run options
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("max_in_flight = 'eight'\n", "option 'max_in_flight' must be an integer"),
+        ("max_in_flight = 1.5\n", "must be an integer"),
+        ("drain_timeout_s = true\n", "option 'drain_timeout_s' must be a number"),
+        ("max_in_flight = -1\n", "--max-in-flight must be ≥ 0, got -1"),
+        ("no_such_option = 1\n", "unknown option 'no_such_option'"),
+    ],
+)
+def test_a_bad_server_option_in_a_config_file_says_which(tmp_path, text, message):
+    from wavepp.serve.__main__ import check
+
+    run = tmp_path / "serve.toml"
+    run.write_text(text)
+    with pytest.raises(SystemExit, match=message):
+        check(["--config", str(run), "--executor", "sim", "--model", "llama3-70b"])

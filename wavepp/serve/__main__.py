@@ -115,13 +115,47 @@ def _tokenizer_path(explicit: str | None, model: str | None) -> Path | None:
     return None
 
 
+def _own_options_in_config(argv: list[str] | None, own: dict) -> dict:
+    """The server's own options in a ``--config`` TOML file (``max_in_flight = 8``), each
+    checked for its type; the run options in it are ``wavepp.config``'s to read."""
+    import tomllib
+
+    found = argparse.ArgumentParser(add_help=False)
+    found.add_argument("--config", default=None)
+    path = found.parse_known_args(argv)[0].config
+    if path is None:
+        return {}
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
+        raise SystemExit(f"wavepp: --config {path}: {error}") from None
+    values = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in own:
+            continue
+        kind = own[name].type or str
+        ok = (type(value) is int if kind is int
+              else type(value) in (int, float) if kind is float
+              else isinstance(value, str))  # fmt: skip
+        if not ok:
+            raise SystemExit(f"wavepp serve: {path}: option {key!r} must be "
+                             f"{'an integer' if kind is int else 'a number' if kind is float else 'a string'}, "
+                             f"got {value!r}")  # fmt: skip
+        values[name] = kind(value)
+    return values
+
+
 def check(argv: list[str] | None, world: int | None = None):
     """(server options, run config, argv's server part) with every check that does not
     need the ranks done: the server's options, the run options (``wavepp.config``), and —
     given ``world`` — the split over that many stages (``wavepp.launch.preflight``). Raises
     SystemExit with one line. The launcher calls it before it starts any rank."""
+    p = parser()
+    own = {a.dest: a for a in p._actions if a.dest != "help"}
+    p.set_defaults(**_own_options_in_config(argv, own))
     try:
-        args, rest = parser().parse_known_args(argv)
+        args, rest = p.parse_known_args(argv)
     except SystemExit:
         raise SystemExit(2) from None
     from wavepp.config import load
@@ -137,7 +171,7 @@ def check(argv: list[str] | None, world: int | None = None):
         if not 0 < value < 1e6:
             flag = "--" + name.replace("_", "-")
             raise SystemExit(f"wavepp serve: {flag} must be positive, got {value:g}")
-    config = load(rest)
+    config = load(rest, others=frozenset(own))
     if config.executor == "torch" and config.handoff_serve is None:
         # the server's stages serve bands to decoders (vLLM's P/D protocol) by default
         config = attrs.evolve(config, handoff_serve="auto")
