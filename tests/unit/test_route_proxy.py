@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.helpers.fake_fleet import BLOCK, FakeIndex, Fleet, client_of, run
+from wavepp.route.app import build_app
 from wavepp.route.policies import RouteRequest
 from wavepp.route.replicas import Replica, WatchOptions, events_endpoint
 from wavepp.route.router import Router
@@ -449,5 +450,60 @@ def test_metrics_count_the_deadlines_each_replica_met_and_the_fleets_attainment(
         assert figures["with_deadline"] == 3 and figures["deadlines_met"] == 2
         assert figures["replicas"]["r1"]["deadlines_met"] == 0
         assert figures["slo_attainment"] == 2 / 3 and figures["deadlines_expired"] == 0
+
+    run(test)
+
+
+async def _trickle(stop: anyio.Event):
+    yield b'{"tokens": [1, '
+    await stop.wait()  # the rest never comes
+    yield b"2]}"
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_a_json_408_and_reaches_no_replica():
+    async def test():
+        fleet = Fleet()
+        app = build_app(fleet.router(), body_timeout_s=0.3)
+        stop = anyio.Event()
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            with anyio.fail_after(30):  # a hang guard, not a timing
+                reply = await client.post("/v1/prefill", content=_trickle(stop))
+            stop.set()
+        assert reply.status_code == 408, reply.text
+        assert "--body-timeout-s" in reply.json()["error"]["message"]
+        assert fleet.seen == []
+
+    run(test)
+
+
+def test_a_drain_answers_a_half_sent_body_with_a_json_503():
+    async def test():
+        fleet = Fleet()
+        router = fleet.router()
+        app = build_app(router, body_timeout_s=60)
+        stop = anyio.Event()
+        transport = httpx.ASGITransport(app=app)
+        replies = []
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+
+            async def send():
+                replies.append(await client.post("/v1/prefill", content=_trickle(stop)))
+
+            with anyio.fail_after(30):  # a hang guard
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(send)
+                    while not app.state.bodies.reading:
+                        await anyio.sleep(0.01)
+                    router.draining = True  # what the drain does first
+                    app.state.bodies.close()
+                late = await client.post("/v1/prefill", json={"tokens": [1]})
+            stop.set()
+        (reply,) = replies
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["type"] == "unavailable"
+        assert "shutting down" in reply.json()["error"]["message"]
+        assert late.status_code == 503 and "draining" in late.json()["error"]["message"]
+        assert fleet.seen == []
 
     run(test)

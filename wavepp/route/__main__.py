@@ -18,7 +18,7 @@ import sys
 import anyio
 
 from wavepp.policy.load import PolicyError
-from wavepp.route.app import http_client, run_router
+from wavepp.route.app import BODY_TIMEOUT_S, http_client, run_router
 from wavepp.route.pd import Decoder, Disaggregated
 from wavepp.route.policies import DEFAULT_ROUTE_POLICY, ROUTE_POLICIES, load_route_policy
 from wavepp.route.replicas import Replica, WatchOptions, log
@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"largest request body accepted, bytes [{DEFAULT_MAX_BODY_BYTES}]")
     p.add_argument("--drain-timeout-s", type=float, default=25.0,
                    help="after SIGTERM, how long requests in flight may take, seconds [25]")
+    p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                   help=f"a request body that takes longer gets 408, seconds [{BODY_TIMEOUT_S:g}]")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
     return p  # fmt: skip
 
@@ -84,7 +86,8 @@ def check(args: argparse.Namespace) -> None:
                  "URL")
         need(len(set(urls)) == len(urls), f"a {option} URL is given twice")
     need(0 <= args.port <= 65535, f"--port must be in 0..65535, got {args.port}")
-    for name in ("health_interval_s", "health_timeout_s", "events_timeout_s", "drain_timeout_s"):
+    for name in ("health_interval_s", "health_timeout_s", "events_timeout_s", "drain_timeout_s",
+                 "body_timeout_s"):
         value = getattr(args, name)
         need(0 < value < 1e6, f"--{name.replace('_', '-')} must be positive, got {value:g}")
     need(args.fail_after >= 1, f"--fail-after must be ≥ 1, got {args.fail_after}")
@@ -118,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
             pd = Disaggregated(router, decoders) if decoders else None
             await run_router(router, args.host, args.port, watch=watch, make_index=make_index,
                              subscribe=subscribe, max_body_bytes=args.max_body_bytes,
-                             drain_timeout_s=args.drain_timeout_s, log_level=args.log_level,
+                             drain_timeout_s=args.drain_timeout_s,
+                             body_timeout_s=args.body_timeout_s, log_level=args.log_level,
                              stop=stop, pd=pd)  # fmt: skip
             tg.cancel_scope.cancel()
 

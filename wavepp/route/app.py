@@ -8,7 +8,9 @@ while at least one replica is up; every replica's state — and decoder's —, t
 met so far), ``GET /metrics`` (``wavepp_route_*``) and ``GET /v1/models`` (a replica's,
 with the fleet's size: what ``wavepp.bench.load`` reads). A client that disconnects while its
 request waits closes the router's connection to the replica, which cancels the request
-there. SIGTERM drains: new requests get 503, the ones in flight get ``drain_timeout_s``.
+there. A body must arrive within ``body_timeout_s`` (408 after it). SIGTERM drains: new
+requests get 503, bodies still arriving a JSON 503, the ones in flight get
+``drain_timeout_s``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,34 @@ logger = logging.getLogger("wavepp.route")
 
 DRAIN_POLL_S = 0.05
 HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0  # a request's whole body, as the server's --body-timeout-s
+
+
+class Bodies:
+    """Request bodies being read: each within ``timeout_s``; a drain cuts them off."""
+
+    def __init__(self, limit: int, timeout_s: float) -> None:
+        self.limit, self.timeout_s = limit, timeout_s
+        self.reading: set[anyio.CancelScope] = set()
+        self.closing = False
+
+    async def read(self, request: Request) -> bytes:
+        with anyio.CancelScope(deadline=anyio.current_time() + self.timeout_s) as scope:
+            self.reading.add(scope)
+            try:
+                return await read_body(request, self.limit)
+            finally:
+                self.reading.discard(scope)
+        if self.closing:
+            raise ApiError(503, "the router is shutting down; the body came too slowly",
+                           "unavailable")  # fmt: skip
+        raise ApiError(408, f"the request body did not arrive within {self.timeout_s:g} s "
+                       "(--body-timeout-s)")  # fmt: skip
+
+    def close(self) -> None:
+        self.closing = True
+        for scope in list(self.reading):
+            scope.cancel()
 
 
 def _error(error: ApiError) -> JSONResponse:
@@ -47,13 +77,18 @@ def _error(error: ApiError) -> JSONResponse:
 
 
 def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              pd: Disaggregated | None = None) -> Starlette:  # fmt: skip
+              pd: Disaggregated | None = None,
+              body_timeout_s: float = BODY_TIMEOUT_S) -> Starlette:  # fmt: skip
     """``pd``: the decoders' path for completions and chats (``--decoder``), if any."""
     metrics = router.metrics
+    bodies = Bodies(max_body_bytes, body_timeout_s)
 
     async def forward(request: Request, route: str) -> Response:
         try:
-            raw = await read_body(request, max_body_bytes)
+            if router.draining:
+                raise ApiError(503, "the router is draining and takes no new requests",
+                               "unavailable")  # fmt: skip
+            raw = await bodies.read(request)
             arrived = time.monotonic()  # a deadline counts from here (docs/fleet.md)
             answer: Response | None = None
             disaggregated = pd is not None and route != "/v1/prefill"
@@ -138,6 +173,7 @@ def build_app(router: Router, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
     app.state.router = router
+    app.state.bodies = bodies
     return app
 
 
@@ -151,6 +187,7 @@ async def run_router(
     subscribe: Subscribe | None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     drain_timeout_s: float = 25.0,
+    body_timeout_s: float = BODY_TIMEOUT_S,
     log_level: str = "warning",
     stop: anyio.Event | None = None,
     pd: Disaggregated | None = None,
@@ -159,8 +196,9 @@ async def run_router(
     it); then drain."""
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
+    app = build_app(router, max_body_bytes, pd, body_timeout_s)
     config = uvicorn.Config(
-        build_app(router, max_body_bytes, pd), lifespan="off",
+        app, lifespan="off",
         http=h11_with_header_timeout(HEADER_TIMEOUT_S), ws="none", log_level=log_level,
         access_log=False, timeout_graceful_shutdown=2.0, server_header=False,
     )  # fmt: skip
@@ -170,6 +208,7 @@ async def run_router(
     async def drain() -> None:
         await stop.wait()
         router.draining = True
+        app.state.bodies.close()  # a half-sent body gets a JSON 503, not a cut connection
         log(f"draining: new requests get 503; {len(router.in_flight)} in flight get up to "
             f"{drain_timeout_s:g} s")  # fmt: skip
         with anyio.move_on_after(drain_timeout_s):
