@@ -291,10 +291,14 @@ def test_the_watcher_learns_subscribes_takes_out_and_brings_back():
             while replica.state != "out":
                 await anyio.sleep(0.01)
             assert "/health: ConnectError" in replica.reason
+            # taken out: its index emptied and its subscription dropped (no impostor that
+            # binds the freed port feeds it)
+            assert replica.index.cleared == 1 and replica._feed_scope is None
             health["code"] = 200
-            while replica.state != "up":
+            while len(subscribed) < 2:
                 await anyio.sleep(0.01)
-            assert replica.index.cleared == 1
+            assert replica.state == "up" and subscribed[1] == subscribed[0]  # subscribed anew
+            assert replica.index.cleared == 2
             tg.cancel_scope.cancel()
 
     run(test)

@@ -96,6 +96,7 @@ class Replica:
         self.events: dict | None = None  # {"endpoint", "replay", "topic"}, when it publishes
         self.index: Index | None = None
         self.feed: Any = None  # what subscribe returned (last_seq, connected), if anything
+        self._feed_scope: anyio.CancelScope | None = None  # the subscription's task, running
         self.tree = TextTree(tree_tokens) if tree_tokens else TextTree()
         self.flights: set[Flight] = set()
         # the block hashes of the prompts in flight here, counted: a chained hash names its
@@ -162,6 +163,13 @@ class Replica:
             for flight in list(self.flights):
                 if flight.scope is not None:
                     flight.scope.cancel()
+            # what it announced is gone with it, and whoever binds its freed port next is
+            # not to be believed: no index, no subscription until it is up again
+            if self.index is not None:
+                self.index.clear()
+            if self._feed_scope is not None:
+                self._feed_scope.cancel()
+                self._feed_scope = None
 
     def come_back(self) -> None:
         if self.state in ("out", "draining"):
@@ -197,21 +205,35 @@ class Replica:
                 if await self._learn(client, options):
                     break
                 await anyio.sleep(options.health_interval_s)
-            if self.events and make_index is not None and subscribe is not None:
+            events = bool(self.events and make_index is not None and subscribe is not None)
+            if events:
                 self.index = make_index(self.block_size)
-                endpoint = events_endpoint(self.events["endpoint"], self.url)
-                replay = self.events.get("replay")
-                replay = events_endpoint(replay, self.url) if replay else None
-                feed = subscribe(endpoint, replay, self.index, self.events.get("topic") or "")
-                self.feed = feed  # wavepp.kv_events': awaitable, and shows last_seq, connected
-                if inspect.isawaitable(feed):
-                    tg.start_soon(_await, feed)
+                self._subscribe(tg, subscribe)
             self.state = "up"
             log(f"replica {self.name} {self.url} up (block size {self.block_size}, events "
                 f"{self.events['endpoint'] if self.events else 'none: predicted reuse 0'})")
             while True:
                 await anyio.sleep(options.health_interval_s)
                 await self._probe(client, options)
+                if events and self.state == "up" and self._feed_scope is None:
+                    self._subscribe(tg, subscribe)  # back after being out: subscribe anew
+
+    def _subscribe(self, tg: anyio.abc.TaskGroup, subscribe: Subscribe) -> None:
+        endpoint = events_endpoint(self.events["endpoint"], self.url)
+        replay = self.events.get("replay")
+        replay = events_endpoint(replay, self.url) if replay else None
+        feed = subscribe(endpoint, replay, self.index, self.events.get("topic") or "")
+        self.feed = feed  # wavepp.kv_events': awaitable, and shows last_seq, connected
+        scope = self._feed_scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                if inspect.isawaitable(feed):
+                    await _await(feed)
+                else:  # a feed someone else runs: it stands until the replica is out
+                    await anyio.sleep_forever()
+
+        tg.start_soon(run)
 
     async def _learn(self, client: httpx.AsyncClient, options: WatchOptions) -> bool:
         try:
