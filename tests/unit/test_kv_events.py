@@ -361,3 +361,31 @@ def test_kv_events_options_are_checked():
     with pytest.raises(SystemExit, match="must differ"):
         validate(RunConfig(kv_events="tcp://h:9", kv_events_replay="tcp://h:9", budget=64,
                            min_budget=64))  # fmt: skip
+
+
+def test_a_replay_request_is_answered_with_a_bounded_number_of_frames():
+    import zmq
+
+    from wavepp.kv_events.events import MAX_REPLAY_BATCHES
+
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=BS,
+                         buffer_steps=10 * MAX_REPLAY_BATCHES)  # fmt: skip
+    ctx = zmq.Context()
+    try:
+        for i in range(4 * MAX_REPLAY_BATCHES):  # all in the buffer
+            pub.publish([stored([100 + i], 99 + i if i else None, [0] * BS, BS, 0)])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))  # every batch since the first
+        view, end = _frames(dealer), _frames(dealer)
+        assert end[2] == (-1).to_bytes(8, "big", signed=True)  # the view, then the end mark
+        events = decode_batch(view[3]).events
+        assert isinstance(events[0], AllBlocksCleared) and len(events) > 1
+        last = 4 * MAX_REPLAY_BATCHES - 1
+        dealer.send_multipart((b"", (last - 2).to_bytes(8, "big")))  # a few: as they were
+        got = [_frames(dealer) for _ in range(4)]
+        assert [int.from_bytes(f[2], "big", signed=True) for f in got] == [
+            last - 2, last - 1, last, -1]
+    finally:
+        ctx.destroy(linger=0)
+        pub.close()

@@ -127,6 +127,7 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big", signed=True)
 
 
+MAX_REPLAY_BATCHES = 64  # batches one replay request is answered with; more: the view
 END_SEQ = seq_bytes(-1)  # the replay's last frame, as vLLM ends it
 
 
@@ -288,7 +289,11 @@ class EventPublisher:
         client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
         with self._lock:
             oldest = self._buffer[0][0] if self._buffer else self.last_seq + 1
-            if start < oldest and self.last_seq >= 0:  # reaches past the buffer: the view
+            many = self.last_seq - max(start, oldest) + 1 > MAX_REPLAY_BATCHES
+            # reaching past the buffer, or asking for more than one answer holds: the view
+            # (one batch however far back it reaches, so an 8-byte request never costs the
+            # whole buffer)
+            if (start < oldest or many) and self.last_seq >= 0:
                 view = KVEventBatch(ts=time.time(), events=self._view.events(),
                                     data_parallel_rank=0)  # fmt: skip
                 replies = [(self.last_seq, encode_batch(view))]
