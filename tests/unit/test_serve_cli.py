@@ -70,3 +70,11 @@ def test_a_bad_server_option_in_a_config_file_says_which(tmp_path, text, message
     run.write_text(text)
     with pytest.raises(SystemExit, match=message):
         check(["--config", str(run), "--executor", "sim", "--model", "llama3-70b"])
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "no-such-host.invalid"])  # TEST-NET-1: not ours
+def test_a_host_that_is_not_this_machines_is_one_line_before_any_rank(host):
+    from wavepp.serve.__main__ import check
+
+    with pytest.raises(SystemExit, match=f"--host {host}: not an address this machine"):
+        check(["--host", host, "--executor", "sim", "--model", "llama3-70b"])

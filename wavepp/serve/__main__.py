@@ -115,6 +115,20 @@ def _tokenizer_path(explicit: str | None, model: str | None) -> Path | None:
     return None
 
 
+def _check_host(host: str) -> None:
+    """--host is an address of this machine, checked before any rank starts: a mistake is
+    one line, not a run that starts and then fails to bind (the port is bound for real
+    later; checking it here would race with whatever else binds it)."""
+    from wavepp.serve.server import bind
+
+    try:
+        bind(host, 0).close()
+    except SystemExit:
+        raise SystemExit(f"wavepp serve: --host {host}: not an address this machine can "
+                         "listen on (it is not one of its interfaces, or does not "
+                         "resolve)") from None
+
+
 def _own_options_in_config(argv: list[str] | None, own: dict) -> dict:
     """The server's own options in a ``--config`` TOML file (``max_in_flight = 8``), each
     checked for its type; the run options in it are ``wavepp.config``'s to read."""
@@ -162,6 +176,7 @@ def check(argv: list[str] | None, world: int | None = None):
 
     if not 0 <= args.port <= 65535:
         raise SystemExit(f"wavepp serve: --port must be in 0..65535, got {args.port}")
+    _check_host(args.host)
     if args.max_body_bytes < 64:
         raise SystemExit(f"wavepp serve: --max-body-bytes must be ≥ 64, got {args.max_body_bytes}")
     if args.max_in_flight < 0:
