@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import socket
 import stat
+import struct
 import time
 
 import anyio
@@ -29,15 +31,36 @@ UNIX_RETRY_S = 0.002  # a connect to a Unix listener whose backlog is full, trie
 IOV_MAX = 1024  # buffers per sendmsg call (Linux)
 
 
+class DeadlineError(TimeoutError):
+    """A read that the connection's deadline (:meth:`Connection.set_deadline`) ended,
+    however steadily bytes came: the message says whose deadline."""
+
+
 class Connection:
     """A connected non-blocking socket with bounded, exact reads. (Raw sockets, not
     anyio streams: anyio's TCP stream reads through an asyncio transport, which would
-    race reads made straight into the socket.)"""
+    race reads made straight into the socket.)
+
+    Besides ``timeout_s`` without a byte, reads (and drains) may have a deadline for
+    everything read until it is lifted (:meth:`set_deadline`): a peer that trickles a
+    byte every few seconds would otherwise hold the connection for ever."""
 
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         sock.setblocking(False)
         self.sock = sock
         self.timeout_s = timeout_s
+        self.deadline = math.inf  # anyio's clock: reads end with DeadlineError then
+        self.deadline_why = ""
+
+    def set_deadline(self, seconds: float | None, why: str = "") -> None:
+        """Every read from now must be done within ``seconds`` (None: no deadline);
+        ``why`` is the DeadlineError's message."""
+        self.deadline = math.inf if seconds is None else anyio.current_time() + seconds
+        self.deadline_why = why
+
+    def _check_deadline(self) -> None:
+        if anyio.current_time() >= self.deadline:
+            raise DeadlineError(self.deadline_why or "the connection's deadline passed")
 
     async def read_into(self, view: memoryview) -> None:
         """Fill ``view``; ``TimeoutError`` once ``timeout_s`` (to 1.25 x ``timeout_s``)
@@ -59,7 +82,7 @@ class Connection:
         slack = self.timeout_s / 4
         with anyio.CancelScope() as scope:
             pushed = time.monotonic()
-            scope.deadline = anyio.current_time() + self.timeout_s + slack
+            scope.deadline = min(anyio.current_time() + self.timeout_s + slack, self.deadline)
             while got < len(view):
                 try:
                     n = self.sock.recv_into(view[got:])
@@ -72,8 +95,10 @@ class Connection:
                 now = time.monotonic()  # not anyio's clock: that looks up the event loop
                 if now - pushed > slack:
                     pushed = now
-                    scope.deadline = anyio.current_time() + self.timeout_s + slack
+                    scope.deadline = min(anyio.current_time() + self.timeout_s + slack,
+                                         self.deadline)  # fmt: skip
         if got < len(view):
+            self._check_deadline()
             raise TimeoutError(f"no byte for {self.timeout_s:g} s ({got} of {len(view)} read)")
 
     async def read_exactly(self, n: int) -> bytes:
@@ -109,8 +134,14 @@ class Connection:
             try:
                 got = self.sock.recv_into(buf[: min(left, len(buf))])
             except BlockingIOError:
-                with anyio.fail_after(self.timeout_s):
+                got = -1
+            if got < 0:
+                wait = min(self.timeout_s, self.deadline - anyio.current_time())
+                with anyio.move_on_after(max(wait, 0.0)) as scope:
                     await anyio.wait_readable(self.sock)
+                if scope.cancelled_caught:
+                    self._check_deadline()
+                    raise TimeoutError(f"no byte for {self.timeout_s:g} s while draining")
                 continue
             if got == 0:
                 return
@@ -237,6 +268,20 @@ def listen(address: Address, backlog: int = 128) -> tuple[socket.socket, Address
     if address.kind == "tcp":
         bound = Address("tcp", host=address.host, port=sock.getsockname()[1])
     return sock, bound
+
+
+def peer_of(sock: socket.socket) -> str:
+    """Who is at the other end, as per-peer limits count it: a TCP peer's host (IPv4
+    mapped into IPv6 as IPv4), a Unix socket peer's user id (``SO_PEERCRED``; ``unix``
+    where the kernel does not say)."""
+    try:
+        if sock.family == socket.AF_UNIX:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            return f"unix uid {struct.unpack('3i', creds)[1]}"
+        host = str(sock.getpeername()[0])
+    except (OSError, AttributeError, struct.error):
+        return "unix" if sock.family == socket.AF_UNIX else "unknown"
+    return host.removeprefix("::ffff:") if "." in host else host
 
 
 async def accept(listener: socket.socket) -> socket.socket:

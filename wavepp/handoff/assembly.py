@@ -3,8 +3,11 @@ request (stage, layers, bytes) before its payload is read, the bands stored as t
 the request's :class:`Handoff` once all P are in, and what expired (``docs/handoff.md``).
 
 Memory is bounded: bytes claimed (incomplete requests, and complete ones not yet taken)
-stay under ``max_held_bytes``; at most ``max_requests`` are incomplete at once; a request
-not complete — or not taken — within ``request_timeout_s`` is dropped.
+stay under ``max_held_bytes``, and the bytes of the bands one peer sent under
+``max_peer_held_bytes``; at most ``max_requests`` are incomplete at once, and at most
+``max_peer_requests`` of those opened by one peer (the peer of a request's first band);
+a request not complete within ``incomplete_timeout_s`` of its first band is dropped, and
+a complete one not taken within ``request_timeout_s``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class Pending:
     stages: set[int] = attrs.Factory(set)  # claimed: stored or being read
     layers: set[int] = attrs.Factory(set)  # claimed by those stages
     held: int = 0  # payload bytes claimed
+    peer: str = ""  # who sent its first band (it counts against that peer's requests)
+    charges: Counter[str] = attrs.Factory(Counter)  # payload bytes claimed, by peer
     bands: dict[int, dict[tuple[int, str], torch.Tensor]] = attrs.Factory(dict)
     first_token: int = -1
     top_logit: float = 0.0
@@ -65,22 +70,37 @@ class Assembly:
     expiry). ``counts`` is the receiver's (``requests_expired``)."""
 
     def __init__(self, fingerprint: Fingerprint, *, max_requests: int, max_held_bytes: int,
-                 request_timeout_s: float, counts: Counter[str]) -> None:  # fmt: skip
+                 request_timeout_s: float, counts: Counter[str],
+                 incomplete_timeout_s: float | None = None,
+                 max_peer_requests: int | None = None,
+                 max_peer_held_bytes: int | None = None) -> None:  # fmt: skip
+        """Without them, a peer may take all: ``max_peer_requests`` is ``max_requests``,
+        ``max_peer_held_bytes`` is ``max_held_bytes``, and ``incomplete_timeout_s`` is
+        ``request_timeout_s``."""
         self.fingerprint = fingerprint
         self.max_requests, self.max_held_bytes = max_requests, max_held_bytes
+        self.max_peer_requests = max_requests if max_peer_requests is None else max_peer_requests
+        self.max_peer_held_bytes = (max_held_bytes if max_peer_held_bytes is None
+                                    else max_peer_held_bytes)  # fmt: skip
         self.request_timeout_s = request_timeout_s
+        self.incomplete_timeout_s = (request_timeout_s if incomplete_timeout_s is None
+                                     else incomplete_timeout_s)  # fmt: skip
         self.counts = counts
         self.held_bytes = 0
+        self.peer_held: Counter[str] = Counter()  # payload bytes held, by the peer that sent them
+        self.peer_requests: Counter[str] = Counter()  # incomplete requests, by who opened them
         self._pending: dict[str, Pending] = {}
-        self._ready: dict[str, tuple[Handoff, float, int]] = {}  # id -> (it, since, bytes)
+        # id -> (it, since, bytes, bytes by peer)
+        self._ready: dict[str, tuple[Handoff, float, int, Counter[str]]] = {}
         self._done: OrderedDict[str, str] = OrderedDict()  # id -> "" (taken) or why it failed
         self._events: dict[str, anyio.Event] = {}
 
     # -- a band's way in ---------------------------------------------------------
 
-    def claim(self, header: BandHeader) -> Pending:
+    def claim(self, header: BandHeader, peer: str = "") -> Pending:
         """Reserve the band's stage, layers and bytes in its request (WireError if the
-        band cannot be part of it), before anything is allocated."""
+        band cannot be part of it, or if it would take ``peer`` past its share), before
+        anything is allocated."""
         rid, stage, size = header.request_id, header.stage, band_bytes(header)
         if rid in self._ready or self._done.get(rid) == "":
             raise WireError(f"request {rid!r} is already complete")
@@ -89,7 +109,10 @@ class Assembly:
             if len(self._pending) >= self.max_requests:
                 raise WireError(f"{len(self._pending)} requests are incomplete; at most "
                                 f"{self.max_requests}")  # fmt: skip
-            entry = Pending(header.num_stages, header.num_tokens, time.monotonic())
+            if self.peer_requests[peer] >= self.max_peer_requests:
+                raise WireError(f"peer {peer} has {self.peer_requests[peer]} incomplete "
+                                f"requests; at most {self.max_peer_requests} per peer")  # fmt: skip
+            entry = Pending(header.num_stages, header.num_tokens, time.monotonic(), peer=peer)
         if (entry.num_stages, entry.num_tokens) != (header.num_stages, header.num_tokens):
             raise WireError(
                 f"request {rid!r}: this band says {header.num_stages} stages and "
@@ -110,24 +133,57 @@ class Assembly:
         if self.held_bytes + size > self.max_held_bytes:
             raise WireError(f"receiver holds {self.held_bytes:,} bytes; a band of {size:,} "
                             f"exceeds max_held_bytes {self.max_held_bytes:,}")  # fmt: skip
-        self._pending[rid] = entry
+        if self.peer_held[peer] + size > self.max_peer_held_bytes:
+            raise WireError(f"peer {peer}'s bands hold {self.peer_held[peer]:,} bytes; a "
+                            f"band of {size:,} exceeds {self.max_peer_held_bytes:,} per "
+                            "peer")  # fmt: skip
+        if rid not in self._pending:
+            self._pending[rid] = entry
+            self.peer_requests[entry.peer] += 1
         entry.stages.add(stage)
         entry.layers.update(header.layers)
+        self._hold(entry.charges, peer, size)
         entry.held += size
-        self.held_bytes += size
         return entry
 
-    def release(self, entry: Pending, header: BandHeader) -> None:
-        """Undo a claim whose band did not arrive (unless its request is gone already)."""
+    def _hold(self, charges: Counter[str], peer: str, size: int) -> None:
+        """``size`` bytes more (or fewer: negative) held for ``peer``."""
+        charges[peer] += size
+        self.peer_held[peer] += size
+        self.held_bytes += size
+        if not charges[peer]:
+            del charges[peer]
+        if not self.peer_held[peer]:
+            del self.peer_held[peer]
+
+    def _unhold(self, charges: Counter[str]) -> None:
+        for peer, size in list(charges.items()):
+            self._hold(charges, peer, -size)
+
+    def _unpend(self, rid: str) -> Pending:
+        entry = self._pending.pop(rid)
+        self.peer_requests[entry.peer] -= 1
+        if not self.peer_requests[entry.peer]:
+            del self.peer_requests[entry.peer]
+        return entry
+
+    def expires_in(self, entry: Pending) -> float:
+        """Seconds until an incomplete request is dropped (a band being read for it
+        need not arrive after that)."""
+        return max(entry.since + self.incomplete_timeout_s - time.monotonic(), 0.0)
+
+    def release(self, entry: Pending, header: BandHeader, peer: str = "") -> None:
+        """Undo ``peer``'s claim whose band did not arrive (unless its request is gone
+        already)."""
         if self._pending.get(header.request_id) is not entry:
             return
         size = band_bytes(header)
         entry.stages.discard(header.stage)
         entry.layers.difference_update(header.layers)
         entry.held -= size
-        self.held_bytes -= size
+        self._hold(entry.charges, peer, -size)
         if not entry.stages:
-            del self._pending[header.request_id]
+            self._unpend(header.request_id)
 
     def store(self, entry: Pending, header: BandHeader, tensors) -> Handoff | None:
         """Keep a band that arrived whole; the request's Handoff once all P are in (kept
@@ -140,7 +196,7 @@ class Assembly:
             entry.first_token, entry.top_logit = header.first_token, header.top_logit
         if len(entry.bands) < entry.num_stages:
             return None
-        del self._pending[rid]
+        self._unpend(rid)
         layers: dict[int, dict[str, torch.Tensor]] = {}
         tokens = None
         for band in entry.bands.values():
@@ -154,7 +210,7 @@ class Assembly:
             top_logit=entry.top_logit, layers=dict(sorted(layers.items())),
             fingerprint=self.fingerprint, num_stages=entry.num_stages,
         )  # fmt: skip
-        self._ready[rid] = (handoff, time.monotonic(), entry.held)
+        self._ready[rid] = (handoff, time.monotonic(), entry.held, entry.charges)
         return handoff
 
     # -- taking a complete request -------------------------------------------------
@@ -162,8 +218,8 @@ class Assembly:
     def take(self, request_id: str) -> Handoff:
         """A complete request's Handoff, taken: its bytes are no longer held here, and a
         band for it is refused from now on. KeyError if it is not complete."""
-        handoff, _, size = self._ready.pop(request_id)
-        self.held_bytes -= size
+        handoff, _, _, charges = self._ready.pop(request_id)
+        self._unhold(charges)
         self._finish(request_id, "")
         return handoff
 
@@ -195,21 +251,20 @@ class Assembly:
         return {rid: (sorted(e.bands), e.num_stages) for rid, e in self._pending.items()}
 
     def expire(self, now: float) -> list[str]:
-        """Drop requests incomplete, or complete but not taken, for longer than
-        ``request_timeout_s``; returns their ids."""
-        cutoff = now - self.request_timeout_s
+        """Drop requests incomplete for longer than ``incomplete_timeout_s``, and complete
+        but not taken for longer than ``request_timeout_s``; returns their ids."""
         gone = []
         for rid, entry in list(self._pending.items()):
-            if entry.since <= cutoff:
-                del self._pending[rid]
-                self.held_bytes -= entry.held
+            if entry.since <= now - self.incomplete_timeout_s:
+                self._unpend(rid)
+                self._unhold(entry.charges)
                 self._fail(rid, f"expired: stages {sorted(entry.bands)} of {entry.num_stages} "
-                                f"arrived in {self.request_timeout_s:g} s")  # fmt: skip
+                                f"arrived in {self.incomplete_timeout_s:g} s")  # fmt: skip
                 gone.append(rid)
-        for rid, (_, since, size) in list(self._ready.items()):
-            if since <= cutoff:
+        for rid, (_, since, _, charges) in list(self._ready.items()):
+            if since <= now - self.request_timeout_s:
                 del self._ready[rid]
-                self.held_bytes -= size
+                self._unhold(charges)
                 self._fail(rid, f"expired: complete but not taken in {self.request_timeout_s:g} s")
                 gone.append(rid)
         return gone

@@ -35,7 +35,7 @@ import attrs
 import numpy as np
 import torch
 
-from wavepp.handoff import wire
+from wavepp.handoff import auth, wire
 
 if TYPE_CHECKING:
     from wavepp.state import RequestId, SlotId
@@ -119,6 +119,9 @@ class HandoffSettings:
     serve: str | None = None
     # the host a tcp band server bound to a wildcard (0.0.0.0, ::) is reached at
     advertise: str | None = None
+    # the shared secret (wavepp.handoff.auth): every band goes signed with it, and the
+    # band server takes only pulls signed with it; None: bands unsigned, pulls unchecked
+    secret: bytes | None = attrs.field(default=None, repr=False)
 
 
 @attrs.define(eq=False)
@@ -162,9 +165,9 @@ class Band:
         return "the decoder pulling it" if self.address.kind == "pull" else self.job.target
 
     def header(self, settings: HandoffSettings) -> wire.BandHeader:
-        """The band's header on WavePP's wire."""
+        """The band's header on WavePP's wire (signed with ``settings.secret``, if any)."""
         job = self.job
-        return wire.BandHeader(
+        return auth.sign_header(wire.BandHeader(
             request_id=job.request_id, stage=settings.stage, num_stages=settings.num_stages,
             fingerprint=settings.fingerprint,
             layers=sorted({t.layer for t in self.tensors if t.layer >= 0}),
@@ -172,7 +175,7 @@ class Band:
             tensors=[wire.TensorSpec(t.layer, t.name, t.dtype, list(t.shape), t.num_bytes)
                      for t in self.tensors],
             first_token=job.first_token, top_logit=job.top_logit,
-        )  # fmt: skip
+        ), settings.secret)  # fmt: skip
 
     def check_ack(self, ack: wire.Ack, stage: int) -> int:
         """The payload bytes an acknowledgement of this band accepts; ``BandFailed`` for

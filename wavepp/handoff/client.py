@@ -21,6 +21,7 @@ import torch
 
 from wavepp.dtypes import name_of
 from wavepp.handoff import _io
+from wavepp.handoff.auth import sign_header
 from wavepp.handoff.socket_send import exchange
 from wavepp.handoff.wire import (
     DTYPES,
@@ -126,11 +127,13 @@ async def send_band(
     header: BandHeader,
     payload: Sequence[torch.Tensor],
     timeout_s: float = 30.0,
+    secret: bytes | None = None,
 ) -> Ack:
-    """Send one band and return the receiver's ack (``WireError`` for a malformed ack,
-    ``TimeoutError`` / ``OSError`` for a receiver that is gone or silent)."""
+    """Send one band (signed with ``secret``, if given: ``wavepp.handoff.auth``) and
+    return the receiver's ack (``WireError`` for a malformed ack, ``TimeoutError`` /
+    ``OSError`` for a receiver that is gone or silent)."""
     where = parse_address(address) if isinstance(address, str) else address
-    views = [memoryview(encode_band_prefix(header))]
+    views = [memoryview(encode_band_prefix(sign_header(header, secret)))]
     views += [tensor.reshape(-1).view(torch.uint8).numpy().data for tensor in payload]
     conn = await _io.connect(where, timeout_s)
     try:

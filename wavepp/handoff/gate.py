@@ -4,10 +4,13 @@
 the prefix and the header — and checks it: the wire's own checks
 (bounds, internal consistency: ``wavepp.handoff.wire``), then against this receiver's
 model (the fingerprint field by field, each layer's tensors by name, dtype and shape) and
-its byte limit. A band that passes is then claimed in its request (``assembly``) and only
-then is its memory allocated. A check that needs more than the header (who the peer is,
-how long it has taken, a signature over the header) belongs here, before the claim. Token
-ids are the one check made after the payload is in (:meth:`Gate.check_tokens`).
+its byte limit. Given the shared secret (``wavepp.handoff.auth``), the header's
+signature is checked first, as soon as the header has decoded: an unsigned or wrongly
+signed band is refused before anything else of it is looked at. A band that passes is
+then claimed in its request (``assembly``) and only then is its memory allocated. The
+deadline for the prefix and header is the connection's (``_io.Connection.set_deadline``,
+set by the receiver when it accepts). Token ids are the one check made after the payload
+is in (:meth:`Gate.check_tokens`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import attrs
 import torch
 
 from wavepp.handoff import _io
+from wavepp.handoff.auth import Verifier
 from wavepp.handoff.wire import (
     BAND_MAGIC,
     PREFIX_BYTES,
@@ -40,19 +44,23 @@ class Arrival:
 
 class Gate:
     """The checks of one receiver's model (a Hugging Face config dict and the attention
-    tensors' dtype) and byte limit."""
+    tensors' dtype) and byte limit; with a ``verifier``, bands must be signed."""
 
     def __init__(self, config: dict, dtype: str, fingerprint: Fingerprint,
-                 max_band_bytes: int) -> None:  # fmt: skip
+                 max_band_bytes: int, verifier: Verifier | None = None) -> None:  # fmt: skip
         self.config, self.dtype, self.fingerprint = config, dtype, fingerprint
         self.max_band_bytes = max_band_bytes
+        self.verifier = verifier
 
     async def admit(self, conn: _io.Connection, arrival: Arrival) -> BandHeader:
         """Read the rest of a band's prefix (its magic is read) and its header into
         ``arrival``, and check them; ``WireError`` naming the first problem. Reads at most
-        ``wire.MAX_HEADER_BYTES`` and some; allocates nothing for the payload."""
+        ``wire.MAX_HEADER_BYTES`` and some; allocates nothing for the payload. An
+        unsigned or wrongly signed band (with a verifier) is ``auth.AuthError``."""
         length = header_length(BAND_MAGIC + await conn.read_exactly(PREFIX_BYTES - 4))
         arrival.header = header = decode_header(await conn.read_exactly(length))
+        if self.verifier is not None:
+            self.verifier.header(header)
         self.check(header)
         return header
 

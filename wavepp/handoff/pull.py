@@ -9,11 +9,13 @@ anything of the cache is read the stage checks it: the frame's bounds and strict
 (``wire.pull_length``, ``wire.decode_pull``), the stage number, the decoder's model
 fingerprint against its own field by field, and that it holds the request for pulling
 (a pull may come before the stage has parked its band: it waits up to
-``REGISTER_WAIT_S`` for it). A refused pull gets an ``Ack(ok=False)`` naming why and the
-connection closes; the band stays parked for another pull until its lease ends. An
-accepted pull claims the band (the lease stops, the sender's timeout starts) and the
-band goes out over the decoder's connection exactly as a push would
-(``socket_send.SocketTransport.send``); the decoder's ack settles it, and so does its
+``REGISTER_WAIT_S`` for it). Given the shared secret (``settings.secret``), the pull must
+be signed with it (``wavepp.handoff.auth``), checked before anything else; the frame must
+come whole within ``PULL_TIMEOUT_S`` of the connection. A refused pull gets an
+``Ack(ok=False)`` naming why and the connection closes; the band stays parked for another
+pull until its lease ends. An accepted pull claims the band (the lease stops, the sender's
+timeout starts) and the band goes out over the decoder's connection exactly as a push
+would (``socket_send.SocketTransport.send``); the decoder's ack settles it, and so does its
 refusal, a closed connection, the timeout or the request's cancel. An ack after that
 finds the connection closed.
 """
@@ -34,13 +36,14 @@ import anyio
 import attrs
 
 from wavepp.handoff import _io, wire
+from wavepp.handoff.auth import Verifier
 from wavepp.handoff.base import Band, HandoffSettings, WorkerThreads
 from wavepp.handoff.socket_send import SocketTransport
 
 log = logging.getLogger("wavepp.handoff")
 
 REGISTER_WAIT_S = 5.0  # a pull for a band not parked yet waits this long for it
-PULL_TIMEOUT_S = 10.0  # the pull frame must come this soon after the connection (per read)
+PULL_TIMEOUT_S = 10.0  # the whole pull frame must come this soon after the connection
 MAX_CONNECTIONS = 256  # pulls served (or waiting for their band) at once
 MAX_SETTLED = 4096  # ids of bands no longer held, remembered: a pull for one is refused at once
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -102,6 +105,7 @@ class PullTransport:
         self._registered: dict[str, anyio.Event] = {}  # pulls waiting for their band
         self._settled: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.counts: collections.Counter[str] = collections.Counter()
+        self._verifier = Verifier(settings.secret) if settings.secret else None
         self._listener: socket.socket | None = None
         self._bound: wire.Address | None = None
         self._folder: Path | None = None  # a private directory of its own (auto)
@@ -181,6 +185,7 @@ class PullTransport:
 
     async def _connection(self, sock: socket.socket, slots: anyio.Semaphore) -> None:
         conn = _io.Connection(sock, PULL_TIMEOUT_S)
+        conn.set_deadline(PULL_TIMEOUT_S, f"no whole pull frame within {PULL_TIMEOUT_S:g} s")
         parked = None
         try:
             rid, stage = "", -1
@@ -213,6 +218,8 @@ class PullTransport:
     async def _accept(self, pull: wire.Pull) -> _Parked:
         """The parked band a pull may take; WireError naming why not. Reads no KV."""
         s = self.settings
+        if self._verifier is not None:
+            self._verifier.pull(pull)
         if pull.stage != s.stage:
             raise wire.WireError(f"this band server is stage {s.stage}'s, not stage "
                                  f"{pull.stage}'s")  # fmt: skip
@@ -220,8 +227,6 @@ class PullTransport:
                                             "WavePP")  # fmt: skip
         if differs:
             raise wire.WireError(differs)
-        if pull.auth:
-            raise wire.WireError("auth is not checked by this band server: send it empty")
         rid = pull.request_id
         parked = self._parked.get(rid)
         if parked is None and rid not in self._settled:

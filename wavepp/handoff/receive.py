@@ -8,9 +8,19 @@ byte limit), the band is claimed in its request (``assembly``: duplicates, cover
 bytes held); only then is the band's buffer allocated — one per band, its tensors views
 into it, memory of released bands reused (:class:`BandBuffers`) — and the payload read
 straight into it. The receiver answers every band with one ack — ok, or the reason —
-and closes. A refused band's payload is drained (up to ``max_band_bytes``) so the
-sender reads its ack instead of a reset. A peer that stops half way or sends garbage
-costs that band only: each read waits at most ``read_timeout_s``.
+and closes. A refused band's payload is drained (up to ``max_band_bytes``; an unsigned or
+wrongly signed band's only up to ``LINGER_BYTES``) so the sender reads its ack instead
+of a reset. A peer that stops half way or sends garbage costs that band only: each read
+waits at most ``read_timeout_s``.
+
+One peer cannot shut the receiver to the others (``docs/handoff.md``, limits): the
+first 4 bytes, the prefix and the header must all be in within ``header_timeout_s`` of
+the connection (a decode request's frame too: the deadline is still set when a handler
+gets the connection), and a payload must be in before its request expires; a peer (a TCP
+peer's host, a Unix socket peer's user id) holds at most ``max_peer_connections``
+connections, ``max_peer_requests`` incomplete requests and ``max_peer_held_bytes`` of
+bands; given the shared ``secret`` (``wavepp.handoff.auth``) every band must be signed
+with it, which is checked before anything of its payload is read.
 
 A complete request goes to ``on_complete`` when one is given, else it waits for
 ``await receiver.wait(request_id, timeout_s)``.
@@ -22,6 +32,7 @@ import contextlib
 import inspect
 import logging
 import os
+import socket
 import sys
 import time
 import weakref
@@ -34,6 +45,7 @@ import torch
 
 from wavepp.handoff import _io
 from wavepp.handoff.assembly import Assembly, Handoff
+from wavepp.handoff.auth import AuthError, Verifier
 from wavepp.handoff.gate import Arrival, Gate
 from wavepp.handoff.wire import (
     BAND_MAGIC,
@@ -51,6 +63,8 @@ from wavepp.handoff.wire import (
 log = logging.getLogger("wavepp.handoff")
 
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
+HEADER_TIMEOUT_S = 10.0  # the first bytes, prefix and header, from the connection
+INCOMPLETE_TIMEOUT_S = 60.0  # a request's bands, from its first
 
 Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
@@ -62,7 +76,12 @@ class Receiver:
     that serve such connections on the same address (the decode worker's requests).
     Up to ``keep_free_bytes`` of released band buffers are kept for reuse. Bytes held
     (incomplete and uncollected requests) stay under ``max_held_bytes``; a request not
-    complete — or not taken — within ``request_timeout_s`` is dropped."""
+    complete within ``incomplete_timeout_s`` (at most ``request_timeout_s``) of its first
+    band, or not taken within
+    ``request_timeout_s`` of its last, is dropped. Per peer (left out: a quarter of the
+    whole, at least one band's worth of bytes): ``max_peer_connections``,
+    ``max_peer_requests`` (incomplete), ``max_peer_held_bytes``. ``secret``: bands must
+    be signed with it (``wavepp.handoff.auth``)."""
 
     def __init__(
         self,
@@ -78,6 +97,12 @@ class Receiver:
         keep_free_bytes: int = 256 << 20,
         on_complete: OnComplete | None = None,
         handlers: Mapping[bytes, Handler] | None = None,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+        incomplete_timeout_s: float = INCOMPLETE_TIMEOUT_S,
+        max_peer_connections: int | None = None,
+        max_peer_requests: int | None = None,
+        max_peer_held_bytes: int | None = None,
+        secret: bytes | None = None,
     ) -> None:
         if sys.byteorder != "little":
             raise RuntimeError("the handoff payload is little-endian; this host is not")
@@ -87,14 +112,25 @@ class Receiver:
         self.read_timeout_s, self.request_timeout_s = read_timeout_s, request_timeout_s
         self.on_complete = on_complete
         self.handlers = dict(handlers or {})
+        self.header_timeout_s = header_timeout_s
         self.counts: Counter[str] = Counter()  # bands_ok, bands_refused, bands_broken, ...
-        self._gate = Gate(config, dtype, self.fingerprint, max_band_bytes)
+        held = 4 * max_band_bytes if max_held_bytes is None else max_held_bytes
+        self.max_peer_connections = (max(1, max_connections // 4) if max_peer_connections
+                                     is None else max_peer_connections)  # fmt: skip
+        verifier = Verifier(secret) if secret else None
+        self._gate = Gate(config, dtype, self.fingerprint, max_band_bytes, verifier)
         self._assembly = Assembly(
             self.fingerprint, max_requests=max_requests, request_timeout_s=request_timeout_s,
-            max_held_bytes=4 * max_band_bytes if max_held_bytes is None else max_held_bytes,
-            counts=self.counts)  # fmt: skip
+            max_held_bytes=held, counts=self.counts,
+            incomplete_timeout_s=min(incomplete_timeout_s, request_timeout_s),
+            max_peer_requests=(max(1, max_requests // 4) if max_peer_requests is None
+                               else max_peer_requests),
+            max_peer_held_bytes=(min(held, max(max_band_bytes, held // 4))
+                                 if max_peer_held_bytes is None else max_peer_held_bytes),
+        )  # fmt: skip
         self._buffers = BandBuffers(keep_free_bytes)
         self._slots = anyio.Semaphore(max_connections)
+        self._peer_connections: Counter[str] = Counter()  # open, by peer
 
     @property
     def held_bytes(self) -> int:
@@ -119,22 +155,45 @@ class Receiver:
                     except BaseException:
                         self._slots.release()
                         raise
-                    tg.start_soon(self._connection, sock)
+                    peer = _io.peer_of(sock)
+                    if self._peer_connections[peer] >= self.max_peer_connections:
+                        self._slots.release()
+                        self._turn_away(sock, peer)
+                        continue
+                    self._peer_connections[peer] += 1
+                    tg.start_soon(self._connection, sock, peer)
         finally:
             _io.close_socket(listener)
             self._buffers.close()
             if bound.kind == "unix":
                 _unlink_quietly(bound.path)
 
-    async def _connection(self, sock) -> None:
+    def _turn_away(self, sock, peer: str) -> None:
+        """A connection over its peer's share: one refusing ack if the socket takes it at
+        once, and closed, without a task or a wait."""
+        self.counts["connections_refused"] += 1
+        why = (f"peer {peer} has {self._peer_connections[peer]} connections open; at most "
+               f"{self.max_peer_connections} per peer")  # fmt: skip
+        log.debug("connection refused: %s", why)
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            sock.send(encode_ack(Ack("", -1, False, why)))
+            sock.shutdown(socket.SHUT_WR)
+        _io.close_socket(sock)
+
+    async def _connection(self, sock, peer: str = "") -> None:
         conn = _io.Connection(sock, self.read_timeout_s)
+        conn.set_deadline(self.header_timeout_s, f"the prefix and header did not arrive "
+                          f"within {self.header_timeout_s:g} s of the connection")  # fmt: skip
         try:
             try:
                 magic = await conn.read_exactly(4)
-            except (TimeoutError, OSError):
+            except (TimeoutError, OSError) as error:
+                if isinstance(error, _io.DeadlineError):
+                    self.counts["headers_late"] += 1
                 return
             if magic == BAND_MAGIC:
-                await self._band(conn)
+                await self._band(conn, peer)
             elif magic in self.handlers:
                 await self.handlers[magic](conn)
             else:
@@ -147,6 +206,9 @@ class Receiver:
         finally:
             conn.close()
             self._slots.release()
+            self._peer_connections[peer] -= 1
+            if not self._peer_connections[peer]:
+                del self._peer_connections[peer]
 
     async def _answer(self, conn: _io.Connection, ack: Ack) -> None:
         try:
@@ -156,17 +218,20 @@ class Receiver:
 
     # -- one band ----------------------------------------------------------------
 
-    async def _band(self, conn: _io.Connection) -> None:
+    async def _band(self, conn: _io.Connection, peer: str = "") -> None:
         arrival = Arrival()
         try:
             header = await self._gate.admit(conn, arrival)  # checked: nothing allocated
-            entry = self._assembly.claim(header)
+            entry = self._assembly.claim(header, peer)
+            # past its request's expiry the band could not be stored: not read either
+            why = f"request {header.request_id!r} expired while this band was read"
+            conn.set_deadline(self._assembly.expires_in(entry), why)
             try:
                 tensors = await self._read_payload(conn, header)
                 self._gate.check_tokens(tensors)
                 complete = self._assembly.store(entry, header, tensors)
             except BaseException:
-                self._assembly.release(entry, header)
+                self._assembly.release(entry, header, peer)
                 raise
         except WireError as error:
             self.counts["bands_refused"] += 1
@@ -174,18 +239,25 @@ class Receiver:
             rid, stage = (header.request_id, header.stage) if header else ("", -1)
             log.info("band refused (%r stage %d): %s", rid, stage, error)
             await self._answer(conn, Ack(rid, stage, False, str(error)))
-            if header is None:
+            # a stranger's payload is not read: only enough for the ack to be seen
+            conn.set_deadline(self.header_timeout_s, "lingered long enough")
+            if header is None or isinstance(error, AuthError):
                 await _linger(conn, LINGER_BYTES)
             elif band_bytes(header) <= self.max_band_bytes:
                 await _linger(conn, band_bytes(header))
             return
         except (TimeoutError, OSError) as error:
             self.counts["bands_broken"] += 1
-            what = "stopped sending" if isinstance(error, TimeoutError) else "went away"
             header = arrival.header
             rid, stage = (header.request_id, header.stage) if header else ("", -1)
-            log.info("band (%r stage %d): the sender %s: %r", rid, stage, what, error)
-            await self._answer(conn, Ack(rid, stage, False, f"the sender {what} mid-band"))
+            if isinstance(error, _io.DeadlineError):
+                self.counts["headers_late" if header is None else "bands_late"] += 1
+                why = str(error)
+            else:
+                what = "stopped sending" if isinstance(error, TimeoutError) else "went away"
+                why = f"the sender {what} mid-band"
+            log.info("band (%r stage %d): %s: %r", rid, stage, why, error)
+            await self._answer(conn, Ack(rid, stage, False, why))
             return
         self.counts["bands_ok"] += 1
         await self._answer(conn, Ack(header.request_id, header.stage, True))
@@ -233,13 +305,14 @@ class Receiver:
         return self._assembly.pending()
 
     def expire(self, now: float | None = None) -> list[str]:
-        """Drop requests incomplete, or complete but not taken, for longer than
-        ``request_timeout_s``; returns their ids."""
+        """Drop requests incomplete for longer than ``incomplete_timeout_s``, or complete
+        but not taken for longer than ``request_timeout_s``; returns their ids."""
         return self._assembly.expire(time.monotonic() if now is None else now)
 
     async def _expire_loop(self) -> None:
+        a = self._assembly
         while True:
-            await anyio.sleep(min(1.0, self.request_timeout_s / 4))
+            await anyio.sleep(min(1.0, a.request_timeout_s / 4, a.incomplete_timeout_s / 4))
             self.expire()
             self._buffers.tidy()
 

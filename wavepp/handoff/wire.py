@@ -62,7 +62,8 @@ PULL_MAGIC = b"WPHP"
 PULL_VERSION = 1  # the pull frame's own version (the band it answers is WIRE_VERSION's)
 PULL_PREFIX_BYTES = PREFIX_BYTES  # magic, version, flags, pull_len
 MAX_PULL_BYTES = 1 << 16
-MAX_AUTH_CHARS = 4096
+MAX_AUTH_CHARS = 4096  # a pull's auth
+MAX_BAND_AUTH_CHARS = 256  # a band header's auth (wavepp.handoff.auth: about 130 chars)
 PULL_TARGET = "pull:"  # a request's handoff target: its bands wait on the stages' band servers
 
 
@@ -102,8 +103,9 @@ class TensorSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=2**62)]  # prod(shape) * itemsize
 
 
-class BandHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one stage sends: its layers of one request's cache."""
+class BandHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What one stage sends: its layers of one request's cache. Fields at their default
+    are left out of the encoding (a receiver fills them in)."""
 
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
     stage: Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]  # sending stage, < num_stages
@@ -116,6 +118,9 @@ class BandHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tensors: Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]  # payload order
     first_token: Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)] = -1  # last stage only
     top_logit: float = 0.0  # last stage only
+    # the sender's signature over the rest of the header, with the shared secret
+    # (wavepp.handoff.auth); "" (left out): unsigned
+    auth: Annotated[str, msgspec.Meta(max_length=MAX_BAND_AUTH_CHARS)] = ""
 
 
 class Ack(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,7 +139,9 @@ class Pull(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #  WavePP's id of the request (kv_transfer_params.wavepp.request_id)
     stage: Annotated[int, msgspec.Meta(ge=0, lt=MAX_STAGES)]  # the stage asked
     fingerprint: Fingerprint  # the decoder's model: the stage's must be equal field by field
-    auth: Annotated[str, msgspec.Meta(max_length=MAX_AUTH_CHARS)] = ""  # reserved; "" today
+    # the decoder's signature over the rest of the pull, with the shared secret
+    # (wavepp.handoff.auth); "": unsigned
+    auth: Annotated[str, msgspec.Meta(max_length=MAX_AUTH_CHARS)] = ""
 
 
 _HEADER_DECODER = msgspec.msgpack.Decoder(BandHeader)
@@ -143,6 +150,12 @@ _ENCODER = msgspec.msgpack.Encoder()
 
 
 # -- bands ---------------------------------------------------------------------------
+
+
+def encode_header(header: BandHeader) -> bytes:
+    """The header's msgpack bytes, as the wire carries them (and as a signature covers
+    them, ``auth`` left empty: ``wavepp.handoff.auth``)."""
+    return _ENCODER.encode(header)
 
 
 def encode_band_prefix(header: BandHeader) -> bytes:
