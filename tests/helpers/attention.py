@@ -20,20 +20,22 @@ class Chunk:
     block_table: tuple[int, ...]
 
 
-def copying_reference(q, k_pool, v_pool, chunks, block_size, scale):
+def copying_reference(q, k_pool, v_pool, chunks, block_size, scale, dtype=torch.float32):
     """The executor's attention before the block-table path, kept as the reference:
-    per chunk, copy every row 0..end-1 out of the pool and mask [n, m] densely."""
+    per chunk, copy every row 0..end-1 out of the pool and mask [n, m] densely, computed
+    in ``dtype`` (float64 inputs in float64)."""
     outs, at = [], 0
     for c in chunks:
         n = c.end - c.start
         table = torch.as_tensor(c.block_table, dtype=torch.long)
         every = torch.arange(c.end)
         rows = table[every // block_size] * block_size + every % block_size
-        keys, values = k_pool[rows].float(), v_pool[rows].float()  # [m, KV, D]
+        wide = torch.float64 if q.dtype == torch.float64 else dtype
+        keys, values = k_pool[rows].to(wide), v_pool[rows].to(wide)  # [m, KV, D]
         positions = torch.arange(c.start, c.end)
         mask = torch.arange(c.end)[None, :] <= positions[:, None]  # [n, m]
         out = F.scaled_dot_product_attention(
-            q[at : at + n].float().transpose(0, 1)[None],
+            q[at : at + n].to(wide).transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
             values.transpose(0, 1)[None],
             attn_mask=mask,

@@ -153,8 +153,8 @@ def _own_options_in_config(argv: list[str] | None, own: dict) -> dict:
               else type(value) in (int, float) if kind is float
               else isinstance(value, str))  # fmt: skip
         if not ok:
-            raise SystemExit(f"wavepp serve: {path}: option {key!r} must be "
-                             f"{'an integer' if kind is int else 'a number' if kind is float else 'a string'}, "
+            wanted = {int: "an integer", float: "a number"}.get(kind, "a string")
+            raise SystemExit(f"wavepp serve: {path}: option {key!r} must be {wanted}, "
                              f"got {value!r}")  # fmt: skip
         values[name] = kind(value)
     return values
