@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -41,10 +42,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from wavepp.handoff import wire
+try:  # vLLM 0.32 counts external cache hits by where they came from; 0.31 does not
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    CacheHitSource = None
+
+from wavepp.handoff import auth, wire
 from wavepp.handoff.gate import Gate
-from wavepp.vllm import plan
+from wavepp.vllm import figures, plan
 from wavepp.vllm.pulling import PullFailed, pull_band
+from wavepp.vllm.stats import LoadMetrics, LoadStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,14 +67,6 @@ log = init_logger("vllm.wavepp_connector")  # under vLLM's logger: its handlers 
 # loads, loaded tokens, failures by reason, refused params
 COUNTS: collections.Counter[str] = collections.Counter()
 LOADS: collections.deque[dict] = collections.deque(maxlen=4096)  # one per finished load
-
-DEFAULTS = {
-    "allow": list(plan.DEFAULT_ALLOW),  # band server address prefixes ("*": any)
-    "timeout_s": 30.0,  # a load not complete this long after it started fails
-    "read_timeout_s": 10.0,  # no byte from a stage this long: its band fails
-    "threads": 8,  # stages pulled at once (all requests together)
-    "max_band_mib": 4096,  # a band larger than this is refused before it is read
-}
 
 
 @dataclass
@@ -85,6 +84,7 @@ class LoadSpec:
     digest: str  # plan.token_digest of the decoder's prompt[:end]
     error: str = ""  # set: the load fails at once (malformed kv_transfer_params)
     release: bool = False  # nothing to load: refuse the bands, so the stages free them now
+    arrival: float = 0.0  # the request's arrival at vLLM (its arrival_time: time.time())
 
 
 @dataclass
@@ -110,23 +110,30 @@ class _Load:
     closed: bool = False  # reported: nothing is written any more
     futures: list = field(default_factory=list)
     socks: list = field(default_factory=list)
-    layers: set[int] = field(default_factory=set)
+    layers: dict[int, float] = field(default_factory=dict)  # layer -> written (time.time())
     errors: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # figures.REASONS, one per error
+    received_bytes: int = 0  # payload bytes of the bands accepted
+    written_bytes: int = 0  # bytes written into the paged cache
+    last_landed: float = 0.0  # time.monotonic() of the last layer written
+
+    def fail(self, error: str, reason: str) -> None:
+        """Under ``lock``."""
+        self.errors.append(error)
+        self.reasons.append(reason)
 
 
 class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector (``kv_consumer``) for prompts prefilled by WavePP."""
 
+    if CacheHitSource is not None:  # vllm:prompt_tokens_cached_by_source{source="p2p"}
+        _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:  # fmt: skip
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
-        extra = dict(tc.kv_connector_extra_config or {})
-        unknown = sorted(set(extra) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"WavePPConnector: unknown kv_connector_extra_config keys "
-                             f"{unknown} (it takes {sorted(DEFAULTS)})")  # fmt: skip
-        self.settings = {**DEFAULTS, **extra}
+        self.settings = plan.read_settings(tc.kv_connector_extra_config, os.environ)
         if tc.kv_role not in ("kv_consumer", "kv_both"):
             raise ValueError(f"WavePPConnector: kv_role {tc.kv_role!r}: it only loads "
                              "(kv_consumer); WavePP is the prefiller")  # fmt: skip
@@ -150,7 +157,11 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("WavePPConnector: kv_load_failure_policy is %r: a band that does not "
                         "arrive fails its request; set \"recompute\" to compute it instead",
                         tc.kv_load_failure_policy)  # fmt: skip
-        self.allow = tuple(self.settings["allow"])
+        self.allow = self.settings.allow
+        self._secret = self.settings.secret
+        self._verifier = auth.Verifier(self._secret) if self._secret else None
+        self._lock = threading.Lock()  # the verifier's nonces and the figures, across threads
+        self._figures = figures.empty()  # this step's, until get_kv_connector_stats
         # scheduler's side
         self._plans: dict[str, _Plan] = {}
         self._pending: list[LoadSpec] = []
@@ -160,10 +171,11 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
         self._invalid: set[int] = set()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._gate = Gate(self.hf, self.fp.dtype, self.fp,
-                          int(self.settings["max_band_mib"]) << 20)  # fmt: skip
-        log.info("WavePPConnector (%s): %s, %d layers, %d kv heads of %d, %s, block %d",
+                          self.settings.max_band_bytes)  # fmt: skip
+        log.info("WavePPConnector (%s): %s, %d layers, %d kv heads of %d, %s, block %d, %s",
                  role.name, self.fp.architecture, self.fp.num_layers, self.fp.num_kv_heads,
-                 self.fp.head_dim, self.fp.dtype, self.block_size)  # fmt: skip
+                 self.fp.head_dim, self.fp.dtype, self.block_size,
+                 "signed pulls and bands" if self._secret else "unsigned")  # fmt: skip
 
     # -- the scheduler's side ------------------------------------------------------
 
@@ -215,7 +227,7 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
             req_id=request.request_id, wavepp_id=source.request_id if source else "",
             stages=source.stages if source else (), num_tokens=source.num_tokens if source
             else 0, start=start, end=end, block_ids=block_ids, digest=plan.token_digest(ids),
-            error=error))  # fmt: skip
+            error=error, arrival=request.arrival_time))  # fmt: skip
         params["do_remote_prefill"] = False  # loaded once: not again after a preemption
 
     def _release(self, request: Request, got: _Plan) -> None:
@@ -264,7 +276,7 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
                                     f"{sorted(want)}")  # fmt: skip
         self._pages = pages
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            int(self.settings["threads"]), thread_name_prefix="wavepp-pull"
+            self.settings.threads, thread_name_prefix="wavepp-pull"
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -278,13 +290,13 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
             if spec.release:
                 self._release_bands(spec)
                 continue
-            load = _Load(spec, now + float(self.settings["timeout_s"]), now)
+            load = _Load(spec, now + self.settings.timeout_s, now)
             self._loads[spec.req_id] = load
             if spec.error:
-                load.errors.append(spec.error)
+                load.fail(spec.error, "params")
                 continue
             if self._pool is None:
-                load.errors.append("the connector's worker has no registered caches")
+                load.fail("the connector's worker has no registered caches", "error")
                 continue
             for s, address in enumerate(spec.stages):
                 load.futures.append(self._pool.submit(self._pull, load, s, address))
@@ -294,23 +306,36 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM: the request never waited for it)."""
         if self._pool is None:
             return
-        deadline = time.monotonic() + float(self.settings["timeout_s"])
+        deadline = time.monotonic() + self.settings.timeout_s
         why = "the decoder needs none of it (its own prefix cache had the prompt)"
 
         def one(stage: int, address: str) -> None:
             try:
-                pull_band(address, wire.Pull(spec.wavepp_id, stage, self.fp), self._gate,
+                pull_band(address, self._pull_frame(spec, stage), self._gate,
                           num_stages=len(spec.stages), num_tokens=spec.num_tokens,
                           take=lambda t, x: None, deadline=deadline,
-                          read_timeout_s=float(self.settings["read_timeout_s"]),
-                          refuse=why)  # fmt: skip
-                COUNTS["released"] += 1
+                          read_timeout_s=self.settings.read_timeout_s,
+                          refuse=why, verify=self._verify)  # fmt: skip
+                with self._lock:
+                    COUNTS["released"] += 1
+                    self._figures["released"].append(1)
             except Exception as error:  # the lease frees it anyway
                 log.info("WavePPConnector: request %s: stage %d's band not released: %s",
                          spec.req_id, stage, error)  # fmt: skip
 
         for s, address in enumerate(spec.stages):
             self._pool.submit(one, s, address)
+
+    def _pull_frame(self, spec: LoadSpec, stage: int) -> wire.Pull:
+        """The pull of ``stage``'s band, signed when the stages share a secret."""
+        return auth.sign_pull(wire.Pull(spec.wavepp_id, stage, self.fp), self._secret)
+
+    def _verify(self, header: wire.BandHeader) -> None:
+        """A band header's signature (``auth.AuthError`` unless signed with the secret,
+        fresh, unseen); nothing without a secret."""
+        if self._verifier is not None:
+            with self._lock:
+                self._verifier.header(header)
 
     def _pull(self, load: _Load, stage: int, address: str) -> None:
         spec = load.spec
@@ -337,24 +362,28 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
                 if t.layer in load.layers:
                     raise wire.WireError(f"layer {t.layer} came twice")
                 plan.write_pages(pages, spec.block_ids, k, v)
-                load.layers.add(t.layer)
+                load.layers[t.layer] = time.time()
+                load.last_landed = time.monotonic()
+                load.written_bytes += k.numel() * k.element_size() + v.numel() * v.element_size()
 
         def opened(sock: socket.socket) -> None:
             with load.lock:
                 load.socks.append(sock)
 
-        pull = wire.Pull(spec.wavepp_id, stage, self.fp)
         try:
-            pull_band(address, pull, self._gate, num_stages=len(spec.stages),
-                      num_tokens=spec.num_tokens, take=take, deadline=load.deadline,
-                      read_timeout_s=float(self.settings["read_timeout_s"]),
-                      opened=opened)  # fmt: skip
+            header = pull_band(address, self._pull_frame(spec, stage), self._gate,
+                               num_stages=len(spec.stages), num_tokens=spec.num_tokens,
+                               take=take, deadline=load.deadline,
+                               read_timeout_s=self.settings.read_timeout_s,
+                               opened=opened, verify=self._verify)  # fmt: skip
+            with load.lock:
+                load.received_bytes += wire.band_bytes(header)
         except PullFailed as error:
             with load.lock:
-                load.errors.append(str(error))
+                load.fail(str(error), error.kind)
         except Exception as error:  # a bug here must fail the load, not vLLM's worker
             with load.lock:
-                load.errors.append(f"stage {stage}: {type(error).__name__}: {error}")
+                load.fail(f"stage {stage}: {type(error).__name__}: {error}", "error")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once its load is reported
@@ -377,11 +406,11 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
                 load.closed = True  # a pull still running writes nothing from now on
                 socks = list(load.socks)
                 if not finished:
-                    load.errors.append(f"not every stage's band came within "
-                                       f"{self.settings['timeout_s']} s")  # fmt: skip
-                missing = sorted(set(self._pages) - load.layers)
+                    load.fail(f"not every stage's band came within "
+                              f"{self.settings.timeout_s:g} s", "timeout")  # fmt: skip
+                missing = sorted(set(self._pages) - set(load.layers))
                 if not load.errors and missing:
-                    load.errors.append(f"the bands left layers {missing} out")
+                    load.fail(f"the bands left layers {missing} out", "incomplete")
             for sock in socks:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
@@ -397,6 +426,15 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
                   "end": spec.end, "ok": not load.errors, "seconds": round(now - load.started, 4),
                   "error": load.errors[0] if load.errors else ""}  # fmt: skip
         LOADS.append(record)
+        refusals = sum(reason == "refused" for reason in load.reasons)
+        with self._lock:
+            self._figures["refusals"].extend([1] * refusals)
+            if load.errors:
+                figures.record_error(self._figures, load.reasons[0])
+            else:
+                figures.record_load(self._figures, load.last_landed - load.started,
+                                    [at - spec.arrival for at in load.layers.values()],
+                                    load.written_bytes, load.received_bytes)  # fmt: skip
         if load.errors:
             self._invalid.update(spec.block_ids)
             COUNTS["failed"] += 1
@@ -413,6 +451,26 @@ class WavePPConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
+
+    # -- vLLM's metrics ------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> LoadStats | None:
+        """This step's figures (``wavepp.vllm.stats``), then none until the next."""
+        with self._lock:
+            if figures.is_empty(self._figures):
+                return None
+            data, self._figures = self._figures, figures.empty()
+        return LoadStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> LoadStats:
+        return LoadStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> LoadMetrics:  # fmt: skip
+        return LoadMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._pool is not None:

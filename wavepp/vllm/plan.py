@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import attrs
@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import torch
 
-from wavepp.handoff import wire
+from wavepp.handoff import auth, wire
 
 PARAMS_VERSION = 1  # kv_transfer_params.wavepp.version this connector reads
 MAX_IDS = 1 << 22  # prompt token ids in kv_transfer_params
@@ -26,6 +26,54 @@ DEFAULT_ALLOW = ("unix:", "tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:"
 #  (one host); "*" allows any address
 PAGE_ISAS = ("vec", "vec16", "neon")  # CPU attention kernels whose page layout this writes
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class _Extra(msgspec.Struct, forbid_unknown_fields=True):
+    """``kv_connector_extra_config``: every key optional, one-host defaults."""
+
+    allow: list[Annotated[str, msgspec.Meta(max_length=4096)]] = msgspec.field(
+        default_factory=lambda: list(DEFAULT_ALLOW))  # fmt: skip
+    #  band server address prefixes the connector connects to ("*": any)
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0  # a load not complete by then fails
+    read_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # a stage silent this long fails
+    threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8  # stages pulled at once
+    max_band_mib: Annotated[int, msgspec.Meta(ge=1)] = 4096  # a larger band is refused unread
+    secret_file: str | None = None  # the stages' shared secret (else $WAVEPP_HANDOFF_SECRET)
+
+
+@attrs.frozen
+class Settings:
+    """The connector's settings: ``kv_connector_extra_config`` read (:func:`read_settings`)."""
+
+    allow: tuple[str, ...]  # band server address prefixes ("*": any)
+    timeout_s: float  # a load not complete this long after it started fails
+    read_timeout_s: float  # no byte from a stage this long: its band fails
+    threads: int  # stages pulled at once (all requests together)
+    max_band_bytes: int  # a band larger than this is refused before it is read
+    # the stages' shared secret (wavepp.handoff.auth): pulls go signed with it and every
+    # band's header must be signed with it; None: unsigned both ways
+    secret: bytes | None = attrs.field(repr=False)
+
+
+EXTRA_KEYS = tuple(_Extra.__struct_fields__)
+
+
+def read_settings(extra: Mapping | None, environ: Mapping[str, str]) -> Settings:
+    """The :class:`Settings` of ``kv_connector_extra_config`` (``extra``); the secret from
+    its ``secret_file``, else ``environ``'s ``WAVEPP_HANDOFF_SECRET`` (``auth.load_secret``).
+    ValueError naming the key: an unknown key, a wrong type or bound, a secret file that
+    cannot be read or a secret too short."""
+    try:
+        got = msgspec.convert(dict(extra or {}), _Extra, strict=True)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"WavePPConnector: kv_connector_extra_config: {error} (it takes "
+                         f"{list(EXTRA_KEYS)})") from None  # fmt: skip
+    try:
+        secret = auth.load_secret(got.secret_file, environ)
+    except ValueError as error:
+        raise ValueError(f"WavePPConnector: {error}") from None
+    return Settings(tuple(got.allow), got.timeout_s, got.read_timeout_s, got.threads,
+                    got.max_band_mib << 20, secret)  # fmt: skip
 
 
 class ParamsError(ValueError):

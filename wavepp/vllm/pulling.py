@@ -3,8 +3,10 @@ wire): a blocking socket in one of the connector's threads. Nothing of the band 
 on before its header has passed the receiver's checks (``wavepp.handoff.gate.Gate``:
 the wire version and bounds, the band's fingerprint against the decoder's field by field,
 every layer's tensors for the prompt's length) and matches what the request's
-``kv_transfer_params`` named (request, stage, stages, prompt length); then each tensor is
-read whole and given to ``take``, in the band's order. No vLLM import.
+``kv_transfer_params`` named (request, stage, stages, prompt length); given the shared
+secret, the header's signature is checked first (``verify``: ``wavepp.handoff.auth``).
+Then each tensor is read whole and given to ``take``, in the band's order. No vLLM
+import.
 """
 
 from __future__ import annotations
@@ -16,11 +18,31 @@ from collections.abc import Callable
 import torch
 
 from wavepp.handoff import wire
+from wavepp.handoff.auth import AuthError
 from wavepp.handoff.gate import Gate
+
+LINGER_BYTES = 1 << 21  # of a band refused for its signature, dropped before closing
+LINGER_S = 2.0  # ... for at most this long
 
 
 class PullFailed(Exception):
-    """A band that did not come, or came wrong (the message says why, in one line)."""
+    """A band that did not come, or came wrong (the message says why, in one line);
+    ``kind`` says which way, for the connector's metrics: ``connect`` (the stage cannot
+    be reached), ``refused`` (the stage refused the pull), ``auth`` (the band's signature
+    does not verify), ``band`` (the band failed another check), ``broken`` (the
+    connection closed, stalled or failed mid-band)."""
+
+    def __init__(self, message: str, kind: str = "broken") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class PullRefused(PullFailed):
+    """The stage refused the pull (its ack says why: an expired lease, an unknown
+    request, another model, an unsigned pull, ...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "refused")
 
 
 class _Refused(ValueError):
@@ -81,7 +103,8 @@ class _Reader:
 def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num_tokens: int,
               take: Callable[[wire.TensorSpec, torch.Tensor], None], deadline: float,
               read_timeout_s: float = 10.0, opened: Callable[[socket.socket], None] | None = None,
-              refuse: str = "") -> wire.BandHeader:  # fmt: skip
+              refuse: str = "", verify: Callable[[wire.BandHeader], None] | None = None
+              ) -> wire.BandHeader:  # fmt: skip
     """Pull stage ``pull.stage``'s band of ``pull.request_id`` from ``address``, check it
     and give each tensor to ``take``; acknowledge it once every tensor is taken, or
     answer ``ok: false`` with the error when ``take`` or a check raises. Returns the
@@ -89,11 +112,17 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
     ``opened``: called with the socket once connected (the caller may shut it down to
     stop a pull that has run out of time). ``refuse``: the decoder needs none of the band
     (vLLM had the prompt cached itself): its header is read, and the band refused with
-    this reason, which releases it on the stage at once instead of at its lease's end."""
+    this reason, which releases it on the stage at once instead of at its lease's end.
+    ``verify``: the header's signature check (``auth.Verifier.header``; raises
+    ``auth.AuthError``), made before any other check and before any of the payload is
+    read; a band that fails it is refused. ``pull`` goes as given (signed by the caller
+    when the stages need it). PullRefused: the stage refused the pull."""
     try:
         sock = _connect(address, read_timeout_s)
     except (OSError, ValueError) as error:
-        raise PullFailed(f"stage {pull.stage} at {address}: cannot connect ({error})") from None
+        raise PullFailed(
+            f"stage {pull.stage} at {address}: cannot connect ({error})", "connect"
+        ) from None
     header = None
     try:
         if opened is not None:
@@ -105,10 +134,12 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
             if magic == wire.ACK_MAGIC:
                 length = wire.ack_length(magic + reader.exactly(wire.ACK_PREFIX_BYTES - 4))
                 ack = wire.decode_ack(reader.exactly(length))
-                raise PullFailed(f"stage {pull.stage} refused the pull: {ack.error}")
+                raise PullRefused(f"stage {pull.stage} refused the pull: {ack.error}")
             length = wire.header_length(magic + reader.exactly(wire.PREFIX_BYTES - 4))
             header = wire.decode_header(reader.exactly(length))
             left = wire.band_bytes(header)  # of the payload, not read yet
+            if verify is not None:
+                verify(header)
             if refuse:
                 raise _Refused(refuse)
             gate.check(header)
@@ -125,7 +156,14 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
                 take(spec, tensor)
         except (PullFailed, wire.WireError, ValueError) as error:
             why = str(error)
-            if header is not None and not isinstance(error, PullFailed):
+            if isinstance(error, AuthError):
+                # a stranger: refused at once, its payload not read, only some of it
+                # dropped for a moment so that a small band's sender sees the refusal
+                # rather than a reset (as WavePP's receiver does)
+                _answer(sock, header, False, why)
+                reader.deadline = min(reader.deadline, time.monotonic() + LINGER_S)
+                reader.drop(min(left, LINGER_BYTES))
+            elif header is not None and not isinstance(error, PullFailed):
                 # as a receiver does: the rest of the payload read and dropped (up to the
                 # band limit), so the stage reads the refusal rather than a broken pipe
                 if left <= gate.max_band_bytes:
@@ -135,7 +173,8 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
                 return header
             if isinstance(error, PullFailed):
                 raise
-            raise PullFailed(f"stage {pull.stage}'s band refused: {why}") from None
+            kind = "auth" if isinstance(error, AuthError) else "band"
+            raise PullFailed(f"stage {pull.stage}'s band refused: {why}", kind) from None
         except OSError as error:
             raise PullFailed(f"stage {pull.stage} at {address}: {error}") from None
         if not _answer(sock, header, True, ""):
