@@ -44,10 +44,44 @@ import httpx
 import numpy as np
 
 from wavepp.bench import load as load_bench
+from wavepp.route.explain import breakdown, producers
+from wavepp.route.replay import Sent, replay, session_line, session_table, summarize, turns_at
 from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec
+from wavepp.workload.sessions import SHAPES, replay_order, session_trace, write_trace
+from wavepp.workload.trace import TRACE_BLOCK
 
 POLICIES = ("round-robin", "least-load", "prefix", "cost", "text-tree")
+SESSION_WORKLOADS = ("chat", "docs", "agent", "mooncake")  # replayed by wavepp.route.replay
+PREFIX_BEFORE = "benchmarks.fleet:prefix_before"  # the prefix policy before issue 58
+
+
+def prefix_before(request, replicas) -> int:
+    """``prefix`` before issue 58, for comparison: the larger of predicted and in-flight
+    tokens, counted as none under 30% of the prompt; ties by load, then the earlier one."""
+
+    def key(i: int) -> tuple[int, int, int, int]:
+        v = replicas[i]
+        reuse = max(v.predicted_tokens, v.pending_tokens)
+        reuse = reuse if reuse >= 0.3 * request.num_tokens else 0
+        return (-reuse, v.load_tokens, v.num_in_flight, i)
+
+    return min(range(len(replicas)), key=key)
+
+
+def _sim_argv(setup: Setup) -> list[str]:
+    return ["--executor", "sim", "--model", setup.model, "--time-scale", str(setup.time_scale)]
+
+
+def _torch_argv(setup: Setup) -> list[str]:
+    return ["--executor", "torch", "--model", setup.model, "--device", "cpu", "--threads", "1",
+            "--block-size", str(BLOCK_SIZE["torch"])]  # fmt: skip
+
+
+EXECUTORS = {"sim": _sim_argv, "torch": _torch_argv}  # what a replica runs: chosen once
+BLOCK_SIZE = {"sim": 64, "torch": 16}  # the servers' default block sizes
+VOCAB = {"sim": 32_000, "torch": 512}  # token ids below this (tiny models' vocabularies)
+TORCH_MAX_INPUT = 3072  # a torch run's conversations end before their prompt passes this
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "synthetic_trace.jsonl"
 START_TIMEOUT_S = 180.0
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +104,9 @@ class Setup:
     conversation_tokens: int  # the conversation workload's --prompt-tokens
     seed: int
     closed_loop: int | None = None  # requests in flight per replica instead of rates
+    seeds: tuple[int, ...] = ()  # the session workloads' trace seeds (each its own runs)
+    executor: str = "sim"  # what the replicas run: sim, or torch (a small real model)
+    route_options: tuple[str, ...] = ()  # more options for every router
 
 
 def _free_port() -> int:
@@ -145,16 +182,15 @@ def _wait_healthy(url: str, child: subprocess.Popen, name: str, procs: Processes
 
 @contextlib.contextmanager
 def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | None,
-             label: str) -> Iterator[list[str]]:  # fmt: skip
-    """``count`` simulated pipelines of ``setup.stages`` stages; yields their URLs."""
+             label: str, stages: int | None = None) -> Iterator[list[str]]:  # fmt: skip
+    """``count`` pipelines of ``stages`` (default ``setup.stages``) stages; their URLs."""
     urls, started = [], []
     ports = _free_ports(3 * count)  # each replica's HTTP, events and replay ports, distinct
     for i in range(count):
         port, pub, replay = ports[3 * i : 3 * i + 3]
         argv = [sys.executable, "-m", "wavepp.serve.launch",
-                f"--nproc-per-node={setup.stages}", "--port", str(port), "--executor", "sim",
-                "--model", setup.model, "--time-scale", str(setup.time_scale),
-                "--no-progress", "--log-level", "warning"]  # fmt: skip
+                f"--nproc-per-node={stages or setup.stages}", "--port", str(port),
+                *EXECUTORS[setup.executor](setup), "--no-progress", "--log-level", "warning"]
         if capacity_blocks is not None:
             argv += ["--capacity-blocks", str(capacity_blocks)]
         argv += ["--kv-events", f"tcp://127.0.0.1:{pub}",
@@ -172,9 +208,11 @@ def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | 
 
 
 @contextlib.contextmanager
-def router(procs: Processes, urls: Sequence[str], policy: str, label: str) -> Iterator[str]:
+def router(procs: Processes, urls: Sequence[str], policy: str, label: str,
+           options: Sequence[str] = ()) -> Iterator[str]:  # fmt: skip
     port = _free_port()
-    argv = [sys.executable, "-m", "wavepp.route", "--port", str(port), "--policy", policy]
+    argv = [sys.executable, "-m", "wavepp.route", "--port", str(port), "--policy",
+            PREFIX_BEFORE if policy == "prefix-before" else policy, *options]  # fmt: skip
     for url in urls:
         argv += ["--replica", url]
     name = f"{label}-router-{policy}"
@@ -309,6 +347,11 @@ def run_bench(setup: Setup, logs: Path) -> dict:
     run = 0
     try:
         for workload in setup.workloads:
+            if workload in SESSION_WORKLOADS:
+                for seed in setup.seeds or (setup.seed,):
+                    for n in setup.replicas:
+                        run = run_sessions(procs, setup, workload, seed, n, rows, pools, run)
+                continue
             for n in setup.replicas:
                 capacity = _capacity(workload, setup, n)
                 ceiling = None if capacity is None else capacity * n
@@ -332,8 +375,74 @@ def run_bench(setup: Setup, logs: Path) -> dict:
                         _log(_line(rows[-1]))
     finally:
         procs.stop_all()
-    return {"simulated": True, "setup": attrs.asdict(setup), "kv_events": True,
-            "pools_blocks": pools, "rows": rows}  # fmt: skip
+    return {"simulated": setup.executor == "sim", "setup": attrs.asdict(setup),
+            "kv_events": True, "pools_blocks": pools, "rows": rows}  # fmt: skip
+
+
+# -- conversation traces, replayed with the router's explanations ---------------------------
+
+
+def session_requests(workload: str, seed: int, setup: Setup, folder: Path):
+    """(token lists, arrival trace seconds, the turn each follows) of a session workload."""
+    path = TRACE if workload == "mooncake" else folder / f"{workload}-s{seed}.jsonl"
+    if workload != "mooncake":
+        shape = SHAPES[workload]
+        if setup.executor == "torch":  # a small model on CPU: short conversations
+            shape = attrs.evolve(shape, max_input=TORCH_MAX_INPUT)
+        write_trace(session_trace(shape, seed), path)
+    specs, after = replay_order(path, setup.requests, seed, BLOCK_SIZE[setup.executor],
+                                VOCAB[setup.executor])  # fmt: skip
+    return [s.tokens for s in specs], [s.arrival_s for s in specs], after
+
+
+def _head(workload: str) -> int:
+    """Tokens every request of a session workload starts with."""
+    shape = SHAPES.get(workload)
+    return 0 if shape is None else (shape.system_blocks + shape.app_blocks) * TRACE_BLOCK
+
+
+def run_sessions(procs: Processes, setup: Setup, workload: str, seed: int, n: int,
+                 rows: list[dict], pools: dict, run: int) -> int:  # fmt: skip
+    """One trace at one fleet size: every policy, then one big pipeline (N x P stages,
+    N x the pool per stage: the fleet's devices and KV memory in one pipeline)."""
+    tokens, arrivals, after = session_requests(workload, seed, setup, procs.logs)
+    block, vocab = BLOCK_SIZE[setup.executor], VOCAB[setup.executor]
+    specs = [RequestSpec(str(i), t, False, 0) for i, t in enumerate(tokens)]
+    longest = max(len(t) for t in tokens) // block + 1
+    capacity = max(-(-working_set_blocks(specs, block) // n), 4 * longest)
+    label = f"{workload}-s{seed}-n{n}"
+    pools[label] = {"replica": capacity, "big": capacity * n, "big_stages": n * setup.stages}
+    explain = ["--explain", *setup.route_options]
+
+    def one(url: str, policy: str) -> None:
+        nonlocal run
+        for load in setup.loads:
+            run += 1
+            shifted = [s.tokens for s in _shifted(specs, run, vocab)]
+            hashes = [block_hashes(t, block) for t in shifted]
+            expected = producers(hashes, [len(t) for t in shifted], block)
+            offered = load * n * setup.pipeline_tok_s
+            turns, speed = turns_at(shifted, arrivals, after, offered, setup.time_scale,
+                                    prefix=f"f{run}-")  # fmt: skip
+            records = [attrs.asdict(r) for r in anyio.run(replay, url, turns)]
+            row = {"workload": workload, "seed": seed, "replicas": n, "policy": policy,
+                   "load": load, "offered_tok_s": offered, "trace_speed": speed,
+                   **summarize([Sent(**r) for r in records], setup.time_scale),
+                   "expected_share": sum(e for _, e in expected) / sum(map(len, shifted)),
+                   "why": breakdown(records, expected, policy == "prefix", _head(workload)),
+                   "records": records}  # fmt: skip
+            rows.append(row)
+            _log(session_line(row))
+
+    with replicas(procs, setup, n, capacity, label) as urls:
+        for policy in setup.policies:
+            with router(procs, urls, policy, label, explain) as url:
+                one(url, policy)
+    with replicas(procs, setup, 1, capacity * n, f"{label}-big", n * setup.stages) as (url,):
+        one(url, "big")
+    return run
+
+
 
 
 def _loads(setup: Setup) -> tuple[float | None, ...]:
@@ -453,10 +562,13 @@ def setup_from(args: argparse.Namespace) -> Setup:
         time_scale=args.time_scale,
         pipeline_tok_s=args.pipeline_tok_s,
         slo_s={"trace": args.slo_trace_s, "conversation": args.slo_conversation_s},
-        model=args.model,
+        model=args.model or ("tiny-llama" if args.executor == "torch" else "qwen3-next-80b"),
         conversation_tokens=args.conversation_tokens,
         seed=args.seed,
         closed_loop=args.closed_loop,
+        seeds=tuple(args.seeds or ()),
+        executor=args.executor,
+        route_options=tuple(args.route_option),
     )  # fmt: skip
 
 
@@ -478,7 +590,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=2, help="P, stages per pipeline [2]")
     p.add_argument("--policies", type=lambda s: s.split(","), help=f"[{','.join(POLICIES)}]")
     p.add_argument("--workloads", type=lambda s: s.split(","),
-                   help="trace and/or conversation [both]")
+                   help="trace, conversation (wavepp.bench.load) and the conversation traces "
+                   f"{', '.join(SESSION_WORKLOADS)} (the router explains each choice) "
+                   "[trace,conversation]")
     p.add_argument("--loads", type=_floats,
                    help="offered load, fractions of N x --pipeline-tok-s "
                    "[0.5,1,1.5,2,3; quick: 0.5,1.5,3]")
@@ -492,8 +606,14 @@ def parser() -> argparse.ArgumentParser:
                    help="trace deadline, simulated s after submission [1.0]")
     p.add_argument("--slo-conversation-s", type=float, default=0.3,
                    help="conversation deadline, simulated s [0.3]")
-    p.add_argument("--model", default="qwen3-next-80b", choices=sorted(SIM_DEVICE_BLOCKS),
-                   help="simulated model [qwen3-next-80b]")
+    p.add_argument("--model", default=None,
+                   help="sim: a profile [qwen3-next-80b]; torch: a tiny model [tiny-llama]")
+    p.add_argument("--executor", choices=sorted(EXECUTORS), default="sim",
+                   help="what replicas run: sim, or torch (CPU; session workloads only) [sim]")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")],
+                   help="the session workloads' trace seeds, one set of runs each [--seed]")
+    p.add_argument("--route-option", action="append", default=[], metavar="OPT",
+                   help="an option for every router, e.g. --route-option=--sent-memory-s=0")
     p.add_argument("--conversation-tokens", type=int, default=8192,
                    help="the conversation workload's prompt scale (--prompt-tokens) [8192]")
     p.add_argument("--seed", type=int, default=0)
@@ -513,21 +633,27 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("benchmarks.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")
     if args.closed_loop is not None and args.closed_loop < 1:
         raise SystemExit("benchmarks.fleet: --closed-loop C needs C ≥ 1")
-    unknown = set(setup.policies) - set(POLICIES)
+    unknown = set(setup.policies) - {*POLICIES, "prefix-before"}
     if unknown:
         raise SystemExit(f"benchmarks.fleet: unknown policies {sorted(unknown)}; "
-                         f"one of {', '.join(POLICIES)}")  # fmt: skip
+                         f"one of {', '.join(POLICIES)}, prefix-before")  # fmt: skip
+    legacy = set(setup.workloads) - set(SESSION_WORKLOADS)
+    if setup.executor == "torch" and legacy:
+        raise SystemExit(f"benchmarks.fleet: --executor torch runs {', '.join(SESSION_WORKLOADS)}"
+                         f" only, not {', '.join(sorted(legacy))}")  # fmt: skip
     logs = Path(args.logs) if args.logs else Path(os.environ.get("TMPDIR", "/tmp")) / (
         f"wavepp-bench-fleet-{os.getpid()}")
     logs.mkdir(parents=True, exist_ok=True)
-    _log(f"SIMULATED; children's logs in {logs}")
+    _log(f"{'SIMULATED' if setup.executor == 'sim' else 'torch'}; children's logs in {logs}")
     started = time.time()
     # SIGTERM ends the bench as ^C does: the children are stopped on the way out
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     record = run_bench(setup, logs)
     record["wall_s"] = time.time() - started
     record["command"] = "python -m benchmarks.fleet " + " ".join(argv or sys.argv[1:])
-    print(table(record))
+    legacy_rows = [r for r in record["rows"] if "seed" not in r]
+    print(session_table(record) if len(legacy_rows) < len(record["rows"]) else "")
+    print(table({**record, "rows": legacy_rows}) if legacy_rows else "")
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n")
     if args.plots:

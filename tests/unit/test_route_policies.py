@@ -75,7 +75,7 @@ def test_a_replica_knows_the_prefixes_in_flight_there():
     assert pending([*turn, 1]) == 24 and pending([*doc, 5]) == 20  # b still holds doc's blocks
     replica.land(second)
     replica.land(second)  # twice: no effect
-    assert pending(turn) == 0 and not replica.pending and not replica.flights
+    assert pending(turn) == 0 and not replica.sent.in_flight and not replica.flights
 
 
 def test_cost_is_dynamos_formula():

@@ -23,6 +23,9 @@ from wavepp.route.pd import Decoder, Disaggregated
 from wavepp.route.policies import DEFAULT_ROUTE_POLICY, ROUTE_POLICIES, load_route_policy
 from wavepp.route.replicas import Replica, WatchOptions, log
 from wavepp.route.router import Router
+from wavepp.route.sent import MemoryOptions
+
+MEMORY = MemoryOptions()  # the defaults
 from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES
 
 
@@ -46,6 +49,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=DEFAULT_ROUTE_POLICY,
                    help=f"routing policy: {', '.join(ROUTE_POLICIES)}, or pkg.mod:fn "
                    f"[{DEFAULT_ROUTE_POLICY}]")
+    p.add_argument("--sent-memory-s", type=float, default=MEMORY.memory_s,
+                   help="a prompt a replica answered counts as cached there this long while its "
+                   "KV events have not confirmed it (they may lag the answer); 0: only prompts "
+                   f"in flight count, seconds [{MEMORY.memory_s:g}]")
+    p.add_argument("--sent-memory-blocks", type=int, default=MEMORY.memory_blocks,
+                   help="block hashes of answered prompts remembered per replica, the oldest "
+                   f"forgotten first [{MEMORY.memory_blocks}]")
+    p.add_argument("--explain", action="store_true",
+                   help="each answer carries x-wavepp-route-views: what the router knew of "
+                   "every replica when it chose (docs/fleet.md)")
     p.add_argument("--health-interval-s", type=float, default=1.0,
                    help="between two /health probes of a replica, seconds [1]")
     p.add_argument("--health-timeout-s", type=float, default=2.0,
@@ -91,6 +104,10 @@ def check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         need(0 < value < 1e6, f"--{name.replace('_', '-')} must be positive, got {value:g}")
     need(args.fail_after >= 1, f"--fail-after must be ≥ 1, got {args.fail_after}")
+    need(0 <= args.sent_memory_s < 1e6, f"--sent-memory-s must be in [0, 1e6), got "
+         f"{args.sent_memory_s:g}")
+    need(args.sent_memory_blocks >= 0, f"--sent-memory-blocks must be ≥ 0, got "
+         f"{args.sent_memory_blocks}")
     need(args.max_body_bytes >= 64, f"--max-body-bytes must be ≥ 64, got {args.max_body_bytes}")
 
 
@@ -113,10 +130,11 @@ def main(argv: list[str] | None = None) -> None:
                 async for _ in signals:
                     stop.set()
 
-        replicas = [Replica(f"r{i}", url) for i, url in enumerate(args.replica)]
+        memory = MemoryOptions(args.sent_memory_s, args.sent_memory_blocks)
+        replicas = [Replica(f"r{i}", url, memory=memory) for i, url in enumerate(args.replica)]
         async with http_client() as client, anyio.create_task_group() as tg:
             tg.start_soon(on_signal)
-            router = Router(replicas, policy, args.policy, client)
+            router = Router(replicas, policy, args.policy, client, explain=args.explain)
             decoders = [Decoder(f"d{i}", url) for i, url in enumerate(args.decoder)]
             pd = Disaggregated(router, decoders) if decoders else None
             await run_router(router, args.host, args.port, watch=watch, make_index=make_index,

@@ -59,6 +59,9 @@ class ReplicaView:
     pending_tokens: int  # tokens of this prompt that requests in flight there are computing
     text_match_tokens: int  # tokens of this prompt matched in its approximate text tree
     text_tree_tokens: int  # tokens its approximate text tree holds
+    # tokens of this prompt that prompts answered there a moment ago hold, not yet
+    # confirmed by its events (the router's memory of what it sent, wavepp.route.sent)
+    recent_tokens: int = 0
 
 
 RoutePolicy = Callable[[RouteRequest, Sequence[ReplicaView]], int]

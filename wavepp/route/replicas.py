@@ -12,7 +12,6 @@ that missed events would overstate what the replica holds).
 
 from __future__ import annotations
 
-import collections
 import inspect
 import logging
 import sys
@@ -26,7 +25,9 @@ import attrs
 import httpx
 
 from wavepp.route.policies import ReplicaView
+from wavepp.route.sent import MemoryOptions, SentPrefixes
 from wavepp.route.texttree import TextTree
+from wavepp.state import longest_prefix
 
 logger = logging.getLogger("wavepp.route")
 
@@ -85,7 +86,8 @@ def events_endpoint(endpoint: str, replica_url: str) -> str:
 class Replica:
     """One replica: owned by the router, changed only by it and its watcher."""
 
-    def __init__(self, name: str, url: str, tree_tokens: int | None = None) -> None:
+    def __init__(self, name: str, url: str, tree_tokens: int | None = None,
+                 memory: MemoryOptions | None = None) -> None:  # fmt: skip
         self.name = name
         self.url = url.rstrip("/")
         self.state = "starting"
@@ -99,9 +101,9 @@ class Replica:
         self._feed_scope: anyio.CancelScope | None = None  # the subscription's task, running
         self.tree = TextTree(tree_tokens) if tree_tokens else TextTree()
         self.flights: set[Flight] = set()
-        # the block hashes of the prompts in flight here, counted: a chained hash names its
-        # whole prefix, so a prompt's blocks in flight are a run from its first block
-        self.pending: collections.Counter[int] = collections.Counter()
+        # the block hashes of the prompts in flight here and of those answered recently
+        # that the events have not confirmed yet (wavepp.route.sent)
+        self.sent = SentPrefixes(memory)
         self.failures = 0  # failed health probes in a row
         self._disconnected_since: float | None = None
 
@@ -111,37 +113,33 @@ class Replica:
 
     def fly(self, flight: Flight) -> None:
         self.flights.add(flight)
-        self.pending.update(flight.hashes)
+        self.sent.fly(flight.hashes)
 
-    def land(self, flight: Flight) -> None:
+    def land(self, flight: Flight, done: bool = False, now: float = 0.0) -> None:
+        """``flight`` ended; ``done``: answered 2xx at ``now`` (monotonic seconds), so its
+        prompt counts as cached here until the events confirm it (or ``memory_s``)."""
         if flight in self.flights:
             self.flights.discard(flight)
-            self.pending.subtract(flight.hashes)
-            for h in flight.hashes:
-                if self.pending[h] <= 0:
-                    del self.pending[h]
+            self.sent.land(flight.hashes, done, now)
 
-    def _pending_blocks(self, hashes: Sequence[int], limit: int) -> int:
-        """Leading blocks of ``hashes`` (at most ``limit``) that prompts in flight here hold:
-        the membership of a chained hash is prefix-closed, so a binary search finds it."""
-        low, high = 0, min(limit, len(hashes))
-        while low < high:
-            mid = (low + high + 1) // 2
-            if hashes[mid - 1] in self.pending:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+    def settle(self, now: float) -> None:
+        """Forget answered prompts the events confirm or that are past the memory: the
+        router calls it before it builds the views (they read, never change, the state)."""
+        index = self.index
+        if index is None:
+            self.sent.settle(now, None)
+            return
+        self.sent.settle(now, lambda h: index.predicted_blocks(h, len(h)) == len(h))
 
     def view(self, num_tokens: int, hashes: Sequence[int] | None,
              tree_key: Sequence[int] | None) -> ReplicaView:  # fmt: skip
-        predicted = pending = 0
+        predicted = pending = recent = 0
         if hashes and num_tokens > 0:
             limit = (num_tokens - 1) // self.block_size
             if self.index is not None:
                 predicted = self.index.predicted_blocks(hashes, limit) * self.block_size
-            if self.pending:
-                pending = self._pending_blocks(hashes, limit) * self.block_size
+            pending = self.sent.in_flight_blocks(hashes, limit) * self.block_size
+            recent = self.sent.answered_blocks(hashes, limit) * self.block_size
         return ReplicaView(
             name=self.name,
             block_size=self.block_size,
@@ -152,7 +150,17 @@ class Replica:
             pending_tokens=pending,
             text_match_tokens=self.tree.match(tree_key) if tree_key else 0,
             text_tree_tokens=self.tree.num_tokens,
+            recent_tokens=recent,
         )
+
+    def announced_tokens(self, num_tokens: int, hashes: Sequence[int] | None) -> int | None:
+        """Tokens of the prompt whose blocks the events announce, before a hybrid's snapshot
+        floor (what ``--explain`` shows beside the prediction); None without a block set."""
+        blocks = getattr(self.index, "blocks", None)
+        if not hashes or num_tokens <= 0 or not isinstance(blocks, set | frozenset):
+            return None
+        limit = (num_tokens - 1) // self.block_size
+        return longest_prefix(blocks, hashes, limit) * self.block_size
 
     def take_out(self, reason: str, state: str = "out") -> None:
         """No new requests; requests waiting on it (not streams) are cancelled and retried."""

@@ -64,9 +64,12 @@ class Router:
     """The replicas, the policy and the bookkeeping of requests in flight."""
 
     def __init__(self, replicas: Sequence[Replica], policy: Callable, policy_name: str,
-                 client: httpx.AsyncClient,
-                 metrics: RouteMetrics | None = None) -> None:  # fmt: skip
+                 client: httpx.AsyncClient, metrics: RouteMetrics | None = None,
+                 explain: bool = False) -> None:  # fmt: skip
+        """``explain``: each answer says what the router knew of every replica
+        (``x-wavepp-route-views``, :func:`explain_views`)."""
         self.replicas = list(replicas)
+        self.explain = explain
         self.policy = policy
         self.policy_name = policy_name
         self.client = client
@@ -96,8 +99,13 @@ class Router:
         return peek.hashes_of[replica.block_size]
 
     def choose(self, peek: Peek, candidates: Sequence[Replica],
-               deadline_s: float | None = None) -> tuple[Replica, ReplicaView]:  # fmt: skip
-        """``deadline_s``: seconds left until the request's deadline (None: none)."""
+               deadline_s: float | None = None
+               ) -> tuple[Replica, ReplicaView, list[ReplicaView]]:  # fmt: skip
+        """The chosen replica, its view and every candidate's; ``deadline_s``: seconds left
+        until the request's deadline (None: none)."""
+        now = time.monotonic()
+        for replica in candidates:
+            replica.settle(now)
         views = self.views(peek, candidates)
         request = RouteRequest(self.seq, 0 if peek.tokens is None else len(peek.tokens),
                                peek.priority, deadline_s)  # fmt: skip
@@ -105,7 +113,7 @@ class Router:
         if not (isinstance(index, int) and 0 <= index < len(views)):
             raise RuntimeError(f"routing policy {self.policy_name!r} returned {index!r}, not an "
                                f"index into its {len(views)} replicas")  # fmt: skip
-        return candidates[index], views[index]
+        return candidates[index], views[index], views
 
     def _remember(self, request_id: str, replica: str) -> None:
         seen = self.recent.pop(request_id, set())
@@ -162,7 +170,8 @@ class Router:
             if not candidates:
                 break
             left = self._left(peek, due, failures)
-            replica, view = self.choose(peek, candidates, left)
+            replica, view, views = self.choose(peek, candidates, left)
+            explained = self._explain(peek, candidates, views) if self.explain else None
             body = peek.body  # with what is left of its deadline, the policy's time counted
             if due is not None:
                 body = with_deadline(peek.body, self._left(peek, due, failures))
@@ -174,7 +183,8 @@ class Router:
             if peek.tree_key:
                 replica.tree.insert(peek.tree_key)
             self.metrics.sent(replica.name)
-            outcome = await self._attempt(route, peek, body, replica, view, len(failures) + 1)
+            outcome = await self._attempt(route, peek, body, replica, view, len(failures) + 1,
+                                          explained)  # fmt: skip
             if isinstance(outcome, Response):
                 return outcome
             failures.append(f"{replica.name} ({replica.url}): {outcome.detail}")
@@ -201,20 +211,31 @@ class Router:
                        f"its arrival at the router) passed {-left:.3f} s ago; {tried}",
                        "deadline_exceeded")  # fmt: skip
 
-    def _headers(self, replica: Replica, view: ReplicaView, peek: Peek, attempt: int) -> dict:
+    def _explain(self, peek: Peek, candidates: Sequence[Replica],
+                 views: Sequence[ReplicaView]) -> str:  # fmt: skip
+        num_tokens = 0 if peek.tokens is None else len(peek.tokens)
+        announced = [r.announced_tokens(num_tokens, self._hashes(peek, r)) for r in candidates]
+        return explain_views(views, announced)
+
+    def _headers(self, replica: Replica, view: ReplicaView, peek: Peek, attempt: int,
+                 explained: str | None) -> dict:  # fmt: skip
         headers = {"x-wavepp-replica": replica.name, "x-wavepp-attempts": str(attempt),
                    "x-wavepp-predicted-cached-tokens": str(view.predicted_tokens)}  # fmt: skip
         if peek.request_id is not None:
             headers["x-wavepp-request-id"] = peek.request_id
+        if explained is not None:
+            headers["x-wavepp-route-views"] = explained
         return headers
 
     async def _attempt(self, route: str, peek: Peek, body: bytes, replica: Replica,
-                       view: ReplicaView, attempt: int) -> Response | _Retry:  # fmt: skip
+                       view: ReplicaView, attempt: int,
+                       explained: str | None = None) -> Response | _Retry:  # fmt: skip
         num_tokens = 0 if peek.tokens is None else len(peek.tokens)
         flight = Flight(peek.request_id, num_tokens, max(num_tokens - view.predicted_tokens, 0),
                         self._hashes(peek, replica) or ())  # fmt: skip
         replica.fly(flight)
         handed_on = False  # a stream's flight ends with the stream
+        done = False  # answered 2xx: its prompt is cached there now
         try:
             with anyio.CancelScope() as scope:
                 flight.scope = scope
@@ -229,7 +250,7 @@ class Router:
                 try:
                     if upstream.status_code == 503:
                         return await self._unavailable(replica, upstream)
-                    headers = self._headers(replica, view, peek, attempt)
+                    headers = self._headers(replica, view, peek, attempt, explained)
                     if peek.stream and upstream.headers.get("content-type", "").startswith(
                             "text/event-stream"):  # fmt: skip
                         handed_on = True
@@ -246,14 +267,15 @@ class Router:
                 return _Retry("taken-out", f"taken out while the request waited "
                               f"({replica.reason})")  # fmt: skip
             self._answered(replica, upstream.status_code, raw, view, peek)
+            done = 200 <= upstream.status_code < 300
             return Response(raw, status_code=upstream.status_code, headers=headers,
                             media_type=upstream.headers.get("content-type"))  # fmt: skip
         finally:
             if not handed_on:
-                self._land(replica, flight)
+                self._land(replica, flight, done)
 
-    def _land(self, replica: Replica, flight: Flight) -> None:
-        replica.land(flight)
+    def _land(self, replica: Replica, flight: Flight, done: bool) -> None:
+        replica.land(flight, done, time.monotonic())
 
     def _lost(self, replica: Replica, error: Exception) -> _Retry:
         """A refused connection takes the replica out; a connection lost before the answer
@@ -304,7 +326,7 @@ class Router:
             finally:
                 with anyio.CancelScope(shield=True):
                     await upstream.aclose()
-                self._land(replica, flight)
+                self._land(replica, flight, 200 <= upstream.status_code < 300)
                 if self.in_flight.get(flight.request_id or "") is replica:
                     self.in_flight.pop(flight.request_id or "", None)
                     self._finish(flight.request_id, upstream.status_code)
@@ -339,3 +361,17 @@ async def read_capped(upstream: httpx.Response, who: str = "a replica") -> bytes
                            "server_error")  # fmt: skip
         parts.append(chunk)
     return b"".join(parts)
+
+
+def explain_views(views: Sequence[ReplicaView], announced: Sequence[int | None]) -> str:
+    """``x-wavepp-route-views``: per candidate replica, ``name=p/a/f/r/q/n`` joined by
+    ``;`` — predicted cached tokens (the events, as admission would grant), announced tokens
+    before a hybrid's snapshot floor (``-`` where unknown), tokens in flight there, tokens
+    answered there not yet confirmed by events, uncached prompt tokens queued there
+    (``load_new_tokens``), requests in flight there."""
+    parts = []
+    for view, seen in zip(views, announced, strict=True):
+        shown = "-" if seen is None else str(seen)
+        parts.append(f"{view.name}={view.predicted_tokens}/{shown}/{view.pending_tokens}/"
+                     f"{view.recent_tokens}/{view.load_new_tokens}/{view.num_in_flight}")
+    return ";".join(parts)
