@@ -1,27 +1,27 @@
-"""``python -m benchmarks.fleet``: a fleet of simulated pipelines behind the router, per
-routing policy, at rising offered load (issue 33, item 5). Every figure is SIMULATED.
+"""``python -m benchmarks.fleet``: fleets of pipelines behind the router, per routing policy
+(issues 33 and 58). Every figure is SIMULATED except with ``--executor torch``.
 
-For each fleet size N (``--replicas 2,4``) and workload (the Mooncake trace the repository
-carries, ``data/mooncake``; the ``conversation`` workload), it starts N replicas — each
-``python -m wavepp.serve.launch --nproc-per-node P --executor sim`` on this host, as one
-pipeline per ``torchrun`` job — and, per routing policy, ``python -m wavepp.route`` over
-them. ``wavepp.bench.load`` then replays the workload open loop through the router at
-rising rates: the trace by its timestamps sped up, the conversation workload as Poisson
-arrivals. Every request carries a deadline (``--slo-s``, simulated seconds). The ceiling
-is one pipeline holding N times a replica's pool, driven directly at the same rates.
+For each fleet size N (``--replicas``) it starts N replicas — each ``python -m
+wavepp.serve.launch --nproc-per-node P`` on this host, one ``torchrun`` job a pipeline, with
+KV events — and, per policy, ``python -m wavepp.route`` over them.
 
-Rates are fractions (``--loads``) of the fleet's nominal capacity, N × ``--pipeline-tok-s``
-(one P-stage pipeline's cold prefill throughput on the simulated device). ``--closed-loop
-C`` replaces the rates with one closed-loop run per policy, C requests in flight per
-replica (N × C on the ceiling): the fleet's saturated throughput, where what routing saves
-in compute shows, with a conversation's next turn sent only as a slot frees. Each run's
-prompts are the same requests with their token ids shifted by a run-specific offset, so
-no run reuses another's cache and every policy sees the same workload.
+- **Conversation traces** (``chat``, ``docs``, ``agent``: ``wavepp.workload.sessions`` by
+  ``--seeds``; ``mooncake``: the trace in ``data/mooncake``) are replayed by
+  ``wavepp.route.replay`` at ``--loads`` (fractions of N × ``--pipeline-tok-s``, one
+  pipeline's nominal cold throughput; a load compresses the trace's clock), a turn never
+  before its previous turn's answer, the router explaining each choice (``--explain``). A
+  replica's pool is the trace's working set / N; the comparison is one big pipeline of the
+  same total size: P × N stages, N × the pool per stage. Per run: throughput, reused share
+  against one unbounded cache's, completion p50/p99, and why reuse was lost
+  (``wavepp.route.explain``).
+- **``conversation``** (``wavepp.bench.load``'s workload, 1/N of its working set per
+  replica) as Poisson arrivals at ``--loads``, or closed loop (``--closed-loop C``: C
+  requests in flight a replica); deadlines ``--slo-conversation-s``; the ceiling is one
+  P-stage pipeline with N × the pool (one pipeline's compute: a ceiling on reuse only).
 
-Per run: throughput (prompt tokens done per simulated second), good-hit rate, reused
-share, p50/p99 completion (client side), SLO attainment (done within the deadline, as the
-client timed it). Writes a JSON record (``--json``) and SLO-attainment-against-offered-
-load plots, one line per policy and the ceiling (``--plots DIR``).
+Each run's prompts are the same requests with their token ids shifted by a run-specific
+offset: no run reuses another's cache. Writes a JSON record (``--json``) and, for
+``conversation`` at offered loads, SLO-attainment plots (``--plots DIR``).
 """
 
 from __future__ import annotations
@@ -44,29 +44,14 @@ import httpx
 import numpy as np
 
 from wavepp.bench import load as load_bench
-from wavepp.route.explain import breakdown, producers
-from wavepp.route.replay import Sent, replay, session_line, session_table, summarize, turns_at
+from wavepp.route.replay import measure, session_line, session_table
 from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec
 from wavepp.workload.sessions import SHAPES, replay_order, session_trace, write_trace
-from wavepp.workload.trace import TRACE_BLOCK
 
 POLICIES = ("round-robin", "least-load", "prefix", "cost", "text-tree")
 SESSION_WORKLOADS = ("chat", "docs", "agent", "mooncake")  # replayed by wavepp.route.replay
-PREFIX_BEFORE = "benchmarks.fleet:prefix_before"  # the prefix policy before issue 58
-
-
-def prefix_before(request, replicas) -> int:
-    """``prefix`` before issue 58, for comparison: the larger of predicted and in-flight
-    tokens, counted as none under 30% of the prompt; ties by load, then the earlier one."""
-
-    def key(i: int) -> tuple[int, int, int, int]:
-        v = replicas[i]
-        reuse = max(v.predicted_tokens, v.pending_tokens)
-        reuse = reuse if reuse >= 0.3 * request.num_tokens else 0
-        return (-reuse, v.load_tokens, v.num_in_flight, i)
-
-    return min(range(len(replicas)), key=key)
+PREFIX_BEFORE = "wavepp.route.policies:prefix_before"  # prefix before issue 58
 
 
 def _sim_argv(setup: Setup) -> list[str]:
@@ -81,6 +66,7 @@ def _torch_argv(setup: Setup) -> list[str]:
 EXECUTORS = {"sim": _sim_argv, "torch": _torch_argv}  # what a replica runs: chosen once
 BLOCK_SIZE = {"sim": 64, "torch": 16}  # the servers' default block sizes
 VOCAB = {"sim": 32_000, "torch": 512}  # token ids below this (tiny models' vocabularies)
+MOONCAKE_LINES = 400  # the Mooncake trace's lines replayed unless --requests says
 TORCH_MAX_INPUT = 3072  # a torch run's conversations end before their prompt passes this
 TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "synthetic_trace.jsonl"
 START_TIMEOUT_S = 180.0
@@ -105,12 +91,10 @@ class Setup:
     seed: int
     closed_loop: int | None = None  # requests in flight per replica instead of rates
     seeds: tuple[int, ...] = ()  # the session workloads' trace seeds (each its own runs)
+    trace_lines: int | None = None  # a conversation trace's first lines (None: all; 400 of
+    #                                 the Mooncake trace)
     executor: str = "sim"  # what the replicas run: sim, or torch (a small real model)
     route_options: tuple[str, ...] = ()  # more options for every router
-
-
-def _free_port() -> int:
-    return _free_ports(1)[0]
 
 
 def _free_ports(count: int) -> list[int]:
@@ -210,7 +194,7 @@ def replicas(procs: Processes, setup: Setup, count: int, capacity_blocks: int | 
 @contextlib.contextmanager
 def router(procs: Processes, urls: Sequence[str], policy: str, label: str,
            options: Sequence[str] = ()) -> Iterator[str]:  # fmt: skip
-    port = _free_port()
+    port = _free_ports(1)[0]
     argv = [sys.executable, "-m", "wavepp.route", "--port", str(port), "--policy",
             PREFIX_BEFORE if policy == "prefix-before" else policy, *options]  # fmt: skip
     for url in urls:
@@ -245,15 +229,8 @@ def _load_argv(workload: str, setup: Setup, url: str, rate: float | None,
                trace_scale: float | None, concurrency: int = 1024) -> list[str]:  # fmt: skip
     argv = ["--url", url, "--concurrency", str(concurrency), "--requests", str(setup.requests),
             "--seed", str(setup.seed), "--no-progress", "--timeout-s", "600"]  # fmt: skip
-    if workload == "trace":
-        argv += ["--trace", str(TRACE)]
-        if trace_scale is not None:
-            argv += ["--open-loop", "--time-scale", repr(trace_scale)]
-    else:
-        argv += ["--workload", workload, "--prompt-tokens", str(setup.conversation_tokens)]
-        if rate is not None:
-            argv += ["--rate", repr(rate)]
-    return argv
+    argv += ["--workload", workload, "--prompt-tokens", str(setup.conversation_tokens)]
+    return argv + (["--rate", repr(rate)] if rate is not None else [])
 
 
 def working_set_blocks(specs: Sequence[RequestSpec], block_size: int) -> int:
@@ -283,13 +260,7 @@ async def one_run(url: str, workload: str, setup: Setup, load: float | None, fle
         else:
             offered_tok_s = load * fleet * setup.pipeline_tok_s  # simulated
             rate = offered_tok_s / mean_tokens  # requests per simulated second
-            if workload == "trace":
-                span = max(s.arrival_s or 0.0 for s in _trace_open(specs, setup))
-                natural = len(specs) / max(span, 1e-9)  # the trace's own rate, per trace s
-                trace_scale = natural / rate * setup.time_scale  # real s per trace s
-                argv = _load_argv(workload, setup, url, None, trace_scale)
-            else:
-                argv = _load_argv(workload, setup, url, rate / setup.time_scale, None)
+            argv = _load_argv(workload, setup, url, rate / setup.time_scale, None)
         argv += ["--deadline-s", repr(setup.slo_s[workload] * setup.time_scale)]
         args = load_bench.parser().parse_args(argv)
         load_bench.validate(args)
@@ -298,12 +269,6 @@ async def one_run(url: str, workload: str, setup: Setup, load: float | None, fle
         runner.prefix = f"f{run}-"
         record = await runner.run(_shifted(built, run, vocab))
     return summarize_run(record, setup, workload, load, offered_tok_s, rate)
-
-
-def _trace_open(specs: list[RequestSpec], setup: Setup) -> list[RequestSpec]:
-    from wavepp.workload import trace
-
-    return trace(TRACE, setup.requests, setup.seed, open_loop=True)
 
 
 def summarize_run(record: dict, setup: Setup, workload: str, load: float | None,
@@ -354,9 +319,7 @@ def run_bench(setup: Setup, logs: Path) -> dict:
                 continue
             for n in setup.replicas:
                 capacity = _capacity(workload, setup, n)
-                ceiling = None if capacity is None else capacity * n
-                pools[f"{workload}/N={n}"] = {"replica": capacity or "device memory",
-                                              "ceiling": ceiling or f"{n} x device memory"}
+                pools[f"{workload}/N={n}"] = {"replica": capacity, "ceiling": capacity * n}
                 label = f"{workload}-n{n}"
                 with replicas(procs, setup, n, capacity, label) as urls:
                     for policy in setup.policies:
@@ -366,8 +329,7 @@ def run_bench(setup: Setup, logs: Path) -> dict:
                                 row = anyio.run(one_run, url, workload, setup, load, n, run)
                                 rows.append({"replicas": n, "policy": policy, **row})
                                 _log(_line(rows[-1]))
-                big = _big_capacity(workload, setup, n, ceiling)
-                with replicas(procs, setup, 1, big, f"{label}-ceiling") as (url,):
+                with replicas(procs, setup, 1, capacity * n, f"{label}-ceiling") as (url,):
                     for load in _loads(setup):
                         run += 1
                         row = anyio.run(one_run, url, workload, setup, load, n, run)
@@ -390,84 +352,54 @@ def session_requests(workload: str, seed: int, setup: Setup, folder: Path):
         if setup.executor == "torch":  # a small model on CPU: short conversations
             shape = attrs.evolve(shape, max_input=TORCH_MAX_INPUT)
         write_trace(session_trace(shape, seed), path)
-    specs, after = replay_order(path, setup.requests, seed, BLOCK_SIZE[setup.executor],
+    lines = setup.trace_lines or (MOONCAKE_LINES if workload == "mooncake" else None)
+    specs, after = replay_order(path, lines, seed, BLOCK_SIZE[setup.executor],
                                 VOCAB[setup.executor])  # fmt: skip
-    return [s.tokens for s in specs], [s.arrival_s for s in specs], after
-
-
-def _head(workload: str) -> int:
-    """Tokens every request of a session workload starts with."""
-    shape = SHAPES.get(workload)
-    return 0 if shape is None else (shape.system_blocks + shape.app_blocks) * TRACE_BLOCK
+    return specs, [s.arrival_s for s in specs], after
 
 
 def run_sessions(procs: Processes, setup: Setup, workload: str, seed: int, n: int,
                  rows: list[dict], pools: dict, run: int) -> int:  # fmt: skip
     """One trace at one fleet size: every policy, then one big pipeline (N x P stages,
     N x the pool per stage: the fleet's devices and KV memory in one pipeline)."""
-    tokens, arrivals, after = session_requests(workload, seed, setup, procs.logs)
+    specs, arrivals, after = session_requests(workload, seed, setup, procs.logs)
     block, vocab = BLOCK_SIZE[setup.executor], VOCAB[setup.executor]
-    specs = [RequestSpec(str(i), t, False, 0) for i, t in enumerate(tokens)]
-    longest = max(len(t) for t in tokens) // block + 1
+    longest = max(s.num_tokens for s in specs) // block + 1
     capacity = max(-(-working_set_blocks(specs, block) // n), 4 * longest)
     label = f"{workload}-s{seed}-n{n}"
     pools[label] = {"replica": capacity, "big": capacity * n, "big_stages": n * setup.stages}
-    explain = ["--explain", *setup.route_options]
+    head = SHAPES[workload].head_tokens if workload in SHAPES else 0
 
     def one(url: str, policy: str) -> None:
         nonlocal run
         for load in setup.loads:
             run += 1
-            shifted = [s.tokens for s in _shifted(specs, run, vocab)]
-            hashes = [block_hashes(t, block) for t in shifted]
-            expected = producers(hashes, [len(t) for t in shifted], block)
             offered = load * n * setup.pipeline_tok_s
-            turns, speed = turns_at(shifted, arrivals, after, offered, setup.time_scale,
-                                    prefix=f"f{run}-")  # fmt: skip
-            records = [attrs.asdict(r) for r in anyio.run(replay, url, turns)]
-            row = {"workload": workload, "seed": seed, "replicas": n, "policy": policy,
-                   "load": load, "offered_tok_s": offered, "trace_speed": speed,
-                   **summarize([Sent(**r) for r in records], setup.time_scale),
-                   "expected_share": sum(e for _, e in expected) / sum(map(len, shifted)),
-                   "why": breakdown(records, expected, policy == "prefix", _head(workload)),
-                   "records": records}  # fmt: skip
-            rows.append(row)
-            _log(session_line(row))
+            row = measure(url, [s.tokens for s in _shifted(specs, run, vocab)], arrivals, after,
+                          offered, setup.time_scale, block, f"f{run}-", policy == "prefix", head)
+            rows.append({"workload": workload, "seed": seed, "replicas": n, "policy": policy,
+                         "load": load, "offered_tok_s": offered, **row})  # fmt: skip
+            _log(session_line(rows[-1]))
 
     with replicas(procs, setup, n, capacity, label) as urls:
         for policy in setup.policies:
-            with router(procs, urls, policy, label, explain) as url:
+            with router(procs, urls, policy, label, ["--explain", *setup.route_options]) as url:
                 one(url, policy)
     with replicas(procs, setup, 1, capacity * n, f"{label}-big", n * setup.stages) as (url,):
         one(url, "big")
     return run
 
 
-
-
 def _loads(setup: Setup) -> tuple[float | None, ...]:
     return (None,) if setup.closed_loop else setup.loads
 
 
-def _capacity(workload: str, setup: Setup, n: int) -> int | None:
-    """A replica's pool: the simulated device's (None) for the trace; for the conversation
-    workload 1/N of its working set (at least four of its longest prompts), so a replica
-    holds only its share and routing decides the reuse."""
-    if workload == "trace":
-        return None
+def _capacity(workload: str, setup: Setup, n: int) -> int:
+    """A replica's pool: 1/N of the workload's working set (at least four of its longest
+    prompts), so a replica holds only its share and routing decides the reuse."""
     specs = base_specs(workload, setup, 64, 32_000)
     longest = max(len(block_hashes(s.tokens, 64)) + 1 for s in specs)
     return max(-(-working_set_blocks(specs, 64) // n), 4 * longest)
-
-
-def _big_capacity(workload: str, setup: Setup, n: int, ceiling: int | None) -> int:
-    if ceiling is not None:
-        return ceiling
-    return n * SIM_DEVICE_BLOCKS[setup.model]
-
-
-# one replica's pool per stage from device memory (the sim's default; its start-up line)
-SIM_DEVICE_BLOCKS = {"qwen3-next-80b": 15_013}
 
 
 def _line(row: dict) -> str:
@@ -556,17 +488,18 @@ def setup_from(args: argparse.Namespace) -> Setup:
         replicas=tuple(args.replicas or ((2,) if quick else (2, 4))),
         stages=args.stages,
         policies=tuple(args.policies or POLICIES),
-        workloads=tuple(args.workloads or ("trace", "conversation")),
+        workloads=tuple(args.workloads or SESSION_WORKLOADS),
         loads=tuple(args.loads or ((0.5, 1.5, 3.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0))),
         requests=args.requests or (60 if quick else 100),
         time_scale=args.time_scale,
         pipeline_tok_s=args.pipeline_tok_s,
-        slo_s={"trace": args.slo_trace_s, "conversation": args.slo_conversation_s},
+        slo_s={"conversation": args.slo_conversation_s},
         model=args.model or ("tiny-llama" if args.executor == "torch" else "qwen3-next-80b"),
         conversation_tokens=args.conversation_tokens,
         seed=args.seed,
         closed_loop=args.closed_loop,
         seeds=tuple(args.seeds or ()),
+        trace_lines=args.requests,
         executor=args.executor,
         route_options=tuple(args.route_option),
     )  # fmt: skip
@@ -590,20 +523,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=2, help="P, stages per pipeline [2]")
     p.add_argument("--policies", type=lambda s: s.split(","), help=f"[{','.join(POLICIES)}]")
     p.add_argument("--workloads", type=lambda s: s.split(","),
-                   help="trace, conversation (wavepp.bench.load) and the conversation traces "
-                   f"{', '.join(SESSION_WORKLOADS)} (the router explains each choice) "
-                   "[trace,conversation]")
+                   help=f"conversation traces {', '.join(SESSION_WORKLOADS)} (replayed, the "
+                   "router explaining each choice), conversation (wavepp.bench.load) "
+                   f"[{','.join(SESSION_WORKLOADS)}]")
     p.add_argument("--loads", type=_floats,
                    help="offered load, fractions of N x --pipeline-tok-s "
                    "[0.5,1,1.5,2,3; quick: 0.5,1.5,3]")
-    p.add_argument("--requests", type=int, help="measured requests a run [100; quick: 60]")
+    p.add_argument("--requests", type=int, help="measured requests a run [100; quick: 60]; "
+                   f"a conversation trace's first lines [all; mooncake {MOONCAKE_LINES}]")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="real seconds per simulated second [1.0]")
     p.add_argument("--pipeline-tok-s", type=float, default=90_000.0,
                    help="one pipeline's cold prefill throughput, simulated tok/s [90000: "
                    "qwen3-next-80b on H200, P = 2, measured with wavepp.main]")
-    p.add_argument("--slo-trace-s", type=float, default=1.0,
-                   help="trace deadline, simulated s after submission [1.0]")
     p.add_argument("--slo-conversation-s", type=float, default=0.3,
                    help="conversation deadline, simulated s [0.3]")
     p.add_argument("--model", default=None,

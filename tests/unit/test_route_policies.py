@@ -13,13 +13,14 @@ from wavepp.route import (
     cost_terms,
     dynamo_cost,
     load_route_policy,
+    prefix_policy,
 )
 
 
 def view(name: str, *, load: int = 0, new: int = 0, n: int = 0, predicted: int = 0,
-         pending: int = 0, match: int = 0, tree: int = 0,
+         pending: int = 0, match: int = 0, tree: int = 0, recent: int = 0,
          block: int = 16) -> ReplicaView:  # fmt: skip
-    return ReplicaView(name, block, n, load, new, predicted, pending, match, tree)
+    return ReplicaView(name, block, n, load, new, predicted, pending, match, tree, recent)
 
 
 def pick(policy: str, views: list[ReplicaView], num_tokens: int = 256, seq: int = 0) -> str:
@@ -36,19 +37,68 @@ def test_least_load_counts_tokens_then_requests():
     assert pick("least-load", views) == "r2"
 
 
-def test_prefix_takes_the_most_predicted_reuse_then_the_least_load():
-    views = [view("r0", predicted=64, load=0), view("r1", predicted=128, load=900),
-             view("r2", predicted=128, load=100)]  # fmt: skip
+def test_prefix_takes_the_deepest_match_however_short():
+    # 64 of 256 tokens (25%) at r0: no cut; the deeper match wins at equal load
+    assert pick("prefix", [view("r1"), view("r0", predicted=64)]) == "r0"
+    # deeper beats shallower when the difference is over 10% of the prompt (25.6 tokens)
+    views = [view("r0", predicted=64), view("r1", predicted=128, new=100),
+             view("r2", predicted=192, new=120)]  # fmt: skip
     assert pick("prefix", views) == "r2"
-    assert pick("prefix", [view("r0", load=5), view("r1", load=1)]) == "r1"  # nothing cached
-    # a prefix still being computed at r1 counts as much as one announced at r0
-    views = [view("r0", predicted=64, load=0), view("r1", pending=128, load=300)]
-    assert pick("prefix", views) == "r1"
-    # under 30% of the prompt (76.8 of 256 tokens) a match does not outweigh load
-    views = [view("r0", predicted=64, load=300), view("r1", load=0)]
-    assert pick("prefix", views) == "r1"
-    views = [view("r0", predicted=80, load=300), view("r1", load=0)]
-    assert pick("prefix", views) == "r0"
+    assert pick("prefix", [view("r0", load=5), view("r1", load=1)]) == "r0"  # nothing cached
+    # whole prompts in flight (load) do not count, only work: no reuse, equal new work
+    assert pick("prefix", [view("r0", load=900, new=10, n=1), view("r1", new=10, n=2)]) == "r0"
+
+
+def test_prefix_counts_what_the_router_sent_as_cached():
+    # in flight at r1 (it will wait for it) or answered there before its events arrived:
+    # as good as announced
+    assert pick("prefix", [view("r0", predicted=64), view("r1", pending=192)]) == "r1"
+    assert pick("prefix", [view("r0", predicted=64), view("r1", recent=192)]) == "r1"
+    assert pick("prefix", [view("r0", predicted=192), view("r1", recent=64)]) == "r0"
+
+
+def test_prefix_weighs_work_only_where_reuse_differs_little():
+    # prompt 1000: r1's 420 is within 100 (10%) of r0's 500, so the work decides:
+    # r0 300 queued + 500 own = 800, r1 0 + 580 = 580
+    views = [view("r0", predicted=500, new=300), view("r1", predicted=420)]
+    assert pick("prefix", views, num_tokens=1000) == "r1"
+    # 380 is 120 short of 500: not near, the deeper match stays (800 < 2 x 620)
+    views = [view("r0", predicted=500, new=300), view("r1", predicted=380)]
+    assert pick("prefix", views, num_tokens=1000) == "r0"
+    # equal work among the near: fewer requests in flight, then the earlier replica
+    views = [view("r0", predicted=500, new=100, n=3), view("r1", predicted=500, new=100, n=1),
+             view("r2", predicted=500, new=100, n=1)]  # fmt: skip
+    assert pick("prefix", views, num_tokens=1000) == "r1"
+    assert ROUTE_POLICIES["prefix"](RouteRequest(0, 1000), views[1:]) == 0  # r1 before r2
+
+
+def test_prefix_keeps_a_conversation_together_unless_its_replica_is_overloaded():
+    # r0 holds 900 of 1000 tokens; r1 nothing. r0: 1800 queued + 100 own = 1900, r1 1000:
+    # 1900 is under 2 x 1000, the turn stays with its conversation
+    views = [view("r0", recent=900, new=1800), view("r1")]
+    assert pick("prefix", views, num_tokens=1000) == "r0"
+    # 2901 > 2 x 1000: it would finish almost three times later there, so it moves
+    views = [view("r0", recent=900, new=2801), view("r1")]
+    assert pick("prefix", views, num_tokens=1000) == "r1"
+    # to the least busy replica, not to the next deepest match
+    views = [view("r0", recent=900, new=2801), view("r1", predicted=400, new=900),
+             view("r2", new=0)]  # fmt: skip
+    assert pick("prefix", views, num_tokens=1000) == "r2"
+    # the thresholds are parameters
+    relaxed = prefix_policy(overload=4.0)
+    assert relaxed(RouteRequest(0, 1000), [view("r0", recent=900, new=2801), view("r1")]) == 0
+    eager = prefix_policy(near_share=0.5)
+    assert eager(RouteRequest(0, 1000), [view("r0", predicted=500, new=600),
+                                         view("r1", predicted=0)]) == 1  # fmt: skip
+    with pytest.raises(ValueError, match="overload must be ≥ 1"):
+        prefix_policy(overload=0.5)
+    with pytest.raises(ValueError, match="near_share must be in"):
+        prefix_policy(near_share=1.5)
+
+
+def test_prefix_without_token_ids_goes_to_the_least_work():
+    views = [view("r0", new=500, n=1), view("r1", new=200, n=4)]
+    assert pick("prefix", views, num_tokens=0) == "r1"
 
 
 def test_a_replica_knows_the_prefixes_in_flight_there():
@@ -142,3 +192,82 @@ def test_text_tree_evicts_least_recently_used_leaves_first():
     assert tree.match([2, 2, 2, 2]) == 0
     assert tree.match([1, 1, 1, 1]) == 4
     assert tree.match([3, 3, 3, 3]) == 4
+
+
+def test_an_answered_prompt_counts_until_its_events_confirm_it_or_the_memory_ends():
+    from wavepp.route.replicas import Flight, Replica
+    from wavepp.route.sent import MemoryOptions
+    from wavepp.state import block_hashes
+
+    class Index:  # the events' view: announced blocks, attention only
+        def __init__(self) -> None:
+            self.blocks: set[int] = set()
+
+        def predicted_blocks(self, hashes, limit):
+            n = 0
+            while n < min(limit, len(hashes)) and hashes[n] in self.blocks:
+                n += 1
+            return n
+
+    replica = Replica("r0", "http://x", memory=MemoryOptions(memory_s=5.0))
+    replica.block_size, replica.index = 4, Index()
+    doc = list(range(100, 120))  # five blocks
+    turn = [*doc, 7, 8, 9]
+
+    def seen(tokens):
+        v = replica.view(len(tokens), block_hashes(tokens, 4), None)
+        return v.predicted_tokens, v.pending_tokens, v.recent_tokens
+
+    first = Flight("a", len(doc), len(doc), tuple(block_hashes(doc, 4)))
+    replica.fly(first)
+    assert seen(turn) == (0, 20, 0)
+    replica.land(first, done=True, now=100.0)  # answered; its events not here yet
+    assert seen(turn) == (0, 0, 20)
+    replica.settle(104.9)
+    assert seen(turn) == (0, 0, 20)
+    replica.index.blocks.update(block_hashes(doc, 4)[:3])  # part of it announced: not yet
+    replica.settle(104.9)
+    assert seen(turn) == (12, 0, 20)
+    replica.index.blocks.update(block_hashes(doc, 4))  # all announced: the events own it
+    replica.settle(104.9)
+    assert seen(turn) == (20, 0, 0) and replica.sent.num_answered == 0
+    replica.index.blocks.clear()  # evicted later: the events say so, nothing overrides them
+    assert seen(turn) == (0, 0, 0)
+    # never confirmed: counted for memory_s, then the (empty) index is believed
+    second = Flight("b", len(doc), len(doc), tuple(block_hashes(doc, 4)))
+    replica.fly(second)
+    replica.land(second, done=True, now=200.0)
+    replica.settle(204.0)
+    assert seen(turn)[2] == 20
+    replica.settle(205.5)
+    assert seen(turn) == (0, 0, 0)
+    # a failed or refused request left nothing to count
+    third = Flight("c", len(doc), len(doc), tuple(block_hashes(doc, 4)))
+    replica.fly(third)
+    replica.land(third, done=False, now=300.0)
+    assert seen(turn) == (0, 0, 0)
+
+
+def test_the_memory_of_answered_prompts_is_bounded_oldest_first():
+    from wavepp.route.sent import MemoryOptions, SentPrefixes
+
+    sent = SentPrefixes(MemoryOptions(memory_s=60.0, memory_blocks=5))
+    sent.fly((1, 2, 3))
+    sent.land((1, 2, 3), done=True, now=0.0)
+    sent.fly((7, 8))
+    sent.land((7, 8), done=True, now=1.0)
+    assert sent.answered_blocks((1, 2, 3, 4), 4) == 3 and sent.answered_blocks((7, 8, 9), 3) == 2
+    sent.fly((20, 21))
+    sent.land((20, 21), done=True, now=2.0)  # 7 blocks > 5: the oldest prompt goes
+    assert sent.answered_blocks((1, 2, 3, 4), 4) == 0
+    assert sent.answered_blocks((7, 8, 9), 3) == 2 and sent.answered_blocks((20, 21), 2) == 2
+    sent.fly(tuple(range(30, 36)))
+    sent.land(tuple(range(30, 36)), done=True, now=3.0)  # alone over the bound: not kept
+    assert sent.answered_blocks(tuple(range(30, 36)), 6) == 0 and sent.num_answered == 2
+    off = SentPrefixes(MemoryOptions(memory_s=0.0))
+    off.fly((1, 2))
+    assert off.in_flight_blocks((1, 2, 3), 3) == 2
+    off.land((1, 2), done=True, now=0.0)
+    assert off.answered_blocks((1, 2, 3), 3) == 0 and not off.in_flight
+    with pytest.raises(ValueError, match="memory_s"):
+        MemoryOptions(memory_s=-1.0)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.fake_fleet import BLOCK, FakeIndex, Fleet, client_of, run
 from wavepp.route.app import build_app
-from wavepp.route.policies import RouteRequest
+from wavepp.route.policies import ROUTE_POLICIES, RouteRequest
 from wavepp.route.replicas import Replica, WatchOptions, events_endpoint
 from wavepp.route.router import Router
 from wavepp.serve.prom import parse_exposition, sample
@@ -39,6 +39,32 @@ def test_prefix_routes_to_the_replica_whose_index_holds_the_prompt():
         assert sample(metrics, "wavepp_route_predicted_cached_tokens_total", **labels) == 12
 
     run(test)
+
+
+def test_a_turn_follows_its_answered_prompt_before_the_events_announce_it():
+    async def test():
+        fleet = Fleet()
+        client = httpx.AsyncClient(transport=httpx.MockTransport(fleet.handler))
+        router = Router(fleet.replicas, ROUTE_POLICIES["prefix"], "prefix", client, explain=True)
+        doc = list(range(1, 21))  # five blocks of 4
+        async with client_of(router) as http:
+            reply = await http.post("/v1/prefill", json={"tokens": doc, "id": "a"})
+            assert reply.headers["x-wavepp-replica"] == "r0"  # nothing cached: the first
+            # r1 announces two of doc's blocks (another request); r0's events are late
+            fleet.replicas[1].index.held.update(block_hashes(doc, BLOCK)[:2])
+            reply = await http.post("/v1/prefill", json={"tokens": [*doc, 7, 8, 9], "id": "b"})
+        # the router sent doc to r0 and had its answer: 20 tokens there, 8 at r1
+        assert reply.headers["x-wavepp-replica"] == "r0"
+        assert reply.headers["x-wavepp-predicted-cached-tokens"] == "0"  # the events' figure
+        assert reply.headers["x-wavepp-route-views"] == "r0=0/-/0/20/0/0;r1=8/-/0/0/0/0"
+        assert "x-wavepp-route-views" not in (await _plain(fleet, doc)).headers
+
+    run(test)
+
+
+async def _plain(fleet: Fleet, tokens: list[int]) -> httpx.Response:
+    async with client_of(fleet.router()) as http:  # no --explain: no views header
+        return await http.post("/v1/prefill", json={"tokens": tokens})
 
 
 def test_the_router_names_a_request_without_id_and_keeps_the_body_otherwise():

@@ -17,6 +17,8 @@ from wavepp.route.policies import (
     least_load,
     load_route_policy,
     prefix,
+    prefix_policy,
+    reuse_tokens,
     round_robin,
     text_tree,
 )
@@ -34,6 +36,8 @@ __all__ = [
     "least_load",
     "load_route_policy",
     "prefix",
+    "prefix_policy",
+    "reuse_tokens",
     "round_robin",
     "text_tree",
 ]

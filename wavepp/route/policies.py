@@ -10,12 +10,12 @@ name (``--policy NAME``), or any function as ``pkg.mod:fn``:
 - ``round-robin``: the next replica in turn (by the router's request count);
 - ``least-load``: the fewest prompt tokens in flight (sent and not yet answered), then
   the fewest requests;
-- ``prefix``: the most predicted cached tokens — the replica's KV-event index probed with
-  WavePP's own chained hashes, or, where more, what requests in flight there will leave
-  (a replica waits for a prefix it is computing rather than computing it twice; events
-  announce a block only once every stage holds it); a prediction under
-  :data:`PREFIX_MIN_SHARE` of the prompt counts as none (a short shared head, such as a
-  system prompt, does not outweigh load); ties by load;
+- ``prefix``: the deepest reuse (:func:`reuse_tokens`: the replica's KV-event index probed
+  with WavePP's own chained hashes, or, where deeper, what the router sent there — prompts
+  in flight and prompts answered before their events arrived), a conversation's turns
+  following its earlier ones; among replicas whose reuse is within a small share of the
+  prompt of the deepest, the least work ahead; and the least busy replica instead when the
+  request would finish far later at the deepest match (:func:`prefix_policy`);
 - ``cost``: Dynamo's KV-router cost, lowest first (:func:`dynamo_cost`);
 - ``text-tree``: SGLang's gateway ("cache-aware"), over an approximate radix tree of the
   token ids routed to each replica (:func:`text_tree`).
@@ -54,7 +54,7 @@ class ReplicaView:
     block_size: int  # its KV block size, tokens (from GET /v1/models)
     num_in_flight: int  # requests the router sent there and has not had answered
     load_tokens: int  # prompt tokens of those requests (cached included)
-    load_new_tokens: int  # of which predicted uncached when they were routed (the work)
+    load_new_tokens: int  # of which uncached as judged when they were routed (the work)
     predicted_tokens: int  # tokens of this prompt the replica's cache holds (events + probe)
     pending_tokens: int  # tokens of this prompt that requests in flight there are computing
     text_match_tokens: int  # tokens of this prompt matched in its approximate text tree
@@ -84,16 +84,60 @@ def least_load(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
     return _argmin(replicas, _load_key)
 
 
-# Below this share of the prompt, a predicted reuse does not steer ``prefix`` (SGLang's
-# gateway follows its tree only past 30% too, CACHE_THRESHOLD below): a system prompt of a
-# few blocks, cached on one replica, would otherwise pull every new conversation there.
-PREFIX_MIN_SHARE = 0.3
+def reuse_tokens(view: ReplicaView) -> int:
+    """Tokens of the prompt the replica holds or will hold when it gets there: the deepest of
+    what its events announce, what prompts in flight there compute (it waits for a prefix an
+    admitted request is computing rather than compute it twice) and what prompts answered
+    there a moment ago left (their events may not have arrived)."""
+    return max(view.predicted_tokens, view.pending_tokens, view.recent_tokens)
 
 
-def prefix(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
+# ``prefix``'s defaults. A replica whose reuse is within PREFIX_NEAR_SHARE of the prompt of
+# the deepest match counts as equal to it (load decides among those): balancing load then
+# never recomputes more than that share of a prompt. PREFIX_OVERLOAD: a request leaves the
+# deepest match only when it would finish more than this many times later there than on the
+# least busy replica (work ahead of it there, its own uncached tokens included).
+PREFIX_NEAR_SHARE = 0.1
+PREFIX_OVERLOAD = 2.0
+
+
+def prefix_policy(near_share: float = PREFIX_NEAR_SHARE,
+                  overload: float = PREFIX_OVERLOAD) -> RoutePolicy:  # fmt: skip
+    """``prefix`` with its two thresholds (:data:`PREFIX_NEAR_SHARE`, :data:`PREFIX_OVERLOAD`)."""
+    if not 0 <= near_share <= 1:
+        raise ValueError(f"near_share must be in [0, 1], got {near_share:g}")
+    if overload < 1:
+        raise ValueError(f"overload must be ≥ 1 (finishing later than elsewhere), got {overload:g}")
+
+    def prefix(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
+        reuse = [reuse_tokens(v) for v in replicas]
+        # work ahead of the request there, its own uncached tokens included (prompt tokens)
+        work = [v.load_new_tokens + max(request.num_tokens - r, 0)
+                for v, r in zip(replicas, reuse, strict=True)]  # fmt: skip
+
+        def key(i: int) -> tuple[int, int, int]:
+            return (work[i], replicas[i].num_in_flight, i)
+
+        deepest = max(reuse)
+        near = [i for i, r in enumerate(reuse) if deepest - r <= near_share * request.num_tokens]
+        chosen = min(near, key=key)
+        least = min(range(len(replicas)), key=key)
+        return least if work[chosen] > overload * work[least] else chosen
+
+    return prefix
+
+
+prefix = prefix_policy()
+
+
+def prefix_before(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
+    """``prefix`` as it was before issue 58, kept to compare with (``benchmarks.fleet
+    --policies prefix-before``; not built in): the larger of predicted and in-flight tokens,
+    counted as none under 30% of the prompt; ties by prompt tokens in flight."""
+
     def reuse(view: ReplicaView) -> int:
         tokens = max(view.predicted_tokens, view.pending_tokens)
-        return tokens if tokens >= PREFIX_MIN_SHARE * request.num_tokens else 0
+        return tokens if tokens >= 0.3 * request.num_tokens else 0
 
     return _argmin(replicas, lambda v: (-reuse(v), *_load_key(v)))
 

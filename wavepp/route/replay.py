@@ -18,6 +18,8 @@ import attrs
 import httpx
 import numpy as np
 
+from wavepp.route.explain import breakdown, producers
+from wavepp.state import block_hashes
 from wavepp.stats import percentile
 
 
@@ -194,3 +196,20 @@ def session_table(record: dict) -> str:
                      f"{100 * r.get('reused_share', 0):5.1f}%  {100 * r['expected_share']:5.1f}%"
                      f"  {r.get('completion_p50_s', 0):5.2f}  {r.get('completion_p99_s', 0):5.2f}")
     return "\n".join(lines)
+
+
+def measure(url: str, token_lists: Sequence[np.ndarray], arrivals_s: Sequence[float],
+            after: Sequence[int | None], offered_tok_s: float, time_scale: float,
+            block_size: int, prefix: str = "", reads_memory: bool = False,
+            head_tokens: int = 0) -> dict:  # fmt: skip
+    """One replay (:func:`turns_at`, :func:`replay`) summarized (:func:`summarize`) and
+    explained (:func:`wavepp.route.explain.breakdown`), with every request's record."""
+    hashes = [block_hashes(t, block_size) for t in token_lists]
+    expected = producers(hashes, [len(t) for t in token_lists], block_size)
+    turns, speed = turns_at(token_lists, arrivals_s, after, offered_tok_s, time_scale, prefix)
+    sent = anyio.run(replay, url, turns)
+    records = [attrs.asdict(r) for r in sent]
+    return {"trace_speed": speed, **summarize(sent, time_scale),
+            "expected_share": sum(e for _, e in expected) / sum(len(t) for t in token_lists),
+            "why": breakdown(records, expected, reads_memory, head_tokens),
+            "records": records}  # fmt: skip

@@ -58,7 +58,7 @@ class Flight:
 
     request_id: str | None  # None: the body's id could not be read (the replica refuses it)
     num_tokens: int  # prompt tokens (0 when the router could not read token ids)
-    new_tokens: int  # of which predicted uncached when routed
+    new_tokens: int  # of which uncached as the router judged when it routed (reuse_tokens)
     hashes: tuple[int, ...] = ()  # its prompt's chained block hashes at the replica's size
     scope: anyio.CancelScope | None = None  # cancelled when the replica is taken out
 

@@ -43,7 +43,7 @@ from starlette.responses import Response, StreamingResponse
 
 from wavepp.ids import RETAINED_IDS
 from wavepp.route.body import Peek, read_answer, with_deadline
-from wavepp.route.policies import ReplicaView, RouteRequest
+from wavepp.route.policies import ReplicaView, RouteRequest, reuse_tokens
 from wavepp.route.prom import RouteMetrics
 from wavepp.route.replicas import Flight, Replica
 from wavepp.serve.api import ApiError
@@ -231,7 +231,7 @@ class Router:
                        view: ReplicaView, attempt: int,
                        explained: str | None = None) -> Response | _Retry:  # fmt: skip
         num_tokens = 0 if peek.tokens is None else len(peek.tokens)
-        flight = Flight(peek.request_id, num_tokens, max(num_tokens - view.predicted_tokens, 0),
+        flight = Flight(peek.request_id, num_tokens, max(num_tokens - reuse_tokens(view), 0),
                         self._hashes(peek, replica) or ())  # fmt: skip
         replica.fly(flight)
         handed_on = False  # a stream's flight ends with the stream

@@ -66,6 +66,11 @@ class SessionShape:
     think_s: Lognormal  # from an answer's end to the next message, trace seconds
     max_input: int  # a conversation ends before its prompt would pass this
 
+    @property
+    def head_tokens(self) -> int:
+        """Tokens every request of the trace starts with (system and application prompt)."""
+        return (self.system_blocks + self.app_blocks) * TRACE_BLOCK
+
 
 def _shape(name: str, sessions: tuple[int, float], turns: tuple[float, int],
            head: tuple[int, int, int], first: Lognormal, user: Lognormal, answer: Lognormal,
