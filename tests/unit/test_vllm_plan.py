@@ -71,7 +71,6 @@ def test_params_as_wavepp_answers_them_are_read():
     (lambda p: p["wavepp"].update(stages=["tcp://10.0.0.7:9000"]), "is not allowed"),
     (lambda p: p["wavepp"].update(stages=["dir:/tmp/x"]), "not a band server"),
     (lambda p: p["wavepp"].update(stages=["http://x"]), "accepted forms"),
-    (lambda p: p.pop("prompt_token_ids"), "prompt_token_ids is missing"),
     (lambda p: p.update(prompt_token_ids=[1, "2"]), "prompt_token_ids"),
     (lambda p: p.update(prompt_token_ids=[*IDS[:-1], 512]), "outside the decoder's vocab"),
     (lambda p: p.update(prompt_token_ids=[*IDS[:-1], True]), "prompt_token_ids"),
@@ -100,6 +99,19 @@ def test_only_the_agreeing_prefix_is_loaded_in_whole_blocks():
     assert plan.agreed_tokens(IDS[:31] + [1] * 69, source, 32) == 0
     assert plan.agreed_tokens([1, *IDS[1:]], source, 32) == 0
     assert plan.agreed_tokens(IDS, source, 64) == 64
+
+
+def test_without_token_ids_the_shorter_prompt_is_claimed_for_the_band_to_check():
+    """vLLM's chat endpoint takes ``prompt_token_ids`` out of the parameters (and decodes
+    from them): the whole blocks of the shorter prompt are claimed, and stage 0's token
+    ids in its band are what the decoder's are checked against."""
+    p = params()
+    del p["prompt_token_ids"]
+    source = plan.parse_params(p, 512)
+    assert source.prompt_token_ids is None and source.num_tokens == 100
+    assert plan.agreed_tokens(IDS, source, 32) == 96
+    assert plan.agreed_tokens(IDS[:70], source, 32) == 64
+    assert plan.agreed_tokens([1] * 200, source, 32) == 96  # the band's ids decide
 
 
 def test_the_token_digest_is_of_int32_ids():

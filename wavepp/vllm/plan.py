@@ -113,7 +113,9 @@ class Source:
     request_id: str
     stages: tuple[str, ...]
     num_tokens: int
-    prompt_token_ids: tuple[int, ...]
+    # None: vLLM took them out of kv_transfer_params (its chat endpoint decodes from
+    # them as its prompt instead of templating the messages again)
+    prompt_token_ids: tuple[int, ...] | None
 
 
 def is_ours(params: object) -> bool:
@@ -128,7 +130,10 @@ def parse_params(params: object, vocab_size: int,
     """The :class:`Source` of ``kv_transfer_params``; ParamsError naming the first
     problem: a wrong type or an unknown field in ``wavepp``, another version, token ids
     that are not the prompt's (a count other than ``num_tokens``, ids outside the
-    vocabulary), a stage address that does not parse or is not allowed."""
+    vocabulary), a stage address that does not parse or is not allowed. Without
+    ``prompt_token_ids`` (vLLM's chat endpoint takes them out, and decodes from them),
+    the source has none: what is loaded is then checked against stage 0's token ids
+    only, when its band comes."""
     try:
         got = msgspec.convert(params, _Params, strict=True)
     except msgspec.ValidationError as error:
@@ -140,12 +145,7 @@ def parse_params(params: object, vocab_size: int,
         raise ParamsError(f"kv_transfer_params.wavepp.version {w.version} is not supported "
                           f"(this connector reads {PARAMS_VERSION})")  # fmt: skip
     ids = got.prompt_token_ids
-    if ids is None:
-        raise ParamsError(
-            "kv_transfer_params.prompt_token_ids is missing: the connector "
-            "loads only the prefix where they agree with the decoder's"
-        )
-    if len(ids) != w.num_tokens:
+    if ids is not None and len(ids) != w.num_tokens:
         raise ParamsError(f"kv_transfer_params: {len(ids)} prompt_token_ids but "
                           f"wavepp.num_tokens is {w.num_tokens}")  # fmt: skip
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -164,13 +164,17 @@ def parse_params(params: object, vocab_size: int,
                 f"kv_transfer_params.wavepp.stages[{s}] {address!r} is not "
                 f"allowed (kv_connector_extra_config.allow: {list(allow)})"
             )
-    return Source(w.request_id, tuple(w.stages), w.num_tokens, tuple(ids))
+    return Source(w.request_id, tuple(w.stages), w.num_tokens,
+                  None if ids is None else tuple(ids))  # fmt: skip
 
 
 def agreed_tokens(decoder_ids: Sequence[int], source: Source, block_size: int) -> int:
     """How many of the decoder's prompt tokens to load: the longest prefix on which the
     decoder's ids and the ids WavePP computed the cache for agree, cut to whole blocks
-    (vLLM computes the rest itself, less than one block)."""
+    (vLLM computes the rest itself, less than one block). A source without ids: the
+    shorter of the two prompts, in whole blocks (stage 0's band then checks its ids)."""
+    if source.prompt_token_ids is None:
+        return min(len(decoder_ids), source.num_tokens) // block_size * block_size
     a = np.asarray(decoder_ids[: source.num_tokens], dtype=np.int64)
     b = np.asarray(source.prompt_token_ids[: len(a)], dtype=np.int64)
     differ = np.flatnonzero(a != b)
