@@ -55,6 +55,7 @@ def _has_connector() -> bool:
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.timeout(1200),
     pytest.mark.skipif(
         not _has_connector(),

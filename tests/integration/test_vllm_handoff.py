@@ -27,6 +27,7 @@ DECODE = 8
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.timeout(900),
     pytest.mark.skipif(
         not Path(VLLM_PYTHON).exists(),
