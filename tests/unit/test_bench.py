@@ -131,46 +131,6 @@ def test_layers_split_by_cost_balance_the_stages_at_least_as_well_as_by_count():
     assert balanced_split("kimi-k3-class", "gb300", 4, 131_072, 16_384) == [16, 15, 15, 15]
 
 
-def test_vllm_compare_pairs_repeats():
-    """The verdict is the median over repeats of best WavePP / vLLM within each repeat,
-    not a ratio of medians taken from different moments."""
-    from benchmarks.vllm_compare import _tree_cpu_seconds, summarize
-
-    def run(rep, vllm, p1, p2):
-        return {"row": "r", "repeat": rep, "vllm": {"tok_s": vllm}, "wavepp_p1": {"tok_s": p1},
-                "wavepp_p2": {"tok_s": p2}, "first_tokens_agree": True}  # fmt: skip
-
-    runs = [run(0, 100, 90, 80), run(1, 200, 100, 210), run(2, 50, 40, 30)]
-    for r, stage in zip(runs, (120, 160, 40), strict=True):
-        r["wavepp_stage"] = {"tok_s": stage}  # the bare stage: 1.2, 0.8, 0.8 of vLLM
-    (s,) = summarize(runs)
-    assert s["stage_over_vllm"] == 0.8 and s["wavepp_stage"] == 120
-    assert s["best_wavepp_over_vllm"] == 0.9  # per repeat: 0.9, 1.05, 0.8
-    assert s["ratio_range"] == [0.8, 1.05]
-    assert (s["vllm"], s["wavepp_p1"], s["wavepp_p2"]) == (100, 90, 80)
-    assert s["first_tokens_agree"] and s["repeats"] == 3
-    without_vllm = {k: v for k, v in run(0, 1, 2, 3).items() if k != "vllm"}
-    (alone,) = summarize([without_vllm])
-    assert "best_wavepp_over_vllm" not in alone and alone["wavepp_p2"] == 3
-    assert _tree_cpu_seconds(os.getpid()) > 0
-
-
-def test_vllm_compare_counts_first_tokens_that_differ_with_vllms_margin():
-    from benchmarks.vllm_compare import first_token_differences, summarize
-
-    firsts = {"vllm": [5, 6, 7, 8], "wavepp_p1": [5, 9, 7, 8], "wavepp_p2": [1, 9, 7, 8]}
-    differ = first_token_differences(firsts, [2.0, 0.01, 1.5, None])
-    assert differ["wavepp_p1"] == {"count": 1, "of": 4, "vllm_top2_gaps": [0.01]}
-    assert differ["wavepp_p2"] == {"count": 2, "of": 4, "vllm_top2_gaps": [2.0, 0.01]}
-    runs = [{"row": "r", "repeat": rep, "vllm": {"tok_s": 1.0}, "wavepp_p1": {"tok_s": 1.0},
-             "wavepp_p2": {"tok_s": 1.0}, "first_tokens_agree": False,
-             "first_tokens_differ": first_token_differences(firsts, [0.0] * 4)}
-            for rep in range(2)]  # fmt: skip
-    runs[1]["first_tokens_differ"]["wavepp_p1"]["count"] = 3
-    (s,) = summarize(runs)
-    assert s["first_tokens_differ"] == {"wavepp_p1": 3, "wavepp_p2": 2}  # the most over repeats
-
-
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                     reason="the --compile rows need a C++ compiler on CPU")  # fmt: skip
 @pytest.mark.timeout(600)
