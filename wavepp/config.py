@@ -88,6 +88,7 @@ class RunConfig:
     handoff_serve: str | None = None
     handoff_advertise: str | None = None
     handoff_lease_s: float = 30.0
+    handoff_secret: str | None = None
     layers_per_stage: str = "auto"
     time_scale: float = 1.0
     seed: int = 0
@@ -197,6 +198,10 @@ HELP: dict[str, str] = {
     "handoff_lease_s": "a band held for pulling waits this many seconds from the request's last "
     "chunk on its stage for the decoder; then its blocks are released (reason expired); a "
     "pull under way has --handoff-timeout-s from its start instead",
+    "handoff_secret": "a file holding the shared secret (16 to 4096 bytes; a trailing newline "
+    "dropped) with which the stages sign their bands (HMAC-SHA256, docs/handoff.md) and the "
+    "band servers check pulls (and the KV events are signed, --kv-events); default: the "
+    "environment variable WAVEPP_HANDOFF_SECRET's value, else none (unsigned)",
     "layers_per_stage": "layers each stage holds: 'auto' (placed so that the stages' busy "
     "times, measured at start-up on the run's typical wave, are equal; a boundary may fall "
     "between a layer's mixer and its MLP, or inside an attention mixer that the two stages "
@@ -398,6 +403,14 @@ def load(argv: list[str] | None = None, others: frozenset[str] = frozenset()) ->
     return config
 
 
+def handoff_secret(c: RunConfig) -> bytes | None:
+    """The run's shared secret (``--handoff-secret`` FILE, else $WAVEPP_HANDOFF_SECRET),
+    or None; ValueError (one line) for one that cannot be read or is too short."""
+    from wavepp.handoff.auth import load_secret
+
+    return load_secret(c.handoff_secret)
+
+
 def validate(c: RunConfig) -> None:
     """Every option's type, choices and bounds (a RunConfig built in Python included), then
     the checks across options. Raises SystemExit with one line naming the option."""
@@ -447,6 +460,10 @@ def validate(c: RunConfig) -> None:
                 advertised(band_server_address(c.handoff_serve, 0), c.handoff_advertise)
         except ValueError as error:
             raise SystemExit(f"wavepp: --handoff-serve: {error}") from None
+    try:
+        handoff_secret(c)
+    except ValueError as error:
+        raise SystemExit(f"wavepp: --handoff-secret: {error}") from None
     if c.handoff_to:
         from wavepp.handoff.wire import parse_address
 

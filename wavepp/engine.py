@@ -66,16 +66,21 @@ class Handle:
         return self._record.finished.is_set()
 
 
+# what a stage holds for requests (its leak check, live): balanced is 1 while it holds nothing
+HOLD_FIGURES = ("leases", "escrowed", "balanced")
+
+
 class Engine:
     """Rank 0's front door to the runtime."""
 
     def __init__(
         self, coordinator: Coordinator, *, vocab_size: int | None, min_capacity: int,
         block_size: int, kv_events: dict | None = None, watchdog=None,
-        band_servers: BandServers | None = None,
+        band_servers: BandServers | None = None, run_id: str | None = None,
     ) -> None:  # fmt: skip
         """``kv_events``: where --kv-events are published (endpoints, topic), else None.
-        ``band_servers``: where the stages serve bands to decoders (``pull:``), else None."""
+        ``band_servers``: where the stages serve bands to decoders (``pull:``), else None.
+        ``run_id``: the run's id (its bands' sender; default: 16 random hex digits)."""
         self._c = coordinator
         self.vocab_size = vocab_size  # None: any int32 id (the sim executor)
         self.min_capacity = min_capacity
@@ -83,9 +88,9 @@ class Engine:
         self.kv_events = None if kv_events is None else dict(kv_events)
         self.band_servers = band_servers
         self._watchdog = watchdog
-        # ids this engine names: a random per-process nonce and a counter, so that ids
-        # from different runs and servers never meet at a decoder (docs/handoff.md)
-        self._nonce = secrets.token_hex(4)
+        # the run's id: its bands' sender, and with a counter the ids this engine names,
+        # so that ids from different runs and servers never meet (docs/handoff.md)
+        self.run_id = run_id or secrets.token_hex(8)
         self._ids = itertools.count()
         self.started_at = time.time()
         # Built on rank 0's event loop: SIGTERM's drain sets one event there; the
@@ -130,7 +135,7 @@ class Engine:
 
     def _new_id(self) -> str:
         while True:
-            candidate = f"{self._nonce}-{next(self._ids)}"
+            candidate = f"{self.run_id}-{next(self._ids)}"
             if not self._c.taken(RequestId(candidate)):
                 return candidate
 
@@ -190,7 +195,7 @@ class Engine:
         stages = {rank: {"utilization": min(1.0, f.get("busy_s", 0.0) / wall),
                          "pool_cached": f.get("cached", 0), "pool_free": f.get("free", 0),
                          "pool_capacity": f.get("capacity", 0),
-                         **{k: f[k] for k in PULL_FIGURES if k in f}}
+                         **{k: f[k] for k in (*HOLD_FIGURES, *PULL_FIGURES) if k in f}}
                   for rank, f in figures.items()}  # fmt: skip
         return {**self._c.figures(), "stages": dict(sorted(stages.items())), "uptime_s": wall,
                 "tables": self._c.sizes(),

@@ -84,6 +84,7 @@ class FakeEngine:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.kv_events: dict | None = None
+        self.run_id = "0123456789abcdef"
         # two stages' band servers (nothing listens: the stand-in's bands are never pulled)
         self.band_servers: BandServers | None = BandServers(
             ("unix:/fake/h-stage0.sock", "tcp://127.0.0.1:7301"), 30.0)  # fmt: skip

@@ -8,6 +8,7 @@ import contextlib
 import socket
 
 import anyio
+import msgspec
 import torch
 
 from wavepp.handoff import wire
@@ -28,9 +29,9 @@ def layers_of(stage: int, num_stages: int) -> list[int]:
 
 
 def band(rid: str, stage: int = 0, num_stages: int = 2, t: int = 4,
-         secret: bytes | None = None) -> bytes:  # fmt: skip
+         secret: bytes | None = None, sender: str = "") -> bytes:  # fmt: skip
     """The whole band's bytes (prefix, header, payload) of stage ``stage`` of
-    ``num_stages`` (stages 0 and 1 hold layers 0 and 1; P = 1 both)."""
+    ``num_stages`` (stages 0 and 1 hold layers 0 and 1; P = 1 both), from run ``sender``."""
     tensors = {}
     if stage == 0:
         tensors[(-1, "tokens")] = torch.arange(t, dtype=torch.int32)
@@ -39,6 +40,7 @@ def band(rid: str, stage: int = 0, num_stages: int = 2, t: int = 4,
             tensors[(layer, name)] = torch.full((t, 1, 4), float(layer))
     last = stage == num_stages - 1
     header, payload = build_band(rid, stage, num_stages, FP, tensors, t, 5 if last else -1)
+    header = msgspec.structs.replace(header, sender=sender)
     prefix = wire.encode_band_prefix(sign_header(header, secret))
     return prefix + b"".join(p.reshape(-1).view(torch.uint8).numpy().tobytes() for p in payload)
 

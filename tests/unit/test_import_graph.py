@@ -127,7 +127,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves: ids, dtype names, errors, numbers, the machine, the ladder's switches,
     # requests to run
     ("wavepp", "wavepp.errors", "wavepp.ids", "wavepp.dtypes", "wavepp.stats", "wavepp.host",
-     "wavepp.rungs", "wavepp.workload"),
+     "wavepp.rungs", "wavepp.workload", "wavepp.signing"),
     ("wavepp.state",),  # the cache's bookkeeping
     ("wavepp.plan",),  # waves and placement
     ("wavepp.policy", "wavepp.queueing"),  # admission policies and their waiting queue

@@ -2,7 +2,10 @@
 
 One listening address serves three kinds of connection: bands (``b"WPHB"``, the handoff
 wire format), decode requests (``b"WPHD"``, ``wavepp.handoff.client``) and liveness probes
-(``b"WPHP"``, answered ``b"WPHP"``: the server's ``/health``). A decode request waits (up
+(``b"WPHL"``, answered ``b"WPHL"``: the server's ``/health``). The receiver's limits
+(deadlines, per-peer shares) are its options below; with ``--handoff-secret`` (or
+``$WAVEPP_HANDOFF_SECRET``) bands and decode requests must be signed with the shared
+secret (``docs/handoff.md``). A decode request waits (up
 to its ``timeout_s``) for its request's complete cache, then the worker streams the
 tokens: the handed-off first token at once, then each greedy token from the rebuilt
 cache — what ``generate()`` would produce. Greedy only (temperature 0). The generations in
@@ -32,8 +35,11 @@ from wavepp.decode.batch import Batch, Sequence, eos_ids
 from wavepp.dtypes import FLOATS
 from wavepp.handoff import _io
 from wavepp.handoff.assembly import HandoffError
+from wavepp.handoff.auth import SECRET_ENV, Verifier, load_secret
 from wavepp.handoff.client import (
     DECODE_MAGIC,
+    PING_MAGIC,
+    PONG,
     TOKENS_MAGIC,
     DecodeChunk,
     DecodeRequest,
@@ -41,9 +47,8 @@ from wavepp.handoff.client import (
     encode_frame,
     frame_length,
 )
-from wavepp.handoff.receive import Receiver
+from wavepp.handoff.receive import HEADER_TIMEOUT_S, INCOMPLETE_TIMEOUT_S, Receiver
 from wavepp.handoff.wire import WireError, fingerprint_from_hf_config, parse_address
-from wavepp.serve.decode import PING_MAGIC, PONG
 
 log = logging.getLogger("wavepp.decode")
 
@@ -161,7 +166,9 @@ class Scheduler:
 
 class Worker:
     def __init__(self, model_dir: Path, dtype: str, max_band_bytes: int, timeout_s: float,
-                 max_batch: int = 32):  # fmt: skip
+                 max_batch: int = 32, secret: bytes | None = None,
+                 limits: dict | None = None):  # fmt: skip
+        """``limits``: the Receiver's (``header_timeout_s``, ``max_peer_connections``, ...)."""
         import torch
         import transformers
 
@@ -177,7 +184,9 @@ class Worker:
         self.receiver = Receiver(
             self.config, dtype, max_band_bytes=max_band_bytes, request_timeout_s=timeout_s,
             handlers={DECODE_MAGIC: self.serve_decode, PING_MAGIC: self.serve_ping},
+            secret=secret, **(limits or {}),
         )  # fmt: skip
+        self.verifier = Verifier(secret) if secret else None
         self.scheduler = Scheduler(self.model, max_batch)
         self.eos = eos_ids(self.model)
 
@@ -191,11 +200,14 @@ class Worker:
         try:
             length = frame_length(DECODE_MAGIC + await conn.read_exactly(4), DECODE_MAGIC)
             request = decode_frame(await conn.read_exactly(length), DecodeRequest)
+            if self.verifier is not None:
+                self.verifier.message(request, "decode request")
         except WireError as error:
             await _send(conn, DecodeChunk("", [], error=str(error)))
             return
         except (TimeoutError, OSError):
             return
+        conn.admitted()
         rid = request.request_id
         if request.temperature != 0:
             why = (f"temperature {request.temperature:g} is not supported: this reference "
@@ -211,8 +223,10 @@ class Worker:
 
     async def _serve(self, conn: _io.Connection, request: DecodeRequest) -> None:
         rid = request.request_id
+        # a cache that has not come within an incomplete request's life will not come
+        wait_s = min(request.timeout_s, self.receiver.incomplete_timeout_s)
         try:
-            handoff = await self.receiver.wait(rid, request.timeout_s)
+            handoff = await self.receiver.wait(rid, wait_s, request.sender)
         except (TimeoutError, HandoffError) as error:
             await _send(conn, DecodeChunk(rid, [], error=str(error)))
             return
@@ -283,9 +297,16 @@ async def _send(conn: _io.Connection, chunk: DecodeChunk) -> bool:
         return False
 
 
-async def _main(args) -> None:
+async def _main(args, secret: bytes | None) -> None:
+    limits = {"header_timeout_s": args.header_timeout_s,
+              "incomplete_timeout_s": args.incomplete_timeout_s,
+              "max_connections": args.max_connections,
+              "max_peer_connections": args.max_peer_connections,
+              "max_peer_requests": args.max_peer_requests,
+              "max_peer_held_bytes": (None if args.max_peer_held_mib is None
+                                      else args.max_peer_held_mib << 20)}  # fmt: skip
     worker = Worker(Path(args.model), args.dtype, args.max_band_mib << 20, args.request_timeout_s,
-                    args.max_batch)  # fmt: skip
+                    args.max_batch, secret, limits)  # fmt: skip
     address = parse_address(args.listen)
     async with anyio.create_task_group() as tg:
         tg.start_soon(worker.scheduler.run)
@@ -322,11 +343,48 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=32,
                         help="generations decoded together, one forward per step for all "
                         "of them (default 32; 1 decodes one at a time)")  # fmt: skip
+    parser.add_argument("--handoff-secret", default=None, metavar="FILE",
+                        help="a file holding the shared secret the pipeline signs with "
+                        "(--handoff-secret of wavepp.serve / wavepp.main): bands and decode "
+                        f"requests not signed with it are refused [${SECRET_ENV}, else none]")
+    parser.add_argument("--header-timeout-s", type=float, default=HEADER_TIMEOUT_S,
+                        help="a connection's first frame (a band's prefix and header, a "
+                        f"decode request) must arrive within this [{HEADER_TIMEOUT_S:g}]")
+    parser.add_argument("--incomplete-timeout-s", type=float, default=INCOMPLETE_TIMEOUT_S,
+                        help="a request whose bands are not all in this long after its first "
+                        f"is dropped; a decode request waits at most this long for its cache "
+                        f"[{INCOMPLETE_TIMEOUT_S:g}]")  # fmt: skip
+    parser.add_argument("--max-connections", type=int, default=256,
+                        help="connections served at once [256]")  # fmt: skip
+    parser.add_argument("--max-peer-connections", type=int, default=None,
+                        help="connections one peer (a TCP host; a Unix socket's user) may "
+                        "hold at once, until its frame is admitted (to the end of the "
+                        "connection for a TCP peer without --handoff-secret) "
+                        "[a quarter of --max-connections]")  # fmt: skip
+    parser.add_argument("--max-peer-requests", type=int, default=None,
+                        help="incomplete requests one untrusted peer (TCP, no secret) may "
+                        "open [1024, a quarter of the whole]")  # fmt: skip
+    parser.add_argument("--max-peer-held-mib", type=int, default=None,
+                        help="MiB of bands one untrusted peer (TCP, no secret) may hold "
+                        "[a quarter of 4 x --max-band-mib]")  # fmt: skip
     args = parser.parse_args(argv)
     if args.max_batch < 1:
         parser.error("--max-batch must be at least 1")
     if args.max_band_mib < 1:
         parser.error("--max-band-mib must be at least 1")
+    for name in ("max_connections", "max_peer_connections", "max_peer_requests",
+                 "max_peer_held_mib"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("header_timeout_s", "incomplete_timeout_s", "request_timeout_s"):
+        value = getattr(args, name)
+        if not 0 < value < 1e6:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    try:
+        secret = load_secret(args.handoff_secret)
+    except ValueError as error:
+        parser.error(f"--handoff-secret: {error}")
     try:
         address = parse_address(args.listen)
     except ValueError as error:
@@ -339,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(message)s")  # fmt: skip
-    anyio.run(_main, args)
+    anyio.run(_main, args, secret)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 
 import anyio
 
@@ -51,6 +52,15 @@ class Connection:
         self.timeout_s = timeout_s
         self.deadline = math.inf  # anyio's clock: reads end with DeadlineError then
         self.deadline_why = ""
+        self.on_admitted: Callable[[], None] | None = None  # a server's, once (admitted)
+
+    def admitted(self) -> None:
+        """The peer's frame has passed its checks (a server's handler says so): the
+        deadline for it is lifted and the server's ``on_admitted`` runs, once."""
+        self.set_deadline(None)
+        hook, self.on_admitted = self.on_admitted, None
+        if hook is not None:
+            hook()
 
     def set_deadline(self, seconds: float | None, why: str = "") -> None:
         """Every read from now must be done within ``seconds`` (None: no deadline);

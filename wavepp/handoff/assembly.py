@@ -20,7 +20,7 @@ import anyio
 import attrs
 import torch
 
-from wavepp.handoff.wire import BandHeader, Fingerprint, WireError, band_bytes
+from wavepp.handoff.wire import BandHeader, Fingerprint, WireError, band_bytes, request_key
 
 log = logging.getLogger("wavepp.handoff")
 
@@ -42,10 +42,16 @@ class Handoff:
     layers: dict[int, dict[str, torch.Tensor]]  # global layer -> {k, v | latent | delta, conv}
     fingerprint: Fingerprint  # the model the cache was computed with
     num_stages: int  # bands it came in
+    sender: str = ""  # the run that sent it (its bands' sender)
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def key(self) -> str:
+        """Where the receiver kept it (``wire.request_key``)."""
+        return request_key(self.sender, self.request_id)
 
 
 @attrs.define
@@ -97,11 +103,11 @@ class Assembly:
 
     # -- a band's way in ---------------------------------------------------------
 
-    def claim(self, header: BandHeader, peer: str = "") -> Pending:
+    def claim(self, header: BandHeader, peer: str = "", limited: bool = True) -> Pending:
         """Reserve the band's stage, layers and bytes in its request (WireError if the
-        band cannot be part of it, or if it would take ``peer`` past its share), before
-        anything is allocated."""
-        rid, stage, size = header.request_id, header.stage, band_bytes(header)
+        band cannot be part of it, or — ``limited`` — if it would take ``peer`` past its
+        share), before anything is allocated; the bytes count as ``peer``'s either way."""
+        rid, stage, size = _key(header), header.stage, band_bytes(header)
         if rid in self._ready or self._done.get(rid) == "":
             raise WireError(f"request {rid!r} is already complete")
         entry = self._pending.get(rid)
@@ -109,7 +115,7 @@ class Assembly:
             if len(self._pending) >= self.max_requests:
                 raise WireError(f"{len(self._pending)} requests are incomplete; at most "
                                 f"{self.max_requests}")  # fmt: skip
-            if self.peer_requests[peer] >= self.max_peer_requests:
+            if limited and self.peer_requests[peer] >= self.max_peer_requests:
                 raise WireError(f"peer {peer} has {self.peer_requests[peer]} incomplete "
                                 f"requests; at most {self.max_peer_requests} per peer")  # fmt: skip
             entry = Pending(header.num_stages, header.num_tokens, time.monotonic(), peer=peer)
@@ -133,7 +139,7 @@ class Assembly:
         if self.held_bytes + size > self.max_held_bytes:
             raise WireError(f"receiver holds {self.held_bytes:,} bytes; a band of {size:,} "
                             f"exceeds max_held_bytes {self.max_held_bytes:,}")  # fmt: skip
-        if self.peer_held[peer] + size > self.max_peer_held_bytes:
+        if limited and self.peer_held[peer] + size > self.max_peer_held_bytes:
             raise WireError(f"peer {peer}'s bands hold {self.peer_held[peer]:,} bytes; a "
                             f"band of {size:,} exceeds {self.max_peer_held_bytes:,} per "
                             "peer")  # fmt: skip
@@ -175,7 +181,7 @@ class Assembly:
     def release(self, entry: Pending, header: BandHeader, peer: str = "") -> None:
         """Undo ``peer``'s claim whose band did not arrive (unless its request is gone
         already)."""
-        if self._pending.get(header.request_id) is not entry:
+        if self._pending.get(_key(header)) is not entry:
             return
         size = band_bytes(header)
         entry.stages.discard(header.stage)
@@ -183,12 +189,12 @@ class Assembly:
         entry.held -= size
         self._hold(entry.charges, peer, -size)
         if not entry.stages:
-            self._unpend(header.request_id)
+            self._unpend(_key(header))
 
     def store(self, entry: Pending, header: BandHeader, tensors) -> Handoff | None:
         """Keep a band that arrived whole; the request's Handoff once all P are in (kept
         until :meth:`take` or :meth:`wait`)."""
-        rid = header.request_id
+        rid = _key(header)
         if self._pending.get(rid) is not entry:
             raise WireError(f"request {rid!r} expired while this band was read")
         entry.bands[header.stage] = tensors
@@ -206,9 +212,9 @@ class Assembly:
                 else:
                     layers.setdefault(layer, {})[name] = tensor
         handoff = Handoff(
-            request_id=rid, tokens=tokens, first_token=entry.first_token,
+            request_id=header.request_id, tokens=tokens, first_token=entry.first_token,
             top_logit=entry.top_logit, layers=dict(sorted(layers.items())),
-            fingerprint=self.fingerprint, num_stages=entry.num_stages,
+            fingerprint=self.fingerprint, num_stages=entry.num_stages, sender=header.sender,
         )  # fmt: skip
         self._ready[rid] = (handoff, time.monotonic(), entry.held, entry.charges)
         return handoff
@@ -216,8 +222,9 @@ class Assembly:
     # -- taking a complete request -------------------------------------------------
 
     def take(self, request_id: str) -> Handoff:
-        """A complete request's Handoff, taken: its bytes are no longer held here, and a
-        band for it is refused from now on. KeyError if it is not complete."""
+        """A complete request's Handoff, taken (``request_id``: its key, ``wire.request_key``):
+        its bytes are no longer held here, and a band for it is refused from now on.
+        KeyError if it is not complete."""
         handoff, _, _, charges = self._ready.pop(request_id)
         self._unhold(charges)
         self._finish(request_id, "")
@@ -286,3 +293,7 @@ class Assembly:
         log.info("handoff %r %s", request_id, reason)
         self._finish(request_id, reason)
         self.notify(request_id)
+
+
+def _key(header: BandHeader) -> str:
+    return request_key(header.sender, header.request_id)

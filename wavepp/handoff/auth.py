@@ -1,90 +1,44 @@
-"""Senders proving themselves with a shared secret (``docs/handoff.md``, Authentication).
+"""Senders proving themselves with the shared secret (``docs/handoff.md``,
+Authentication): a band header, a pull frame and a decode request (``wavepp.handoff.client``)
+each carry an optional ``auth`` field, signed and checked as ``wavepp.signing`` says.
 
-Pure: the standard library and msgspec, no torch, no I/O but :func:`load_secret`. A band
-header and a pull frame each have an optional ``auth`` field. A sender given the secret
-fills it with::
-
-    hmac-sha256:<unix time, ms>:<nonce, 32 hex>:<HMAC-SHA256, 64 hex>
-
-the HMAC keyed by the secret over ``domain | "<time>:<nonce>\\n" | body``, where
-``domain`` names the frame (``BAND_DOMAIN``, ``PULL_DOMAIN``: a pull's signature is no
-band's) and ``body`` is the frame with ``auth`` empty as WavePP encodes it (a band
-header's msgpack, ``wire.encode_header``; a pull's JSON): the request id, the stage, the
-fingerprint and every tensor's spec included. A receiver given the secret
-(:class:`Verifier`) refuses, before it reads any payload, a frame that is unsigned,
-malformed, signed with another key (``hmac.compare_digest``), signed more than
-``MAX_AGE_S`` from its own clock, or whose nonce it has seen (a replay). A receiver
-without a secret ignores ``auth``.
-
-The secret: ``--handoff-secret FILE`` (the file's bytes, a trailing newline dropped), else
-the environment variable ``WAVEPP_HANDOFF_SECRET`` (its value itself); at least
-``MIN_SECRET_BYTES`` bytes.
+A frame's signed body is the frame with ``auth`` empty as WavePP encodes it: a band
+header's msgpack (``wire.encode_header``: the request id, the sender, the stage, the
+fingerprint and every tensor's spec included), a pull's JSON, a decode request's msgpack;
+each in a domain of its own (``BAND_DOMAIN``, ``PULL_DOMAIN``, ``DECODE_DOMAIN``). A
+receiver given the secret (:class:`Verifier`) refuses, before it reads any payload, a
+frame that is unsigned, malformed, signed with another key, stale or replayed, with an
+:class:`AuthError` (a ``WireError``: the band's ack says why). Without a secret, ``auth``
+is ignored.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import re
-import time
-from collections import OrderedDict
-from collections.abc import Mapping
-from pathlib import Path
-
 import msgspec
 
 from wavepp.handoff import wire
+from wavepp.signing import (
+    MAX_AGE_S,
+    MIN_SECRET_BYTES,
+    SECRET_ENV,
+    SignatureError,
+    load_secret,
+    sign,
+)
+from wavepp.signing import Verifier as _Verifier
 
-SECRET_ENV = "WAVEPP_HANDOFF_SECRET"
-MIN_SECRET_BYTES = 16
-MAX_SECRET_BYTES = 4096
-MAX_AGE_S = 60.0  # a signature's time may differ from the receiver's clock by this much
-MAX_NONCES = 1 << 16  # nonces remembered (within MAX_AGE_S); beyond, the oldest go
-SCHEME = "hmac-sha256"
+__all__ = ["BAND_DOMAIN", "DECODE_DOMAIN", "MAX_AGE_S", "MIN_SECRET_BYTES", "PULL_DOMAIN",
+           "SECRET_ENV", "AuthError", "Verifier", "load_secret", "sign", "sign_header",
+           "sign_message", "sign_pull"]  # fmt: skip
+
 BAND_DOMAIN = b"wavepp band v3\n"
 PULL_DOMAIN = b"wavepp pull v1\n"
-_AUTH = re.compile(r"^hmac-sha256:([0-9]{1,16}):([0-9a-f]{32}):([0-9a-f]{64})$")
+DECODE_DOMAIN = b"wavepp decode v1\n"
 
 
-class AuthError(wire.WireError):
+class AuthError(wire.WireError, SignatureError):
     """A frame a receiver with a secret refuses: unsigned, or its signature is wrong,
     stale or replayed (the message says which)."""
-
-
-def load_secret(path: str | None, environ: Mapping[str, str] | None = None) -> bytes | None:
-    """The shared secret: the file at ``path`` (a trailing newline dropped), else
-    ``$WAVEPP_HANDOFF_SECRET``'s value, else None. ValueError (one line) for a file that
-    cannot be read or a secret shorter than ``MIN_SECRET_BYTES``."""
-    environ = os.environ if environ is None else environ
-    if path:
-        try:
-            with open(Path(path), "rb") as f:
-                secret = f.read(MAX_SECRET_BYTES + 1)
-        except OSError as error:
-            raise ValueError(f"cannot read the handoff secret {path}: "
-                             f"{error.strerror or error}") from None  # fmt: skip
-        where = path
-    elif environ.get(SECRET_ENV):
-        secret, where = environ[SECRET_ENV].encode(), f"${SECRET_ENV}"
-    else:
-        return None
-    secret = secret.rstrip(b"\r\n")
-    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
-        raise ValueError(f"the handoff secret ({where}) is {len(secret)} bytes; it needs "
-                         f"{MIN_SECRET_BYTES}..{MAX_SECRET_BYTES}")  # fmt: skip
-    return secret
-
-
-def _mac(secret: bytes, domain: bytes, stamp: str, body: bytes) -> str:
-    return hmac.new(secret, domain + stamp.encode() + b"\n" + body, hashlib.sha256).hexdigest()
-
-
-def sign(secret: bytes, domain: bytes, body: bytes, now: float | None = None,
-         nonce: str | None = None) -> str:  # fmt: skip
-    """The ``auth`` string for ``body`` (the frame with ``auth`` empty)."""
-    stamp = f"{int((time.time() if now is None else now) * 1000)}:{nonce or os.urandom(16).hex()}"
-    return f"{SCHEME}:{stamp}:{_mac(secret, domain, stamp, body)}"
 
 
 def _band_body(header: wire.BandHeader) -> bytes:
@@ -93,6 +47,10 @@ def _band_body(header: wire.BandHeader) -> bytes:
 
 def _pull_body(pull: wire.Pull) -> bytes:
     return msgspec.json.encode(msgspec.structs.replace(pull, auth=""))
+
+
+def _message_body(message) -> bytes:
+    return msgspec.msgpack.encode(msgspec.structs.replace(message, auth=""))
 
 
 def sign_header(header: wire.BandHeader, secret: bytes | None) -> wire.BandHeader:
@@ -109,20 +67,18 @@ def sign_pull(pull: wire.Pull, secret: bytes | None) -> wire.Pull:
     return msgspec.structs.replace(pull, auth=sign(secret, PULL_DOMAIN, _pull_body(pull)))
 
 
-class Verifier:
-    """A receiver's check of signatures with its secret; remembers the nonces it
-    accepted for ``max_age_s`` (at most ``max_nonces``: past that the oldest go, and a
-    signature no newer than the newest gone is refused)."""
+def sign_message(message, secret: bytes | None, domain: bytes = DECODE_DOMAIN):
+    """A msgspec struct with an ``auth`` field (a decode request), signed with ``secret``
+    over its msgpack with ``auth`` empty (unchanged without a secret)."""
+    if not secret:
+        return message
+    return msgspec.structs.replace(message, auth=sign(secret, domain, _message_body(message)))
 
-    def __init__(self, secret: bytes, max_age_s: float = MAX_AGE_S,
-                 max_nonces: int = MAX_NONCES) -> None:  # fmt: skip
-        self._secret = secret
-        self.max_age_s, self.max_nonces = max_age_s, max_nonces
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> its time, s
-        self._floor = -1.0  # a signature at or before this time is refused
 
-    def __repr__(self) -> str:
-        return f"Verifier(max_age_s={self.max_age_s:g})"
+class Verifier(_Verifier):
+    """A receiver's check of the frames' signatures (AuthError when one fails)."""
+
+    error = AuthError
 
     def header(self, header: wire.BandHeader, now: float | None = None) -> None:
         """AuthError unless the band header is signed with this secret, fresh, unseen."""
@@ -132,30 +88,8 @@ class Verifier:
         """AuthError unless the pull is signed with this secret, fresh, unseen."""
         self.verify(pull.auth, PULL_DOMAIN, _pull_body(pull), "pull", now)
 
-    def verify(self, auth: str, domain: bytes, body: bytes, what: str,
-               now: float | None = None) -> None:  # fmt: skip
-        now = time.time() if now is None else now
-        if not auth:
-            raise AuthError(f"unsigned {what} refused: this side needs it signed with the "
-                            "shared secret (--handoff-secret)")  # fmt: skip
-        match = _AUTH.match(auth)
-        if match is None:
-            raise AuthError(f"{what} auth is not {SCHEME}:<ms>:<32 hex>:<64 hex>")
-        ms, nonce, mac = match.groups()
-        if not hmac.compare_digest(_mac(self._secret, domain, f"{ms}:{nonce}", body), mac):
-            raise AuthError(f"{what} signature does not verify (another --handoff-secret?)")
-        signed = int(ms) / 1000
-        if abs(now - signed) > self.max_age_s:
-            raise AuthError(f"{what} signed {now - signed:+.0f} s from this side's clock, "
-                            f"outside ±{self.max_age_s:g} s (clock skew, or a replay)")  # fmt: skip
-        if nonce in self._seen or signed <= self._floor:
-            raise AuthError(f"{what} signature seen before: a replay")
-        self._seen[nonce] = signed
-        cutoff = now - self.max_age_s
-        while self._seen:
-            oldest, at = next(iter(self._seen.items()))
-            if at >= cutoff and len(self._seen) <= self.max_nonces:
-                break
-            del self._seen[oldest]
-            if at >= cutoff:  # gone before its time: nothing as old is taken again
-                self._floor = max(self._floor, at)
+    def message(self, message, what: str, domain: bytes = DECODE_DOMAIN,
+                now: float | None = None) -> None:  # fmt: skip
+        """AuthError unless ``message`` (:func:`sign_message`'s) is signed with this
+        secret, fresh, unseen."""
+        self.verify(message.auth, domain, _message_body(message), what, now)

@@ -122,6 +122,9 @@ class HandoffSettings:
     # the shared secret (wavepp.handoff.auth): every band goes signed with it, and the
     # band server takes only pulls signed with it; None: bands unsigned, pulls unchecked
     secret: bytes | None = attrs.field(default=None, repr=False)
+    # the run's id (every stage's the same: wavepp.launch.setup), the bands' sender: a
+    # receiver keeps two runs' requests of equal ids apart by it
+    sender: str = ""
 
 
 @attrs.define(eq=False)
@@ -174,7 +177,7 @@ class Band:
             num_tokens=job.num_tokens,
             tensors=[wire.TensorSpec(t.layer, t.name, t.dtype, list(t.shape), t.num_bytes)
                      for t in self.tensors],
-            first_token=job.first_token, top_logit=job.top_logit,
+            first_token=job.first_token, top_logit=job.top_logit, sender=settings.sender,
         ), settings.secret)  # fmt: skip
 
     def check_ack(self, ack: wire.Ack, stage: int) -> int:

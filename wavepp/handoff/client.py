@@ -21,23 +21,30 @@ import torch
 
 from wavepp.dtypes import name_of
 from wavepp.handoff import _io
-from wavepp.handoff.auth import sign_header
+from wavepp.handoff.auth import sign_header, sign_message
 from wavepp.handoff.socket_send import exchange
 from wavepp.handoff.wire import (
+    ACK_MAGIC,
     DTYPES,
+    MAX_BAND_AUTH_CHARS,
     MAX_ID_CHARS,
     Ack,
     Address,
     BandHeader,
     Fingerprint,
+    Sender,
     TensorSpec,
     WireError,
+    ack_length,
+    decode_ack,
     encode_band_prefix,
     parse_address,
 )
 
 DECODE_MAGIC = b"WPHD"
 TOKENS_MAGIC = b"WPHT"
+PING_MAGIC = b"WPHL"  # a liveness probe on a decode worker's address; it answers the same
+PONG = PING_MAGIC
 MAX_FRAME_BYTES = 1 << 20
 MAX_DECODE_TOKENS = 4096
 _FRAME = struct.Struct("<4sI")
@@ -50,6 +57,9 @@ class DecodeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_DECODE_TOKENS)]  # first token included
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0  # only 0 (greedy)
     timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86_400.0)] = 60.0  # wait for the cache
+    sender: Sender = ""  # the run whose request it is: its bands' sender
+    # the client's signature with the shared secret (wavepp.handoff.auth); "": unsigned
+    auth: Annotated[str, msgspec.Meta(max_length=MAX_BAND_AUTH_CHARS)] = ""
 
 
 class DecodeChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -151,11 +161,15 @@ async def decode(
     max_tokens: int,
     timeout_s: float = 60.0,
     temperature: float = 0.0,
+    sender: str = "",
+    secret: bytes | None = None,
 ) -> AsyncIterator[list[int]]:
-    """The tokens the decode worker generates for ``request_id`` (the handed-off first
-    token first), as they come. ``DecodeError`` for an error frame or a broken stream."""
+    """The tokens the decode worker generates for ``request_id`` of the run ``sender``
+    (the handed-off first token first), as they come; the request signed with ``secret``
+    if given. ``DecodeError`` for an error frame, a refusal or a broken stream."""
     where = parse_address(address) if isinstance(address, str) else address
-    request = DecodeRequest(request_id, max_tokens, temperature, timeout_s)
+    request = sign_message(DecodeRequest(request_id, max_tokens, temperature, timeout_s,
+                                         sender), secret)  # fmt: skip
     # reads may wait for the cache to arrive and for the first tokens to be generated
     try:
         conn = await _io.connect(where, min(timeout_s, 30.0))
@@ -166,7 +180,11 @@ async def decode(
         await conn.send(encode_frame(DECODE_MAGIC, request))
         while True:
             try:
-                length = frame_length(await conn.read_exactly(8), TOKENS_MAGIC)
+                prefix = await conn.read_exactly(8)
+                if prefix[:4] == ACK_MAGIC:  # the worker refused the connection itself
+                    ack = decode_ack(await conn.read_exactly(ack_length(prefix)))
+                    raise DecodeError(f"decode of {request_id!r}: refused: {ack.error}")
+                length = frame_length(prefix, TOKENS_MAGIC)
                 chunk = decode_frame(await conn.read_exactly(length), DecodeChunk)
             except (OSError, TimeoutError, WireError) as error:
                 raise DecodeError(f"decode of {request_id!r}: stream broke: {error!r}") from None

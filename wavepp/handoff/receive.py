@@ -16,11 +16,15 @@ waits at most ``read_timeout_s``.
 One peer cannot shut the receiver to the others (``docs/handoff.md``, limits): the
 first 4 bytes, the prefix and the header must all be in within ``header_timeout_s`` of
 the connection (a decode request's frame too: the deadline is still set when a handler
-gets the connection), and a payload must be in before its request expires; a peer (a TCP
-peer's host, a Unix socket peer's user id) holds at most ``max_peer_connections``
-connections, ``max_peer_requests`` incomplete requests and ``max_peer_held_bytes`` of
-bands; given the shared ``secret`` (``wavepp.handoff.auth``) every band must be signed
-with it, which is checked before anything of its payload is read.
+gets the connection, until it calls ``conn.admitted()``), and a payload must be in before
+its request expires and at ``MIN_PAYLOAD_BYTES_PER_S`` at least; a peer (a TCP peer's
+host, a Unix socket peer's user id) holds at most ``max_peer_connections`` connections,
+``max_peer_requests`` incomplete requests and ``max_peer_held_bytes`` of bands. Given the
+shared ``secret`` (``wavepp.handoff.auth``) every band must be signed with it, which is
+checked before anything of its payload is read. A trusted peer — one on a Unix socket
+(the same user), or any peer once the secret has admitted its frame — is held to the
+per-peer shares only until its frame is admitted; after that only the receiver's whole
+limits apply to it.
 
 A complete request goes to ``on_complete`` when one is given, else it waits for
 ``await receiver.wait(request_id, timeout_s)``.
@@ -58,6 +62,7 @@ from wavepp.handoff.wire import (
     fingerprint_from_hf_config,
     parse_address,
     payload_layout,
+    request_key,
 )
 
 log = logging.getLogger("wavepp.handoff")
@@ -65,6 +70,7 @@ log = logging.getLogger("wavepp.handoff")
 LINGER_BYTES = 1 << 21  # drained after refusing a connection whose length is unknown
 HEADER_TIMEOUT_S = 10.0  # the first bytes, prefix and header, from the connection
 INCOMPLETE_TIMEOUT_S = 60.0  # a request's bands, from its first
+MIN_PAYLOAD_BYTES_PER_S = 1 << 20  # a payload slower than this (after HEADER_TIMEOUT_S) is cut
 
 Handler = Callable[[_io.Connection], Awaitable[None]]
 OnComplete = Callable[[Handoff], Awaitable[None] | None]
@@ -130,7 +136,12 @@ class Receiver:
         )  # fmt: skip
         self._buffers = BandBuffers(keep_free_bytes)
         self._slots = anyio.Semaphore(max_connections)
-        self._peer_connections: Counter[str] = Counter()  # open, by peer
+        self._peer_connections: Counter[str] = Counter()  # open and held to a share, by peer
+
+    @property
+    def incomplete_timeout_s(self) -> float:
+        """How long a request's bands may take from its first (then it is dropped)."""
+        return self._assembly.incomplete_timeout_s
 
     @property
     def held_bytes(self) -> int:
@@ -181,10 +192,29 @@ class Receiver:
             sock.shutdown(socket.SHUT_WR)
         _io.close_socket(sock)
 
+    def trusted(self, peer: str) -> bool:
+        """Whether ``peer``'s admitted frames leave its per-peer shares: a Unix socket's
+        peer (this machine's user), or any peer when the secret admitted its frame."""
+        return peer.startswith("unix") or self._gate.verifier is not None
+
+    def _unshare(self, peer: str) -> None:
+        """A connection of ``peer``'s stops counting against its share."""
+        self._peer_connections[peer] -= 1
+        if not self._peer_connections[peer]:
+            del self._peer_connections[peer]
+
     async def _connection(self, sock, peer: str = "") -> None:
         conn = _io.Connection(sock, self.read_timeout_s)
         conn.set_deadline(self.header_timeout_s, f"the prefix and header did not arrive "
                           f"within {self.header_timeout_s:g} s of the connection")  # fmt: skip
+        shared = {"held": True}  # this connection counts against its peer's share
+
+        def admitted() -> None:
+            if self.trusted(peer) and shared["held"]:
+                shared["held"] = False
+                self._unshare(peer)
+
+        conn.on_admitted = admitted
         try:
             try:
                 magic = await conn.read_exactly(4)
@@ -206,9 +236,8 @@ class Receiver:
         finally:
             conn.close()
             self._slots.release()
-            self._peer_connections[peer] -= 1
-            if not self._peer_connections[peer]:
-                del self._peer_connections[peer]
+            if shared["held"]:
+                self._unshare(peer)
 
     async def _answer(self, conn: _io.Connection, ack: Ack) -> None:
         try:
@@ -222,10 +251,18 @@ class Receiver:
         arrival = Arrival()
         try:
             header = await self._gate.admit(conn, arrival)  # checked: nothing allocated
-            entry = self._assembly.claim(header, peer)
-            # past its request's expiry the band could not be stored: not read either
-            why = f"request {header.request_id!r} expired while this band was read"
-            conn.set_deadline(self._assembly.expires_in(entry), why)
+            entry = self._assembly.claim(header, peer, limited=not self.trusted(peer))
+            conn.admitted()
+            # past its request's expiry the band could not be stored: not read either; and
+            # a payload may not crawl (a slot held at a byte every few seconds)
+            size = band_bytes(header)
+            crawl = self.header_timeout_s + size / MIN_PAYLOAD_BYTES_PER_S
+            if crawl < self._assembly.expires_in(entry):
+                conn.set_deadline(crawl, f"a band of {size:,} bytes came slower than "
+                                  f"{MIN_PAYLOAD_BYTES_PER_S:,} bytes/s")  # fmt: skip
+            else:
+                why = f"request {header.request_id!r} expired while this band was read"
+                conn.set_deadline(self._assembly.expires_in(entry), why)
             try:
                 tensors = await self._read_payload(conn, header)
                 self._gate.check_tokens(tensors)
@@ -287,21 +324,22 @@ class Receiver:
     async def _deliver(self, handoff: Handoff) -> None:
         self.counts["requests_complete"] += 1
         if self.on_complete is None:
-            self._assembly.notify(handoff.request_id)
+            self._assembly.notify(handoff.key)
             return
-        result = self.on_complete(self._assembly.take(handoff.request_id))
+        result = self.on_complete(self._assembly.take(handoff.key))
         if inspect.isawaitable(result):
             await result
 
     # -- lookups and expiry ------------------------------------------------------
 
-    async def wait(self, request_id: str, timeout_s: float) -> Handoff:
+    async def wait(self, request_id: str, timeout_s: float, sender: str = "") -> Handoff:
         """The request's Handoff once all its bands are in (taken: a second wait for it
-        fails); ``TimeoutError`` after ``timeout_s``; ``HandoffError`` if it failed."""
-        return await self._assembly.wait(request_id, timeout_s)
+        fails); ``TimeoutError`` after ``timeout_s``; ``HandoffError`` if it failed.
+        ``sender``: the run whose request it is (the bands' ``sender``)."""
+        return await self._assembly.wait(request_key(sender, request_id), timeout_s)
 
     def pending(self) -> dict[str, tuple[list[int], int]]:
-        """Incomplete requests: id -> (stages stored, num_stages)."""
+        """Incomplete requests: key (``wire.request_key``) -> (stages stored, num_stages)."""
         return self._assembly.pending()
 
     def expire(self, now: float | None = None) -> list[str]:

@@ -64,7 +64,17 @@ PULL_PREFIX_BYTES = PREFIX_BYTES  # magic, version, flags, pull_len
 MAX_PULL_BYTES = 1 << 16
 MAX_AUTH_CHARS = 4096  # a pull's auth
 MAX_BAND_AUTH_CHARS = 256  # a band header's auth (wavepp.handoff.auth: about 130 chars)
+MAX_SENDER_CHARS = 64  # a band's sender (WavePP's: 16 hex digits)
 PULL_TARGET = "pull:"  # a request's handoff target: its bands wait on the stages' band servers
+
+
+Sender = Annotated[str, msgspec.Meta(max_length=MAX_SENDER_CHARS, pattern=r"^[A-Za-z0-9._-]*$")]
+
+
+def request_key(sender: str, request_id: str) -> str:
+    """Where a receiver keeps a request: its id, under its sender's when there is one
+    (``SENDER/ID``: ids hold no '/'), so that two runs' equal ids never meet."""
+    return f"{sender}/{request_id}" if sender else request_id
 
 
 class WireError(ValueError):
@@ -118,6 +128,9 @@ class BandHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     tensors: Annotated[list[TensorSpec], msgspec.Meta(max_length=MAX_TENSORS)]  # payload order
     first_token: Annotated[int, msgspec.Meta(ge=-1, le=MAX_DIM)] = -1  # last stage only
     top_logit: float = 0.0  # last stage only
+    # the run that sent it (WavePP: a random id per pipeline run, the same on every stage);
+    # a receiver keeps requests apart by sender and id (request_key); "": none
+    sender: Sender = ""
     # the sender's signature over the rest of the header, with the shared secret
     # (wavepp.handoff.auth); "" (left out): unsigned
     auth: Annotated[str, msgspec.Meta(max_length=MAX_BAND_AUTH_CHARS)] = ""

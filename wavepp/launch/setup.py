@@ -10,6 +10,8 @@ once the stages are built, rank 0 learns where each serves its bands to decoders
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,6 +120,7 @@ class Setup:
     min_capacity: int  # the smallest stage pool
     pools: list[StagePool] | None  # the pools from device memory (the sim's), else None
     placement: Placement  # the units (half layers) each stage holds
+    run_id: str = ""  # rank 0's 16 random hex digits, every rank's (agree_run_id)
 
 
 async def agree_setup(c: RunConfig, backend: Backend, rank: int, world: int,
@@ -173,7 +176,23 @@ async def agree_setup(c: RunConfig, backend: Backend, rank: int, world: int,
             log(f"oracle: every stage's pool is the smallest, {min_capacity:,} blocks "
                 "(rank 0 decides for all stages)")  # fmt: skip
         capacity = min_capacity
-    return Setup(vocab, specs, rejected, cancels, capacity, min_capacity, pools, placement)
+    run_id = await agree_run_id(plane, rank)
+    return Setup(vocab, specs, rejected, cancels, capacity, min_capacity, pools, placement,
+                 run_id)  # fmt: skip
+
+
+_RUN_ID = re.compile(r"[0-9a-f]{16}")
+
+
+async def agree_run_id(plane: RoundsPlane, rank: int) -> str:
+    """The run's id, the same on every rank: 16 random hex digits of rank 0's. It names
+    the run to decoders (its bands' sender: ids of two runs never meet at one) and
+    prefixes the request ids the engine names."""
+    raw = await plane.broadcast(secrets.token_hex(8).encode() if rank == 0 else None)
+    text = raw.decode("ascii", "replace")
+    if not _RUN_ID.fullmatch(text):
+        raise RuntimeError(f"rank 0 sent a run id that is not 16 hex digits: {raw[:40]!r}")
+    return text
 
 
 async def agree_band_servers(plane: RoundsPlane, address: str | None,

@@ -63,6 +63,7 @@ class ServedEngine(Protocol):
     kv_events: dict | None  # where KV events are published (--kv-events), else None
     # where the stages serve bands to decoders that pull them (pull: targets), else None
     band_servers: BandServers | None
+    run_id: str  # the run's id: its bands' sender, as a decode request names it
 
     async def submit(
         self, tokens: Sequence[int] | np.ndarray, *, request_id: str | None = None,

@@ -100,10 +100,11 @@ class Backend(Protocol):
         (``--tp``) the leader's, posting every wave to the stage's other ranks."""
         ...
 
-    def handoff(self, rank: int,
-                world: int) -> tuple[HandoffSettings | None, HandoffTargets | None]:  # fmt: skip
-        """How stage ``rank`` hands a request's cache on, and (rank 0) where to; (None,
-        None): this kind holds no cache to hand on."""
+    def handoff(
+        self, rank: int, world: int, sender: str = ""
+    ) -> tuple[HandoffSettings | None, HandoffTargets | None]:
+        """How stage ``rank`` hands a request's cache on (its bands' ``sender``: the run's
+        id), and (rank 0) where to; (None, None): this kind holds no cache to hand on."""
         return None, None
 
     def follow_stage(self, groups: StageGroups) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from wavepp.config import RunConfig, stage_capacities
+from wavepp.config import RunConfig, handoff_secret, stage_capacities
 from wavepp.exec import compute
 from wavepp.exec.device import pick_device, pick_dtype
 from wavepp.exec.layer_costs import measure as measure_costs
@@ -174,15 +174,16 @@ class TorchBackend(Backend):
         return TorchExecutor(modules, capacity, c.block_size, snapshot_capacity, c.compile,
                              c.full_last_layer, *shared)  # fmt: skip
 
-    def handoff(self, rank: int, world: int) -> tuple[HandoffSettings, HandoffTargets]:
+    def handoff(self, rank: int, world: int,
+                sender: str = "") -> tuple[HandoffSettings, HandoffTargets]:  # fmt: skip
         """Every stage can hand its band of a request's cache on."""
         c = self.config
         on_cpu = pick_device(c.device).type == "cpu"
         settings = HandoffSettings(rank, world, fingerprint(c.model, self._cfg, c.dtype),
                                    c.handoff_timeout_s, c.handoff_budget_mib << 20,
                                    c.handoff_block_size, INLINE_BYTES if on_cpu else 0,
-                                   c.handoff_lease_s, c.handoff_serve,
-                                   c.handoff_advertise)  # fmt: skip
+                                   c.handoff_lease_s, c.handoff_serve, c.handoff_advertise,
+                                   secret=handoff_secret(c), sender=sender)  # fmt: skip
         targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
                                  c.handoff_block_size, settings.fingerprint.layer_kinds,
                                  pulls=c.handoff_serve is not None)  # fmt: skip
