@@ -12,20 +12,30 @@ tagged by its class name (``{"type": "BlockStored", ...}``), defaults omitted, a
 ``[identity, b"", b"", -1 (8 bytes), b""]``. Unlike vLLM's, a replay that reaches back
 past the bounded buffer is answered with the current view instead: one batch, tagged with
 the latest sequence number, that starts with ``AllBlocksCleared`` and stores every block
-announced now — so a subscriber that joins late or missed too much is whole again.
+announced now — so a subscriber that joins late or missed too much is whole again. One
+peer (its address) is answered at most ``REPLAY_BURST`` replays per ``REPLAY_WINDOW_S``;
+more are dropped unanswered.
+
+Given the shared secret (``--handoff-secret``, ``wavepp.signing``), every frame the
+publisher sends carries one frame more, its signature over the topic, the sequence
+number and the payload (:func:`sign_batch`; the end mark too): a subscriber given the
+secret applies only what the secret signed. Without it the frames are vLLM's, exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import struct
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
+
+from wavepp.signing import sign
 
 MAX_BATCH_BYTES = 128 << 20  # one batch's payload; a larger frame is refused undecoded
 MAX_EVENTS = 1 << 20  # events in one batch
@@ -129,6 +139,21 @@ def seq_bytes(seq: int) -> bytes:
 
 MAX_REPLAY_BATCHES = 64  # batches one replay request is answered with; more: the view
 END_SEQ = seq_bytes(-1)  # the replay's last frame, as vLLM ends it
+REPLAY_BURST = 16  # replays one peer is answered within REPLAY_WINDOW_S; more are dropped
+REPLAY_WINDOW_S = 10.0
+MAX_REPLAY_PEERS = 4096  # peers whose replays are counted (the oldest forgotten first)
+DOMAIN = b"wavepp kv-events v1\n"
+
+
+def batch_body(topic: bytes, seq: bytes, payload: bytes) -> bytes:
+    """What a batch's signature covers: the topic (length first), the sequence number
+    and the payload."""
+    return struct.pack(">I", len(topic)) + topic + seq + payload
+
+
+def sign_batch(secret: bytes, topic: bytes, seq: bytes, payload: bytes) -> bytes:
+    """The signature frame of a batch (or of the replay's end mark)."""
+    return sign(secret, DOMAIN, batch_body(topic, seq, payload)).encode()
 
 
 def stored(hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int,
@@ -198,8 +223,12 @@ class EventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None, *, topic: str = "",
                  block_size: int, buffer_steps: int = 10_000, max_queue: int = 100_000,
-                 hwm: int = 100_000) -> None:  # fmt: skip
+                 hwm: int = 100_000, secret: bytes | None = None) -> None:  # fmt: skip
         import zmq
+
+        self._secret = secret
+        self._replays: OrderedDict[str, deque[float]] = OrderedDict()  # peer -> answer times
+        self.num_replays_dropped = 0  # replay requests over their peer's share
 
         self._zmq = zmq
         self._ctx = zmq.Context()
@@ -233,6 +262,11 @@ class EventPublisher:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="wavepp-kv-events", daemon=True)
         self._thread.start()
+
+    @property
+    def signed(self) -> bool:
+        """Whether its batches carry a signature (given the shared secret)."""
+        return self._secret is not None
 
     def publish(self, events: list[Event]) -> int:
         """Send one batch of events; returns its sequence number."""
@@ -276,16 +310,44 @@ class EventPublisher:
             if item is None:
                 return
             seq, payload = item
-            self._pub.send_multipart((self._topic, seq_bytes(seq), payload), copy=False)
+            self._pub.send_multipart(self._frames(seq_bytes(seq), payload), copy=False)
+
+    def _frames(self, seq: bytes, payload: bytes, topic: bytes | None = None) -> tuple:
+        """A batch's frames: topic, seq, payload (and its signature, given the secret)."""
+        topic = self._topic if topic is None else topic
+        if self._secret is None:
+            return (topic, seq, payload)
+        return (topic, seq, payload, sign_batch(self._secret, topic, seq, payload))
+
+    def _over_share(self, peer: str) -> bool:
+        """Whether ``peer`` has had its share of replays lately (and if not, one more)."""
+        now = time.monotonic()
+        times = self._replays.pop(peer, None) or deque()
+        while times and times[0] < now - REPLAY_WINDOW_S:
+            times.popleft()
+        self._replays[peer] = times  # the latest asker last: the oldest go first
+        while len(self._replays) > MAX_REPLAY_PEERS:
+            self._replays.popitem(last=False)
+        if len(times) >= REPLAY_BURST:
+            self.num_replays_dropped += 1
+            return True
+        times.append(now)
+        return False
 
     def _serve_replay(self) -> None:
         zmq = self._zmq
         try:
-            frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            parts = self._replay.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             return
+        frames = [part.bytes for part in parts]
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             return  # not a replay request: nothing to answer
+        peer = "?"
+        with contextlib.suppress(zmq.ZMQError, KeyError):
+            peer = parts[-1].get("Peer-Address") or "?"
+        if self._over_share(peer):
+            return
         client, start = frames[0], int.from_bytes(frames[2], "big", signed=True)
         with self._lock:
             oldest = self._buffer[0][0] if self._buffer else self.last_seq + 1
@@ -300,5 +362,5 @@ class EventPublisher:
             else:
                 replies = [(seq, payload) for seq, payload in self._buffer if seq >= start]
         for seq, payload in replies:
-            self._replay.send_multipart((client, b"", self._topic, seq_bytes(seq), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            self._replay.send_multipart((client, b"", *self._frames(seq_bytes(seq), payload)))
+        self._replay.send_multipart((client, b"", *self._frames(END_SEQ, b"", b"")))

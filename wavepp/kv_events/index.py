@@ -9,6 +9,12 @@ largest k ≤ the probe limit with blocks 0..k-1 held everywhere and a snapshot 
 every L stage (DESIGN §4).
 
 :func:`subscribe` keeps an index current from a publisher's PUB and replay sockets.
+Given the shared secret, it applies only batches the secret signed
+(``wavepp.kv_events.events.sign_batch``): an impostor that binds a replica's port feeds
+it nothing. A batch numbered past what the publisher's own replay socket says it has
+published is not the publisher's and is refused; one numbered past a gap no replay could
+fill clears the index (rebuilt from there), unless it jumps more than ``MAX_SEQ_JUMP``
+ahead, which is refused too.
 """
 
 from __future__ import annotations
@@ -20,17 +26,22 @@ from collections.abc import Sequence
 import attrs
 
 from wavepp.kv_events.events import (
+    DOMAIN,
     MAX_BATCH_BYTES,
     SNAPSHOT_GROUP,
     AllBlocksCleared,
     BlockStored,
     EventsError,
     KVEventBatch,
+    batch_body,
     decode_batch,
 )
+from wavepp.signing import SignatureError, Verifier
 from wavepp.state import BlockHash, longest_prefix, snapshot_floor_linear
 
 logger = logging.getLogger("wavepp.kv_events")
+
+MAX_SEQ_JUMP = 1 << 20  # a batch this far past the last one, unconfirmed, is refused
 
 
 class ReplicaIndex:
@@ -102,12 +113,13 @@ class Feed:
 
 
 def subscribe(endpoint: str, replay_endpoint: str | None, index: ReplicaIndex,
-              topic: str = "", *, silent_s: float = 5.0,
-              replay_timeout_s: float = 2.0) -> _Subscription:  # fmt: skip
+              topic: str = "", *, silent_s: float = 5.0, replay_timeout_s: float = 2.0,
+              secret: bytes | None = None) -> _Subscription:  # fmt: skip
     """Keep ``index`` current from a publisher: returns an awaitable to run as a task,
-    which also shows the feed's ``last_seq`` and ``connected`` (keep it to read them)."""
+    which also shows the feed's ``last_seq`` and ``connected`` (keep it to read them).
+    ``secret``: apply only batches signed with it."""
     return _Subscription(Feed(endpoint, replay_endpoint, topic), index, silent_s,
-                         replay_timeout_s)  # fmt: skip
+                         replay_timeout_s, secret)  # fmt: skip
 
 
 class _Subscription:
@@ -115,11 +127,28 @@ class _Subscription:
     ``connected``) as attributes, so a caller can keep it either way."""
 
     def __init__(self, feed: Feed, index: ReplicaIndex, silent_s: float,
-                 replay_timeout_s: float) -> None:  # fmt: skip
+                 replay_timeout_s: float, secret: bytes | None = None) -> None:  # fmt: skip
         self.feed = feed
         self.index = index
         self.silent_s = silent_s
         self.replay_timeout_s = replay_timeout_s
+        self._verifier = Verifier(secret) if secret else None
+
+    def _signed(self, frames: list[bytes], what: str) -> list[bytes] | None:
+        """``[topic, seq, payload]`` of a batch's frames (their signature checked, given
+        the secret), or None (counted as refused) for frames that are not one."""
+        if self._verifier is None:
+            if len(frames) in (3, 4):  # a signing publisher's fourth frame is ignored
+                return frames[:3]
+        elif len(frames) == 4:
+            try:
+                auth = frames[3].decode("ascii")
+                self._verifier.verify(auth, DOMAIN, batch_body(*frames[:3]), what)
+                return frames[:3]
+            except (UnicodeDecodeError, SignatureError) as error:
+                logger.warning("KV events from %s: %s", self.feed.endpoint, error)
+        self.feed.num_refused += 1
+        return None
 
     @property
     def last_seq(self) -> int | None:
@@ -164,8 +193,11 @@ class _Subscription:
                     if not alive:
                         feed.connected = False
                     continue
-                if len(frames) != 3 or len(frames[1]) != 8 or frames[0] != feed.topic.encode():
+                if len(frames) >= 2 and (len(frames[1]) != 8 or frames[0] != feed.topic.encode()):
                     feed.num_refused += 1
+                    continue
+                frames = self._signed(frames, "KV-event batch")
+                if frames is None:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 feed.connected, feed.last_heard = True, time.monotonic()
@@ -173,12 +205,21 @@ class _Subscription:
                 if last is not None and seq <= last:
                     continue  # already applied (from a replay)
                 if seq != (0 if last is None else last + 1):
+                    answered = False
                     if feed.replay_endpoint is not None:
-                        await self._replay(ctx, 0 if last is None else last + 1)
+                        answered = await self._replay(ctx, 0 if last is None else last + 1)
                         last = feed.last_seq
                         if last is not None and seq <= last:
                             continue
                     if seq != (0 if last is None else last + 1):
+                        ahead = seq - (-1 if last is None else last)
+                        if answered or ahead > MAX_SEQ_JUMP:
+                            # the publisher's own replay has nothing that far (it answered
+                            # up to its latest), or a jump no stream makes: not its batch
+                            feed.num_refused += 1
+                            logger.warning("KV events from %s: batch %d refused: the "
+                                           "publisher is at %s", feed.endpoint, seq, last)
+                            continue
                         self.index.clear()  # missed for good: rebuild from here on
                         feed.num_rebuilds += 1
                 self._apply(seq, frames[2])
@@ -216,9 +257,13 @@ class _Subscription:
             await dealer.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
             while True:
                 frames = await _recv(dealer, self.replay_timeout_s)
-                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                if len(frames) < 4 or frames[0] != b"" or len(frames[2]) != 8:
                     feed.num_refused += 1
                     continue
+                frames = self._signed(frames[1:], "KV-event replay")
+                if frames is None:
+                    continue
+                frames = [b"", *frames]
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 # an answer, a batch or the end mark: the publisher is there (before the
                 # batch is applied, so a reader that sees it applied sees this too)

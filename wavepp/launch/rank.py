@@ -11,7 +11,7 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from wavepp.config import RunConfig, kv_events_replay
+from wavepp.config import RunConfig, handoff_secret, kv_events_replay
 from wavepp.engine import Engine
 from wavepp.exec import compute
 from wavepp.exec.base import Executor
@@ -77,7 +77,7 @@ def build_stage_parts(c: RunConfig, backend: Backend, rank: int, world: int, set
     recurrent = executor.has_recurrent
     book = StageBook(policy.empty_cache(setup.capacity, has_recurrent=recurrent,
                                         snapshot_capacity=snapshot_capacity))  # fmt: skip
-    handoff, handoff_targets = backend.handoff(rank, world)
+    handoff, handoff_targets = backend.handoff(rank, world, setup.run_id)
     cache_log = (StageLog(rank, recurrent, report_limit(world)) if c.kv_events
                  else None)  # fmt: skip
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent,
@@ -100,15 +100,17 @@ def start_kv_events(c: RunConfig, world: int, cache_log: StageLog, hybrid: bool)
 
     try:
         publisher = EventPublisher(c.kv_events, kv_events_replay(c), topic=c.kv_events_topic,
-                                   block_size=c.block_size)  # fmt: skip
+                                   block_size=c.block_size,
+                                   secret=handoff_secret(c))  # fmt: skip
     except OSError as error:
         raise SystemExit(f"wavepp: --kv-events: {error}") from None
     view = PipelineView(world, c.block_size, cache_log.tokens.get)
     info = {"endpoint": publisher.endpoint, "replay": publisher.replay_endpoint,
-            "topic": publisher.topic, "block_size": c.block_size, "recurrent": hybrid}
+            "topic": publisher.topic, "block_size": c.block_size, "recurrent": hybrid,
+            "signed": publisher.signed}
     announcer = Announcer(view, publisher.publish, info)
     log(f"KV events on {publisher.endpoint} (replay {publisher.replay_endpoint}, topic "
-        f"{publisher.topic!r}): blocks every stage holds"
+        f"{publisher.topic!r}{', signed' if publisher.signed else ''}): blocks every stage holds"
         + (", and the points every L stage can resume from (group 1)" if hybrid else ""))
     return publisher, announcer
 
@@ -138,7 +140,8 @@ class RankZero:
         self.engine = Engine(self.coordinator, vocab_size=setup.vocab,
                              min_capacity=setup.min_capacity, block_size=stage.block_size,
                              kv_events=None if announcer is None else announcer.info,
-                             watchdog=watchdog, band_servers=band_servers)  # fmt: skip
+                             watchdog=watchdog, band_servers=band_servers,
+                             run_id=setup.run_id)  # fmt: skip
         self.feed = None
         if client is None:
             self.feed = Feed(self.engine, setup.specs, concurrency=c.concurrency,
