@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 
 import httpx
 import numpy as np
@@ -38,8 +40,9 @@ def stream_tokens(client: httpx.Client, url: str, body: dict) -> tuple[list[int]
 
 
 def test_completions_decode_from_the_handed_off_cache(tmp_path):
-    proc, url, _ = start_server(tmp_path, ["--model", "tiny-kimi", "--seed", "0", "--decode",
-                                           "auto"])  # fmt: skip
+    proc, url, _ = start_server(tmp_path, ["--model", "tiny-kimi", "--seed", "0",
+                                           "--decode", "auto",
+                                           "--handoff-allow", f"unix:{tmp_path}/*"])  # fmt: skip
     cfg = BUILTIN["tiny-kimi"]
     write_checkpoint(tmp_path / "kimi", cfg, random_weights(cfg, 0))
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "kimi").eval()
@@ -67,12 +70,20 @@ def test_completions_decode_from_the_handed_off_cache(tmp_path):
                                                              "stream": True})  # fmt: skip
                 assert streamed == want
                 assert last["choices"][0]["finish_reason"] == "length"
-            # a handoff to nobody: the prefill answers, the handoff says why it failed
+            # a handoff to nobody: the prefill answers, the handoff says that it failed
+            # (and no more: the reason was a failed connect, the log says so)
             answer = client.post(f"{url}/v1/prefill", json={
                 "tokens": doc, "handoff": f"unix:{tmp_path}/nobody.sock"}).json()  # fmt: skip
             assert answer["status"] == "done"
             assert answer["handoff"]["status"] == "failed"
-            assert answer["handoff"]["reason"] == "connect"
+            assert answer["handoff"]["reason"] == "failed"
+            assert answer["handoff"]["stages"][0] == {"stage": 0, "ok": False,
+                                                      "reason": "failed"}  # fmt: skip
+            # an address the operator did not allow: refused before anything runs
+            for where in ("tcp://127.0.0.1:9", "unix:/tmp/elsewhere.sock"):
+                refused = client.post(f"{url}/v1/prefill", json={"tokens": doc, "handoff": where})
+                assert refused.status_code == 403, refused.text
+                assert "is not allowed" in refused.json()["error"]["message"]
             bad = client.post(f"{url}/v1/prefill", json={"tokens": doc, "handoff": "ftp://x"})
             assert bad.status_code == 400 and "handoff" in bad.json()["error"]["message"]
             metrics = parse_exposition(client.get(f"{url}/metrics").text)
@@ -86,3 +97,38 @@ def test_completions_decode_from_the_handed_off_cache(tmp_path):
     assert "decode worker listening on" in err
     record = json.loads((tmp_path / "server.json").read_text())
     assert record["handoff"] == {"done": 4, "connect": 1}
+
+
+def test_a_decoder_outliving_a_restart_decodes_the_new_runs_equal_ids(tmp_path):
+    """A decode worker shared across a server's restart (--decode ADDRESS): the new run
+    names its requests as the old one did ("same"), and its bands are its own, not the
+    old run's already complete ones."""
+    cfg = BUILTIN["tiny-kimi"]
+    write_checkpoint(tmp_path / "kimi", cfg, random_weights(cfg, 0))
+    listen = f"unix:{tmp_path}/decode.sock"
+    worker = subprocess.Popen([sys.executable, "-m", "wavepp.decode", "--model",
+                               str(tmp_path / "kimi"), "--listen", listen],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert worker.stdout.readline().startswith("listening on")
+        prompt = list(range(3, 40))
+        answers = []
+        for run in ("first", "second"):
+            (tmp_path / run).mkdir()
+            proc, url, _ = start_server(tmp_path / run, ["--model", "tiny-kimi", "--seed", "0",
+                                                         "--decode", listen], nproc=1)  # fmt: skip
+            try:
+                with httpx.Client(timeout=120) as client:
+                    answer = client.post(f"{url}/v1/completions", json={
+                        "prompt": prompt, "max_tokens": 4, "request_id": "same"})  # fmt: skip
+                    answers.append((answer.status_code, answer.json()))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                code = proc.wait(120)
+                assert code == 0, (tmp_path / run / "server.err").read_text()[-3000:]
+        assert [code for code, _ in answers] == [200, 200], answers
+        first, second = (body["choices"][0]["token_ids"] for _, body in answers)
+        assert len(first) == 4 and first == second
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(60)

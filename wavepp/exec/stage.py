@@ -141,8 +141,12 @@ class Stage:
         numbers: safe to read from the watchdog's thread)."""
         use = usage(self.book.cache)
         handoffs = {} if self.handoffs is None else self.handoffs.figures()
+        # balanced: 1 while the stage holds nothing for any request (the leak check's
+        # condition, live: 1 whenever no request is in flight)
         return {"busy_s": self.busy_s, "cached": use.num_cached, "free": use.num_free,
-                "capacity": use.capacity, **handoffs}  # fmt: skip
+                "capacity": use.capacity, "leases": use.num_leases,
+                "escrowed": use.num_escrowed, "balanced": float(use.balanced),
+                **handoffs}  # fmt: skip
 
     def sizes(self) -> dict[str, int]:
         """How many entries this stage's per-request books hold."""

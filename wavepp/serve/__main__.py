@@ -20,6 +20,8 @@ from pathlib import Path
 import attrs
 import jinja2
 
+from wavepp.config import handoff_secret
+from wavepp.serve.allow import AllowError, HandoffAllow
 from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES, NO_CHAT, ServeOptions
 from wavepp.serve.chat import ChatTemplate
 from wavepp.serve.decode import check_decode_option, decoder
@@ -66,6 +68,13 @@ def parser() -> argparse.ArgumentParser:
         help="a decode worker (unix:/path or tcp://host:port, python -m wavepp.decode), or "
         "'auto' to start one for the model: /v1/completions then takes max_tokens > 1 and "
         "stream, prefilling on the pipeline and handing the cache to it [none]",
+    )  # fmt: skip
+    p.add_argument(
+        "--handoff-allow", default=None, metavar="PATTERNS",
+        help="where a /v1/prefill body's \"handoff\": \"ADDRESS\" may send the cache, "
+        "besides the run's own --handoff-to and --decode: comma-separated unix:/path, "
+        "unix:/dir/*, tcp://host:port, tcp://CIDR:PORT, tcp://CIDR:LOW-HIGH or tcp://CIDR:* "
+        "(docs/handoff.md); other addresses get 403 [none]",
     )  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model's name in answers")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
@@ -187,6 +196,10 @@ def check(argv: list[str] | None, world: int | None = None):
             flag = "--" + name.replace("_", "-")
             raise SystemExit(f"wavepp serve: {flag} must be positive, got {value:g}")
     config = load(rest, others=frozenset(own))
+    try:
+        allow = HandoffAllow.parse(args.handoff_allow, (config.handoff_to, args.decode))
+    except AllowError as error:
+        raise SystemExit(f"wavepp serve: {error}") from None
     if config.executor == "torch" and config.handoff_serve is None:
         # the server's stages serve bands to decoders (vLLM's P/D protocol) by default
         config = attrs.evolve(config, handoff_serve="auto")
@@ -209,6 +222,8 @@ def check(argv: list[str] | None, world: int | None = None):
         simulated=config.executor == "sim",
         chat=chat,
         no_chat=no_chat,
+        secret=handoff_secret(config),
+        allow=allow,
     )
     if options.decode is not None and config.executor != "torch":
         raise SystemExit("wavepp serve: --decode needs the torch executor")
@@ -236,10 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         from wavepp.serve.server import serve
 
         async with decoder(options.decode, config.model, config.seed, config.dtype,
-                           log) as state:  # fmt: skip
+                           log, config.handoff_secret) as state:  # fmt: skip
             address = state.address if state is not None else None
+            allow = attrs.evolve(options.allow, own=options.allow.own | {address} - {None})
             await serve(engine, args.host, args.port,
-                        attrs.evolve(options, decode=address, decoder=state),
+                        attrs.evolve(options, decode=address, decoder=state, allow=allow),
                         log_level=args.log_level)  # fmt: skip
 
     from wavepp.main import run_ranks

@@ -20,6 +20,7 @@ import numpy as np
 from wavepp.handoff.wire import PULL_TARGET
 from wavepp.ids import MAX_ID_CHARS, id_problem
 from wavepp.runtime.handoff import BandServers
+from wavepp.serve.allow import client_handoff
 from wavepp.serve.errors import ApiError as ApiError  # re-exported
 from wavepp.serve.pd import KvTransferParams, check_shape, remote_decode
 from wavepp.workload import MAX_DEADLINE_S
@@ -292,7 +293,8 @@ def result_body(result: Any, simulated: bool) -> dict:
         "cached_tokens": result.cached_tokens,
         "error": result.error,
         "timings": timings(result),
-        **({"handoff": result.handoff} if getattr(result, "handoff", None) else {}),
+        **({"handoff": client_handoff(result.handoff)}
+           if getattr(result, "handoff", None) else {}),
         **({"deadline_s": result.deadline_s, "deadline_met": result.deadline_met}
            if getattr(result, "deadline_s", None) is not None else {}),
     }

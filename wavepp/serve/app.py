@@ -26,21 +26,20 @@ cause.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import attrs
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from wavepp.errors import RequestRejected
-from wavepp.handoff.client import DecodeError, decode
 from wavepp.ids import id_problem
+from wavepp.serve.allow import HandoffAllow
 from wavepp.serve.api import (
     STATUS_CODE,
     ApiError,
@@ -50,10 +49,9 @@ from wavepp.serve.api import (
     parse_completion,
     parse_prefill,
     result_body,
-    stream_event,
-    wanted_tokens,
 )
 from wavepp.serve.chat import ChatTemplate, parse_chat
+from wavepp.serve.decoding import DecodeLeg, Decoding, log_failed_handoff
 from wavepp.serve.pd import decoder_params
 from wavepp.serve.prom import CONTENT_TYPE, ServerMetrics
 from wavepp.serve.protocol import ServedEngine, ServedHandle, ServedResult
@@ -83,6 +81,9 @@ class ServeOptions:
     simulated: bool = False  # the sim executor predicts the waves: every answer says so
     chat: ChatTemplate | None = None  # the model's chat template (/v1/chat/completions)
     no_chat: str = NO_CHAT  # without one: why, as the 400 says
+    secret: bytes | None = attrs.field(default=None, repr=False)  # signs decode requests
+    # where a /v1/prefill body may send its cache (--handoff-allow, the run's own targets)
+    allow: HandoffAllow = attrs.field(factory=HandoffAllow)
 
 
 RETRY_AFTER_S = 5  # what a 503 tells a client to wait before trying again
@@ -154,21 +155,24 @@ class Frontend:
         self._settled = anyio.Event()  # set (and replaced) each time ``handles`` empties
         self._reading: set[anyio.CancelScope] = set()  # handlers reading a body
         self._waiting: set[anyio.CancelScope] = set()  # handlers awaiting a result
-        self.decoding: set[Decoding] = set()  # completions that decode, to their last byte
         self.metrics = ServerMetrics(engine, lambda: self.in_flight, self.tables,
                                      simulated=options.simulated)  # fmt: skip
+        self.decodes = DecodeLeg(options, engine.run_id, self._check_settled,
+                                 self.metrics.disconnect_cancels.inc)  # fmt: skip
         if options.decoder is not None:
             self.metrics.registry.register(options.decoder)
-        self.metrics.registry.register(_DecodingCollector(self))
+        self.metrics.registry.register(self.decodes)
 
     # -- what the server does to every request in flight -----------------------------------
 
     def set_fault(self, reason: str) -> None:
-        """The runtime failed: every handler answers 503 naming ``reason``, at once."""
+        """The runtime failed: every handler answers 503 naming ``reason``, at once (a
+        completion decoding too: the server is about to stop, and its decoder with it)."""
         if self.fault is None:
             self.fault = reason
             for scope in (*self._reading, *self._waiting):
                 scope.cancel()
+            self.decodes.cut(self._unavailable().message)
 
     def stop_reading(self) -> None:
         """Shutting down: bodies still arriving get 503 instead of being waited for."""
@@ -181,20 +185,9 @@ class Frontend:
         ``cancelled`` with ``reason`` as their error. Returns how many."""
         return sum(1 for rid in list(self.handles) if self.engine.cancel(rid, reason=reason))
 
-    def cut_decodes(self, reason: str) -> int:
-        """Stop every completion still decoding (the drain ran out of time): each answers
-        a JSON 503 with ``reason`` (a stream: an error event, then ``[DONE]``)."""
-        for slot in self.decoding:
-            slot.stop(reason)
-        return len(self.decoding)
-
-    def decoding_now(self) -> int:
-        """Completions past their prefill, decoding."""
-        return sum(1 for slot in self.decoding if slot.started)
-
     async def settled(self) -> None:
         """Returns once no submitted request awaits its result and no completion decodes."""
-        while self.handles or self.decoding:
+        while self.handles or self.decodes.in_flight:
             await self._settled.wait()
 
     def _forget(self, request_id: str) -> None:
@@ -202,19 +195,15 @@ class Frontend:
         self._check_settled()
 
     def _check_settled(self) -> None:
-        if not self.handles and not self.decoding:
+        if not self.handles and not self.decodes.in_flight:
             self._settled.set()
             self._settled = anyio.Event()
-
-    def _decoded_out(self, slot: Decoding) -> None:
-        self.decoding.discard(slot)
-        self._check_settled()
 
     def tables(self) -> dict[str, int]:
         """The server's own tables and their sizes (``wavepp_table_size``)."""
         return {"serve_handles": len(self.handles), "serve_body_reads": len(self._reading),
                 "serve_result_waits": len(self._waiting),
-                "serve_decodes": len(self.decoding)}  # fmt: skip
+                "serve_decodes": len(self.decodes.in_flight)}  # fmt: skip
 
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"the server cannot answer: {self.fault}", "unavailable")
@@ -317,7 +306,10 @@ class Frontend:
             answer = await work(request)
         except ApiError as error:
             self.metrics.http_answer(route, error.status)
-            return _error(error)
+            response = _error(error)
+            if error.status == 503 and (self.fault or self.closing or self.engine.draining):
+                response.headers["Connection"] = "close"  # going away: no kept-alive reuse
+            return response
         if isinstance(answer, Response):  # a stream: its status is sent first
             self.metrics.http_answer(route, answer.status_code)
             return answer
@@ -332,7 +324,11 @@ class Frontend:
             submission = await _off_loop_if_big(
                 raw, parse_prefill, raw, self.options.tokenize
             )
+            refused = self.options.allow.problem(submission.handoff)
+            if refused:
+                raise ApiError(403, refused, "forbidden")
             result = await self._run(request, submission)
+            log_failed_handoff(result)
             answer = result_body(result, self.options.simulated)
             self._add_pull(answer, result, submission)
             return answer, STATUS_CODE.get(result.status, 500)
@@ -365,8 +361,7 @@ class Frontend:
             if down:
                 raise ApiError(503, f"the decoder cannot serve completions now: {down}",
                                "unavailable")  # fmt: skip
-            slot = Decoding()  # in flight for the drain from here to its last byte
-            self.decoding.add(slot)
+            slot = self.decodes.start()  # in flight for the drain from here to its last byte
             streaming = False
             try:
                 reply = await answer(request, submission, body, slot)
@@ -374,14 +369,14 @@ class Frontend:
                 return reply
             finally:
                 if not streaming:  # a stream's slot goes when its last event is sent
-                    self._decoded_out(slot)
+                    self.decodes.out(slot)
 
         async def answer(request: Request, submission: Submission, body,
                          slot: Decoding | None = None) -> tuple[dict, int] | Response:  # fmt: skip
             result = await self._run(request, submission)
             answer_id = _echoed(request.headers.get("x-request-id"))
             if slot is not None and result.status == "done":
-                return await self._decoded(request, result, body, answer_id, chat, slot)
+                return await self.decodes.answer(request, result, body, answer_id, chat, slot)
             answer = completion_body(result, body, self.options.detokenize,
                                      self.options.simulated, answer_id=answer_id,
                                      chat=chat)  # fmt: skip
@@ -404,108 +399,6 @@ class Frontend:
             answer["kv_transfer_params"] = params
         if submission.ignored:
             answer.get("wavepp", answer)["ignored"] = list(submission.ignored)
-
-    async def _decoded(self, request: Request, result: ServedResult, body,
-                       answer_id: str | None, chat: bool,
-                       slot: Decoding) -> tuple[dict, int] | Response:  # fmt: skip
-        """The prompt was prefilled and its cache handed to the decoder: its tokens. A
-        client that leaves stops its decode (the worker's connection closes)."""
-        handoff = result.handoff or {}
-        if handoff.get("status") != "done":
-            raise ApiError(502, f"the prompt's cache did not reach the decoder at "
-                           f"{self.options.decode}: {handoff.get('error')}", "decoder_error")
-        stream = decode(self.options.decode, result.request_id, wanted_tokens(body),
-                        self.options.decode_timeout_s)  # fmt: skip
-        shape = {"answer_id": answer_id, "chat": chat}
-        slot.started = True
-        if body.stream:
-            return _DecodeStream(self._events(result, body, stream, shape, slot),
-                                 on_close=lambda: self._decoded_out(slot),
-                                 media_type="text/event-stream")  # fmt: skip
-        token_ids: list[int] = []
-        failure: DecodeError | None = None
-        gone = False
-
-        async def watch_disconnect(scope: anyio.CancelScope) -> None:
-            nonlocal gone
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            gone = True
-            scope.cancel()
-
-        with anyio.CancelScope() as scope:
-            slot.scope = scope
-            if slot.cut:
-                scope.cancel()
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_disconnect, scope)
-                try:
-                    async for chunk in stream:
-                        token_ids += chunk
-                except DecodeError as error:
-                    failure = error
-                finally:
-                    await stream.aclose()  # the worker's connection closes: it stops
-                tg.cancel_scope.cancel()
-        slot.scope = None
-        if gone:
-            self.metrics.disconnect_cancels.inc()
-            raise ApiError(499, "the client disconnected while its completion decoded")
-        if slot.cut:
-            raise ApiError(503, slot.cut, "unavailable")
-        if failure is not None:
-            raise ApiError(502, str(failure), "decoder_error")
-        return completion_body(result, body, self.options.detokenize, self.options.simulated,
-                               token_ids, **shape), 200  # fmt: skip
-
-    async def _events(self, result: ServedResult, body, stream, shape: dict,
-                      slot: Decoding) -> AsyncIterator[str]:  # fmt: skip
-        """Server-sent events as OpenAI clients read them: a chunk per batch of tokens,
-        the last with its finish reason and the usage, then ``[DONE]``; a decoder's
-        failure, or the drain's end, is an error event, then ``[DONE]``."""
-        token_ids: list[int] = []
-        detokenize, simulated = self.options.detokenize, self.options.simulated
-        try:
-            while not slot.cut:
-                failure = chunk = None
-                with anyio.CancelScope() as scope:  # the drain's cut (never across a yield)
-                    slot.scope = scope
-                    try:
-                        chunk = await stream.__anext__()
-                    except StopAsyncIteration:
-                        pass
-                    except DecodeError as error:
-                        failure = ApiError(502, str(error), "decoder_error")
-                slot.scope = None
-                if slot.cut:
-                    break
-                if failure is not None:
-                    yield f"data: {json.dumps(failure.body())}\n\ndata: [DONE]\n\n"
-                    return
-                if chunk is None:
-                    break
-                token_ids += chunk
-                event = stream_event(completion_body(result, body, detokenize, simulated,
-                                                     chunk, **shape))  # fmt: skip
-                yield f"data: {json.dumps(event)}\n\n"
-        finally:
-            slot.scope = None
-            with anyio.CancelScope(shield=True):
-                await stream.aclose()  # the worker's connection closes: it stops
-        if slot.cut:
-            cut = ApiError(503, slot.cut, "unavailable").body()
-            yield f"data: {json.dumps(cut)}\n\ndata: [DONE]\n\n"
-            return
-        final = completion_body(result, body, detokenize, simulated, token_ids, **shape)
-        choice = final["choices"][0]
-        choice["token_ids"] = []
-        if "message" in choice:
-            choice["delta"] = {"role": "assistant", "content": ""}
-            del choice["message"]
-            final["object"] = "chat.completion.chunk"
-        else:
-            choice["text"] = ""
-        yield f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n"
 
     async def cancel(self, request: Request) -> Response:
         request_id = request.path_params["request_id"]
@@ -559,50 +452,6 @@ class Frontend:
             ],
         }
         return self._answer("/v1/models", body, 200)
-
-
-class Decoding:
-    """A completion that decodes (``--decode``): in flight from its submission to its
-    last byte, so a drain waits for it; ``stop`` ends its decode with the reason."""
-
-    def __init__(self) -> None:
-        self.started = False  # its prefill is done: it decodes
-        self.cut: str | None = None  # why the server stopped it
-        self.scope: anyio.CancelScope | None = None  # what it awaits now
-
-    def stop(self, reason: str) -> None:
-        self.cut = reason
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-class _DecodeStream(StreamingResponse):
-    """A decoded completion's event stream; ``on_close`` runs however it ends (sent,
-    the client gone, never started)."""
-
-    def __init__(self, content, on_close: Callable[[], None], **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-class _DecodingCollector:
-    """``wavepp_decodes_in_flight``: completions decoding now (their prefill done)."""
-
-    def __init__(self, front: Frontend) -> None:
-        self.front = front
-
-    def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
-
-        yield GaugeMetricFamily("wavepp_decodes_in_flight", "completions decoding now "
-                                "(--decode): their prefill is done, their tokens not all sent",
-                                value=float(self.front.decoding_now()))  # fmt: skip
 
 
 def _echoed(header: str | None) -> str | None:

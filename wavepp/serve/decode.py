@@ -8,7 +8,7 @@ model: a Hugging Face checkpoint directory as it is, the built-in ``tiny-kimi`` 
 out as a Kimi Linear directory first. It is stopped when the server stops.
 
 The server watches its decoder (:class:`Decoder`): it probes the address every
-``PROBE_INTERVAL_S`` (a ``b"WPHP"`` the worker answers); the worker it started it also
+``PROBE_INTERVAL_S`` (a ``b"WPHL"`` the worker answers); the worker it started it also
 restarts when it exits, after ``RESTART_DELAYS_S`` (1 s, then 2, 4, 8, 16, 30 s while it
 keeps failing; back to 1 s once one stayed up ``STABLE_S``), saying so in the log and in
 ``/metrics`` (``wavepp_decoder_up``, ``wavepp_decoder_restarts_total``). While it cannot
@@ -33,10 +33,9 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
+from wavepp.handoff.client import PING_MAGIC, PONG
 from wavepp.handoff.wire import parse_address
 
-PING_MAGIC = b"WPHP"  # a liveness probe on the worker's address; it answers PONG
-PONG = b"WPHP"
 START_TIMEOUT_S = 300.0  # loading the model may take minutes for a large checkpoint
 
 
@@ -139,10 +138,12 @@ async def _watch(decoder: Decoder, log) -> None:
 
 
 @contextlib.asynccontextmanager
-async def decoder(option: str | None, model: str, seed: int, dtype: str,
-                  log) -> AsyncIterator[Decoder | None]:  # fmt: skip
+async def decoder(option: str | None, model: str, seed: int, dtype: str, log,
+                  secret_file: str | None = None) -> AsyncIterator[Decoder | None]:  # fmt: skip
     """The decoder for the server's lifetime (None without ``--decode``): probed
-    (``--decode ADDRESS``), or started, watched and restarted with backoff (``auto``)."""
+    (``--decode ADDRESS``), or started, watched and restarted with backoff (``auto``:
+    given the run's ``--handoff-secret`` file, or $WAVEPP_HANDOFF_SECRET, which it
+    inherits)."""
     if option is None:
         yield None
         return
@@ -165,6 +166,8 @@ async def decoder(option: str | None, model: str, seed: int, dtype: str,
         address = f"unix:{scratch / 'decode.sock'}"
         worker.command = [sys.executable, "-m", "wavepp.decode", "--model", str(directory),
                           "--listen", address, "--dtype", dtype]  # fmt: skip
+        if secret_file:
+            worker.command += ["--handoff-secret", secret_file]
         state = Decoder(address, managed=True)
         log(f"starting the decode worker: {' '.join(worker.command)}")
         ready = await worker.start()

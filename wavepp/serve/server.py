@@ -161,17 +161,17 @@ async def serve(
     async def stop_when_draining() -> None:
         await stopping.wait()
         if not engine.fault():
-            decoding = front.decoding_now()
+            decoding = front.decodes.decoding_now()
             _log(f"draining: new requests get 503; {len(front.handles) + decoding} in flight "
                  f"({decoding} decoding) get up to {options.drain_timeout_s:g} s "
                  "(--drain-timeout-s)")  # fmt: skip
         with anyio.move_on_after(options.drain_timeout_s):
             await front.settled()  # a fault answers them all at once (follow_fault)
-        if (front.handles or front.decoding) and not engine.fault():
+        if (front.handles or front.decodes.in_flight) and not engine.fault():
             reason = (f"cancelled: the server drained and its drain timeout "
                       f"({options.drain_timeout_s:g} s, --drain-timeout-s) ran out")  # fmt: skip
             count = front.cancel_in_flight(reason)
-            cut = front.cut_decodes(reason)
+            cut = front.decodes.cut(reason)
             front.metrics.drain_cancels.inc(count + cut)
             _log(f"drain timeout: cancelled {count} requests and {cut} completions still in flight")
         with anyio.move_on_after(SHUTDOWN_GRACE_S):  # their answers go out
