@@ -11,6 +11,8 @@ import json
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -99,36 +101,66 @@ def test_completions_decode_from_the_handed_off_cache(tmp_path):
     assert record["handoff"] == {"done": 4, "connect": 1}
 
 
+def _decode_worker(model: Path, listen: str) -> subprocess.Popen:
+    worker = subprocess.Popen([sys.executable, "-m", "wavepp.decode", "--model", str(model),
+                               "--listen", listen], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert worker.stdout.readline().startswith("listening on")
+    return worker
+
+
+def _health(url: str) -> httpx.Response:
+    return httpx.get(f"{url}/health", timeout=30)
+
+
+def _until(what, guard_s: float = 120.0):
+    deadline = time.monotonic() + guard_s  # a hang guard
+    while not (got := what()):
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.3)
+    return got
+
+
 def test_a_decoder_outliving_a_restart_decodes_the_new_runs_equal_ids(tmp_path):
     """A decode worker shared across a server's restart (--decode ADDRESS): the new run
     names its requests as the old one did ("same"), and its bands are its own, not the
-    old run's already complete ones."""
+    old run's already complete ones. The server probes that worker: while it is gone
+    /health says degraded (and why), and once it answers again completions decode."""
     cfg = BUILTIN["tiny-kimi"]
     write_checkpoint(tmp_path / "kimi", cfg, random_weights(cfg, 0))
     listen = f"unix:{tmp_path}/decode.sock"
-    worker = subprocess.Popen([sys.executable, "-m", "wavepp.decode", "--model",
-                               str(tmp_path / "kimi"), "--listen", listen],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    worker = _decode_worker(tmp_path / "kimi", listen)
+    prompt = list(range(3, 40))
+    body = {"prompt": prompt, "max_tokens": 4, "request_id": "same"}
+    answers = []
     try:
-        assert worker.stdout.readline().startswith("listening on")
-        prompt = list(range(3, 40))
-        answers = []
         for run in ("first", "second"):
             (tmp_path / run).mkdir()
             proc, url, _ = start_server(tmp_path / run, ["--model", "tiny-kimi", "--seed", "0",
                                                          "--decode", listen], nproc=1)  # fmt: skip
             try:
-                with httpx.Client(timeout=120) as client:
-                    answer = client.post(f"{url}/v1/completions", json={
-                        "prompt": prompt, "max_tokens": 4, "request_id": "same"})  # fmt: skip
-                    answers.append((answer.status_code, answer.json()))
+                answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                answers.append((answer.status_code, answer.json()))
+                if run == "second":  # the worker goes, and comes back
+                    worker.send_signal(signal.SIGTERM)
+                    worker.wait(60)
+                    down = _until(lambda: (h := _health(url)).status_code == 503 and h)  # noqa: B023
+                    assert down.json()["status"] == "degraded"
+                    assert f"the decode worker at {listen} does not answer" in down.json()["error"]
+                    refused = httpx.post(f"{url}/v1/completions", json={**body, "request_id":
+                                         "x"}, timeout=60)  # fmt: skip
+                    assert refused.status_code == 503, refused.text
+                    worker = _decode_worker(tmp_path / "kimi", listen)
+                    _until(lambda: _health(url).status_code == 200)  # noqa: B023
+                    again = httpx.post(f"{url}/v1/completions", json={**body, "request_id":
+                                       "y"}, timeout=120)  # fmt: skip
+                    answers.append((again.status_code, again.json()))
             finally:
                 proc.send_signal(signal.SIGTERM)
                 code = proc.wait(120)
                 assert code == 0, (tmp_path / run / "server.err").read_text()[-3000:]
-        assert [code for code, _ in answers] == [200, 200], answers
-        first, second = (body["choices"][0]["token_ids"] for _, body in answers)
-        assert len(first) == 4 and first == second
+        assert [code for code, _ in answers] == [200, 200, 200], answers
+        tokens = [a["choices"][0]["token_ids"] for _, a in answers]
+        assert len(tokens[0]) == 4 and tokens[0] == tokens[1] == tokens[2]
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(60)
