@@ -145,12 +145,11 @@ def pull_band(address: str, pull: wire.Pull, gate: Gate, *, num_stages: int, num
             gate.check(header)
             _check_named(header, pull, num_stages, num_tokens)
             for spec in header.tensors:
-                buf = bytearray(spec.nbytes)
-                reader.into(memoryview(buf))
+                # read straight into the tensor's memory (torch.empty: no zeroing pass)
+                raw = torch.empty(spec.nbytes, dtype=torch.uint8)
+                reader.into(memoryview(raw.numpy()))
                 left -= spec.nbytes
-                tensor = torch.frombuffer(buf, dtype=getattr(torch, spec.dtype)) if buf else (
-                    torch.empty(0, dtype=getattr(torch, spec.dtype)))  # fmt: skip
-                tensor = tensor.view(spec.shape)
+                tensor = raw.view(getattr(torch, spec.dtype)).view(spec.shape)
                 if spec.layer == -1:
                     gate.check_tokens({(-1, spec.name): tensor})
                 take(spec, tensor)
