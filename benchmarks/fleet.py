@@ -44,7 +44,7 @@ import httpx
 import numpy as np
 
 from wavepp.bench import load as load_bench
-from wavepp.route.replay import measure, session_line, session_table
+from wavepp.route.replay import measure, session_line, session_table, why_table
 from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec
 from wavepp.workload.sessions import SHAPES, replay_order, session_trace, write_trace
@@ -54,7 +54,7 @@ SESSION_WORKLOADS = ("chat", "docs", "agent", "mooncake")  # replayed by wavepp.
 PREFIX_BEFORE = "wavepp.route.policies:prefix_before"  # prefix before issue 58
 
 
-def _sim_argv(setup: Setup) -> list[str]:
+def _sim_argv(setup: Setup) -> list[str]:  # what a replica runs: chosen once, by name
     return ["--executor", "sim", "--model", setup.model, "--time-scale", str(setup.time_scale)]
 
 
@@ -63,7 +63,7 @@ def _torch_argv(setup: Setup) -> list[str]:
             "--block-size", str(BLOCK_SIZE["torch"])]  # fmt: skip
 
 
-EXECUTORS = {"sim": _sim_argv, "torch": _torch_argv}  # what a replica runs: chosen once
+EXECUTORS = {"sim": _sim_argv, "torch": _torch_argv}
 BLOCK_SIZE = {"sim": 64, "torch": 16}  # the servers' default block sizes
 VOCAB = {"sim": 32_000, "torch": 512}  # token ids below this (tiny models' vocabularies)
 MOONCAKE_LINES = 400  # the Mooncake trace's lines replayed unless --requests says
@@ -322,7 +322,7 @@ def run_bench(setup: Setup, logs: Path) -> dict:
                 pools[f"{workload}/N={n}"] = {"replica": capacity, "ceiling": capacity * n}
                 label = f"{workload}-n{n}"
                 with replicas(procs, setup, n, capacity, label) as urls:
-                    for policy in setup.policies:
+                    for policy in [p for p in setup.policies if p != "big"]:
                         with router(procs, urls, policy, label) as url:
                             for load in _loads(setup):
                                 run += 1
@@ -347,11 +347,9 @@ def run_bench(setup: Setup, logs: Path) -> dict:
 def session_requests(workload: str, seed: int, setup: Setup, folder: Path):
     """(token lists, arrival trace seconds, the turn each follows) of a session workload."""
     path = TRACE if workload == "mooncake" else folder / f"{workload}-s{seed}.jsonl"
-    if workload != "mooncake":
-        shape = SHAPES[workload]
-        if setup.executor == "torch":  # a small model on CPU: short conversations
-            shape = attrs.evolve(shape, max_input=TORCH_MAX_INPUT)
-        write_trace(session_trace(shape, seed), path)
+    if workload != "mooncake":  # on torch (a small model on CPU), short conversations
+        cap = {"max_input": TORCH_MAX_INPUT} if setup.executor == "torch" else {}
+        write_trace(session_trace(attrs.evolve(SHAPES[workload], **cap), seed), path)
     lines = setup.trace_lines or (MOONCAKE_LINES if workload == "mooncake" else None)
     specs, after = replay_order(path, lines, seed, BLOCK_SIZE[setup.executor],
                                 VOCAB[setup.executor])  # fmt: skip
@@ -382,11 +380,12 @@ def run_sessions(procs: Processes, setup: Setup, workload: str, seed: int, n: in
             _log(session_line(rows[-1]))
 
     with replicas(procs, setup, n, capacity, label) as urls:
-        for policy in setup.policies:
+        for policy in [p for p in setup.policies if p != "big"]:
             with router(procs, urls, policy, label, ["--explain", *setup.route_options]) as url:
                 one(url, policy)
-    with replicas(procs, setup, 1, capacity * n, f"{label}-big", n * setup.stages) as (url,):
-        one(url, "big")
+    if "big" in setup.policies:  # one pipeline of the fleet's size, not routed
+        with replicas(procs, setup, 1, capacity * n, f"{label}-big", n * setup.stages) as (u,):
+            one(u, "big")
     return run
 
 
@@ -487,7 +486,7 @@ def setup_from(args: argparse.Namespace) -> Setup:
     return Setup(
         replicas=tuple(args.replicas or ((2,) if quick else (2, 4))),
         stages=args.stages,
-        policies=tuple(args.policies or POLICIES),
+        policies=tuple(args.policies or (*POLICIES, "big")),
         workloads=tuple(args.workloads or SESSION_WORKLOADS),
         loads=tuple(args.loads or ((0.5, 1.5, 3.0) if quick else (0.5, 1.0, 1.5, 2.0, 3.0))),
         requests=args.requests or (60 if quick else 100),
@@ -521,7 +520,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=lambda s: [int(x) for x in s.split(",")],
                    help="fleet sizes [2,4; quick: 2]")
     p.add_argument("--stages", type=int, default=2, help="P, stages per pipeline [2]")
-    p.add_argument("--policies", type=lambda s: s.split(","), help=f"[{','.join(POLICIES)}]")
+    p.add_argument("--policies", type=lambda s: s.split(","),
+                   help=f"and prefix-before, big (one N x P pipeline) [{','.join(POLICIES)},big]")
     p.add_argument("--workloads", type=lambda s: s.split(","),
                    help=f"conversation traces {', '.join(SESSION_WORKLOADS)} (replayed, the "
                    "router explaining each choice), conversation (wavepp.bench.load) "
@@ -550,9 +550,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the conversation workload's prompt scale (--prompt-tokens) [8192]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--closed-loop", type=int, default=None, metavar="C",
-                   help="instead of --loads: closed loop, C requests in flight per replica "
-                   "(the ceiling gets N x C) — each policy's saturated throughput")
+                   help="conversation: closed loop, C in flight a replica (N x C: ceiling)")
     p.add_argument("--json", help="write the record here")
+    p.add_argument("--report", metavar="JSON", help="print a record's tables, run nothing")
     p.add_argument("--plots", help="write the plots into this folder")
     p.add_argument("--logs", default=None, help="children's logs folder [a temporary one]")
     return p  # fmt: skip
@@ -560,15 +560,18 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    if args.report:  # a record's conversation-trace tables
+        return print(session_table(rec := json.loads(Path(args.report).read_text())),
+                     why_table(rec), sep="\n\n")  # fmt: skip
     setup = setup_from(args)
     if args.stages < 1 or args.time_scale <= 0 or not setup.loads or min(setup.loads) <= 0:
         raise SystemExit("benchmarks.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")
     if args.closed_loop is not None and args.closed_loop < 1:
         raise SystemExit("benchmarks.fleet: --closed-loop C needs C ≥ 1")
-    unknown = set(setup.policies) - {*POLICIES, "prefix-before"}
+    unknown = set(setup.policies) - {*POLICIES, "prefix-before", "big"}
     if unknown:
         raise SystemExit(f"benchmarks.fleet: unknown policies {sorted(unknown)}; "
-                         f"one of {', '.join(POLICIES)}, prefix-before")  # fmt: skip
+                         f"one of {', '.join(POLICIES)}, prefix-before, big")  # fmt: skip
     legacy = set(setup.workloads) - set(SESSION_WORKLOADS)
     if setup.executor == "torch" and legacy:
         raise SystemExit(f"benchmarks.fleet: --executor torch runs {', '.join(SESSION_WORKLOADS)}"

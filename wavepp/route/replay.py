@@ -18,7 +18,7 @@ import attrs
 import httpx
 import numpy as np
 
-from wavepp.route.explain import breakdown, producers
+from wavepp.route.explain import CAUSES, breakdown, producers
 from wavepp.state import block_hashes
 from wavepp.stats import percentile
 
@@ -213,3 +213,24 @@ def measure(url: str, token_lists: Sequence[np.ndarray], arrivals_s: Sequence[fl
             "expected_share": sum(e for _, e in expected) / sum(len(t) for t in token_lists),
             "why": breakdown(records, expected, reads_memory, head_tokens),
             "records": records}  # fmt: skip
+
+
+def why_table(record: dict) -> str:
+    """Per replayed run: reused against ideal, and the ideal's lost tokens by cause (each a
+    share of the ideal's reused tokens), the requests sent away from their producer's
+    replica, and the chosen replica's predicted cached tokens against what it granted."""
+    short = ("cut<30%", "load", "comp.else", "events", "snap.floor", "evicted", "comp.here",
+             "admission", "no-answer")  # CAUSES, in order
+    lines = ["workload seed policy        load  got/ideal " + " ".join(
+        f"{name:>10}" for name in short) + "  moved  pred =/</>"]  # fmt: skip
+    for r in record["rows"]:
+        why = r.get("why")
+        if not why:
+            continue
+        ideal = max(why["expected_tokens"], 1)
+        lost = " ".join(f"{100 * why['lost_tokens'][c] / ideal:9.1f}%" for c in CAUSES)
+        lines.append(f"{r['workload']:<8} {r['seed']:>4} {r['policy']:<13} {r['load']:4.1f}  "
+                     f"{100 * why['cached_tokens'] / ideal:8.1f}%  {lost}  "
+                     f"{why['moved_from_producer']:>5}  {why['predicted_exact']}/"
+                     f"{why['predicted_under']}/{why['predicted_over']}")  # fmt: skip
+    return "\n".join(lines)
