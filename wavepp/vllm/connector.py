@@ -1,4 +1,4 @@
-"""``WavePPConnector``: vLLM (0.32, CPU) decoding a prompt whose cache WavePP's pipeline
+"""``WavePPConnector``: vLLM (CPU, 0.31 and 0.32) decoding a prompt whose cache WavePP's pipeline
 computed, pulling each stage's band straight from that stage's band server
 (``docs/handoff.md``, the connector). Loaded by an unmodified vLLM::
 
