@@ -273,7 +273,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="also WavePP with its rows-only last layer (reported apart)")
     p.add_argument("--models-dir", help="keep the written models here (default: a temp dir)")
     p.add_argument("--cores", type=int, default=usable_cores(), help="cores both engines use")
-    p.add_argument("--vllm-kv-gib", type=int, default=8, help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--vllm-kv-gib", type=int, default=4,
+                   help="VLLM_CPU_KVCACHE_SPACE (the largest row needs about 2.2 GiB: "
+                   "llama-24l fp32 shared-8k; vLLM's worker held 10 GiB at 8 and was "
+                   "killed for memory on this 24 GiB machine)")  # fmt: skip
     p.add_argument("--smoke", action="store_true",
                    help="check the driver end to end: rows cut to 1/16, two settings each, "
                    "1 timed call a setting; the record says smoke (never a result)")  # fmt: skip
