@@ -26,6 +26,7 @@ DRIVER = Path(__file__).with_name("vllm_events_driver.py")
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
     pytest.mark.skipif(
         not Path(VLLM_PYTHON).exists(),
         reason=f"no vLLM venv at {VLLM_PYTHON} (set WAVEPP_VLLM_PYTHON; "

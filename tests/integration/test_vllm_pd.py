@@ -2,7 +2,9 @@
 ``WavePPConnector`` (kv_consumer, ``kv_load_failure_policy: recompute``), WavePP's
 server at P = 2 on the same tiny Llama (tokenizer and chat template included), and
 ``python -m wavepp.route --replica ... --decoder ...`` as the P/D proxy — one set for
-the module, started once (``vllm serve`` takes most of a minute on 2 cores).
+the module, started once (``vllm serve`` takes most of a minute on 2 cores). Every frame
+between them is signed with a shared secret (``--handoff-secret``, the connector's
+``secret_file``).
 
 - vLLM's greedy answers through the P/D path equal vLLM's alone (the same server, the
   prompts sent without ``kv_transfer_params`` before anything was loaded, then its prefix
@@ -101,7 +103,11 @@ class Rig:
         self.model = tmp / "llama"
         v.chat_llama(self.model)
         self.procs: list[subprocess.Popen] = []
-        self.vllm_proc, self.vllm = v.start_vllm(tmp, self.model, connector=v.connector_config())
+        # every frame signed: the stages' bands, the connector's pulls (WavePP's secret)
+        self.secret = tmp / "secret"
+        self.secret.write_text("the fleet's secret, 32 bytes....\n")
+        self.vllm_proc, self.vllm = v.start_vllm(
+            tmp, self.model, connector=v.connector_config(secret_file=str(self.secret)))
         self.procs.append(self.vllm_proc)
         self.client = httpx.Client(timeout=300)
         # vLLM alone: every prompt, before anything is loaded; then its own cache emptied
@@ -113,7 +119,8 @@ class Rig:
             self.alone[name] = v.answer_of(reply.json())
             self.num_tokens[name] = reply.json()["usage"]["prompt_tokens"]
         assert self.client.post(self.vllm + "/reset_prefix_cache").status_code == 200
-        self.wavepp_proc, self.wavepp, self.rank0 = start_server(tmp, wavepp_options(self.model))
+        self.wavepp_proc, self.wavepp, self.rank0 = start_server(
+            tmp, wavepp_options(self.model, self.secret))
         self.procs.append(self.wavepp_proc)
         self.router_proc, self.router = v.start_router(tmp, self.wavepp, self.vllm)
         self.procs.append(self.router_proc)
@@ -161,9 +168,9 @@ class Rig:
             v.stop(proc)
 
 
-def wavepp_options(model: Path) -> list[str]:
+def wavepp_options(model: Path, secret: Path) -> list[str]:
     return ["--model", str(model), "--seed", "0", "--block-size", "16", "--capacity-blocks",
-            "512", "--handoff-lease-s", str(LEASE_S)]  # fmt: skip
+            "512", "--handoff-lease-s", str(LEASE_S), "--handoff-secret", str(secret)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +298,7 @@ def test_a_stage_killed_mid_pull_is_a_load_error_that_vllm_recomputes(rig):
     answers the next request."""
     tmp = rig.tmp / "killed"
     tmp.mkdir()
-    proc, url, rank0 = start_server(tmp, wavepp_options(rig.model))
+    proc, url, rank0 = start_server(tmp, wavepp_options(rig.model, rig.secret))
     relay = None
     try:
         before = _errors(rig, "broken")
