@@ -82,20 +82,20 @@ SHAPES: dict[str, SessionShape] = {
     shape.name: shape
     for shape in (
         # chat: short questions and answers, long pauses, a few turns
-        _shape("chat", sessions=(120, 0.5), turns=(4.0, 12), head=(1, 6, 1),
+        _shape("chat", sessions=(240, 1.0), turns=(4.0, 12), head=(1, 6, 1),
                first=Lognormal(900, 0.8, 64, 8000), user=Lognormal(250, 0.8, 16, 4000),
                answer=Lognormal(350, 0.6, 32, 2000), think=Lognormal(15.0, 0.7, 2.0, 120.0),
                max_input=32_768),
         # documents: a long first message (a file to read), short follow-ups
-        _shape("docs", sessions=(80, 0.3), turns=(3.5, 10), head=(2, 4, 1),
+        _shape("docs", sessions=(160, 0.6), turns=(3.5, 10), head=(2, 4, 1),
                first=Lognormal(7000, 0.5, 1000, 24000), user=Lognormal(150, 0.7, 16, 2000),
                answer=Lognormal(300, 0.6, 32, 2000), think=Lognormal(20.0, 0.6, 3.0, 120.0),
                max_input=49_152),
         # agent: a tool-laden system prompt, many fast turns of tool output
-        _shape("agent", sessions=(40, 0.15), turns=(10.0, 30), head=(4, 3, 2),
+        _shape("agent", sessions=(80, 0.3), turns=(10.0, 30), head=(4, 3, 2),
                first=Lognormal(1200, 0.6, 64, 8000), user=Lognormal(900, 0.9, 32, 8000),
                answer=Lognormal(150, 0.6, 16, 1000), think=Lognormal(1.5, 0.8, 0.2, 20.0),
-               max_input=65_536),
+               max_input=32_768),
     )
 }  # fmt: skip
 
