@@ -120,6 +120,13 @@ def test_a_window_without_a_common_point_moves_down_instead_of_dropping_all_reus
     assert result.counters.to_json() == {"disagreements": 1, "rollbacks": 0, "fallbacks": 1}
 
 
+def _band(col) -> int:
+    out = -1
+    for v in col:
+        out &= v
+    return out
+
+
 class _Plane:
     """In-process ranks: every collective waits for all ranks' values."""
 
@@ -133,13 +140,14 @@ class _Plane:
     def rank(self, r: int) -> _Rank:
         return _Rank(self, r)
 
-    async def reduce(self, r: int, values, op) -> list[int]:
+    async def reduce(self, r: int, values, ops) -> list[int]:
+        """``ops(i)``: the operation reducing column ``i``."""
         self.pending.append((r, list(values)))
         done = self.done
         if len(self.pending) == self.world:
             rows = [v for _, v in self.pending]
             assert len({len(v) for v in rows}) == 1, "ranks issued different collectives"
-            self.result = [op(col) for col in zip(*rows, strict=True)]
+            self.result = [ops(i)(col) for i, col in enumerate(zip(*rows, strict=True))]
             self.pending, self.done = [], anyio.Event()
             self.collectives += 1
             done.set()
@@ -152,16 +160,17 @@ class _Rank:
         self.plane, self.rank, self.world_size = plane, rank, plane.world
 
     async def all_min(self, values):
-        return await self.plane.reduce(self.rank, values, min)
+        return await self.plane.reduce(self.rank, values, lambda i: min)
 
     async def all_and(self, values):
-        def band(col):
-            out = -1
-            for v in col:
-                out &= v
-            return out
+        return await self.plane.reduce(self.rank, values, lambda i: _band)
 
-        return await self.plane.reduce(self.rank, values, band)
+    async def all_reduce(self, mins, ands):
+        """MIN and AND in one collective, as the planes do."""
+        split = len(mins)
+        got = await self.plane.reduce(self.rank, [*mins, *ands],
+                                      lambda i: min if i < split else _band)  # fmt: skip
+        return got[:split], got[split:]
 
 
 def _run_round_on_every_rank(caches, offers, anchors):

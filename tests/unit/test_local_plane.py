@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from wavepp.transport.base import PlaneError
-from wavepp.transport.frames import BROADCAST, HELLO, MIN
+from wavepp.transport.frames import BROADCAST, HELLO, MIN, REDUCE
 from wavepp.transport.frames import ROUNDS_MAGIC as MAGIC
 from wavepp.transport.unix import SocketRoundsPlane
 
@@ -115,10 +115,11 @@ async def _rank0_and_raw_peer(world: int = 2):
 @pytest.mark.parametrize(
     "header, says",
     [
-        (HEADER.pack(MAGIC, BROADCAST, 8), "sent broadcast while this rank runs"),
-        (HEADER.pack(MAGIC, MIN, 1 << 40), "sent 1,099,511,627,776 bytes for all_reduce MIN"),
-        (HEADER.pack(MAGIC, MIN, 16), "sent 16 bytes for all_reduce MIN; 8"),
-        (HEADER.pack(0xDEAD, MIN, 8), "without WavePP's magic"),
+        (HEADER.pack(MAGIC, BROADCAST, 16), "sent broadcast while this rank runs"),
+        (HEADER.pack(MAGIC, MIN, 16), r"sent all_reduce MIN while this rank runs all_reduce MI"),
+        (HEADER.pack(MAGIC, REDUCE, 1 << 40), r"sent 1,099,511,627,776 bytes for all_reduce MI"),
+        (HEADER.pack(MAGIC, REDUCE, 24), r"sent 24 bytes for all_reduce MIN \+ AND; 16"),
+        (HEADER.pack(0xDEAD, REDUCE, 16), "without WavePP's magic"),
     ],
 )
 def test_a_bad_frame_is_refused_before_its_payload(header, says):

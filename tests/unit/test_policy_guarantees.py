@@ -41,7 +41,7 @@ from wavepp.rounds.admission import (
     spare_room,
     worth_offering,
 )
-from wavepp.state import MASK_WIDTH, block_hashes, empty_cache
+from wavepp.state import block_hashes, empty_cache
 
 B = 2
 
@@ -111,6 +111,10 @@ class OneRank:
         self.collectives.append(("and", len(values)))
         return list(values)
 
+    async def all_reduce(self, mins: Sequence[int], ands: Sequence[int]):
+        self.collectives.append(("min+and", len(mins), len(ands)))
+        return list(mins), list(ands)
+
     async def gather(self, payload):
         return [payload]
 
@@ -143,7 +147,8 @@ def test_the_defaults_declare_the_guarantees_of_the_fast_paths():
     default = paths(DEFAULT)
     assert default["worth_offering"] == 2  # the FCFS trim: z is not offered
     assert default["spare_room"] >= 0 and default["r1_swaps_probe"]
-    assert default["roomy"][0] == [("min", 3 * 2 + 1 + 2 * MASK_WIDTH)]  # no escrow flags' MIN
+    # one collective: probes, leases and room MIN-ed, the masks AND-ed; no flags' MIN
+    assert default["roomy"][0] == [("min+and", 3 * 2 + 1, 2)]
 
 
 def test_a_wrapped_default_takes_exactly_the_defaults_paths():

@@ -5,20 +5,21 @@ through the policy in use (:class:`wavepp.policy.Policy`); :func:`run_round` str
 them together with one or two small collectives on the rounds plane, the same on every
 rank::
 
-    probe, lease(own probe), mask      -> MIN   per request: p (MIN of the probes), the
-                                                highest probe, h (MIN of the leases), and
-                                                the AND of each point's served bit in the
-                                                window ending at rank 0's probe (sent with
-                                                the round); the window's highest common
-                                                point is the agreed one
-    (where that window holds none)     -> AND   63-bit masks of the next windows down
-                                                from h, until one holds a common point
-                                                (point 0 is always served)
+    probe, lease(own probe), masks  -> MIN + AND   per request: p (MIN of the probes),
+                                                  the highest probe, h (MIN of the leases),
+                                                  and the AND of the 63-bit masks of the
+                                                  window ending at rank 0's probe (sent
+                                                  with the round), in one collective
+                                                  (``all_reduce``); the window's highest
+                                                  common point is the agreed one
+    (where that window holds none)     -> AND     63-bit masks of the next windows down
+                                                  from h, until one holds a common point
+                                                  (point 0 is always served)
     reconcile + escrow, in the escrow order -> MIN   admitted iff every stage escrowed;
                                                      the order's cut (FCFS by default);
-                                                     skipped where the first MIN showed
-                                                     every stage with room for every
-                                                     offer's whole prompt (all hold)
+                                                     skipped where the first collective
+                                                     showed every stage with room for
+                                                     every offer's whole prompt (all hold)
 
 Each stage leases what it probed itself, so probe and lease need no collective between
 them; the richer leases roll back to the agreed point before anything is escrowed.
@@ -42,6 +43,7 @@ from wavepp.policy import DEFAULT, EscrowCandidate
 from wavepp.policy import Policy as _Rules
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
+from wavepp.rounds.trace import NO_TRACE
 from wavepp.state import (
     MASK_WIDTH,
     BlockHash,
@@ -341,32 +343,17 @@ def window_tops(offers: Sequence[Offer], anchors: Sequence[int] | None) -> list[
     return [int(a) for a in anchors]
 
 
-def window_bits(
-    cache: StageCache, offers: Sequence[Offer], tops: Sequence[int], held: Sequence[int]
-) -> list[int]:
-    """Bit j of each offer's mask at ``tops[i]`` (served at ``tops[i] - j``), one 0/1
-    value per point, offer after offer: an all-rank MIN of them is their AND, so the
-    mask step rides in the probe's collective."""
-    bits: list[int] = []
-    for mask in serve_masks(cache, offers, tops, held):
-        bits.extend((mask >> j) & 1 for j in range(MASK_WIDTH))
-    return bits
-
-
 def window_points(
-    tops: Sequence[int], bases: Sequence[int], bits: Sequence[int]
+    tops: Sequence[int], bases: Sequence[int], masks: Sequence[int]
 ) -> list[int | None]:
-    """Each offer's agreed point where its first window settles it: the highest point
-    there that every stage serves (no stage sets a bit above its own lease, so it is at
-    or below ``bases[i]``, the lowest lease). None where the window holds no common
-    point, or ends below the lowest lease (rank 0's probe moved between the broadcast
-    and the round: points above the window were not looked at)."""
-    found: list[int | None] = []
-    for i, (top, base) in enumerate(zip(tops, bases, strict=True)):
-        row = bits[i * MASK_WIDTH : (i + 1) * MASK_WIDTH]
-        mask = sum(int(b) << j for j, b in enumerate(row))
-        found.append(point_from_mask(top, mask) if base <= top else None)
-    return found
+    """Each offer's agreed point where its first window settles it, from its mask at
+    ``tops[i]`` AND-ed over the stages (bit j: served at ``tops[i] - j``): the highest
+    point there that every stage serves (no stage sets a bit above its own lease, so it
+    is at or below ``bases[i]``, the lowest lease). None where the window holds no
+    common point, or ends below the lowest lease (rank 0's probe moved between the
+    broadcast and the round: points above the window were not looked at)."""
+    return [point_from_mask(top, mask) if base <= top else None
+            for top, base, mask in zip(tops, bases, masks, strict=True)]  # fmt: skip
 
 
 def next_windows(
@@ -431,6 +418,9 @@ class _WorkClock:
     async def all_and(self, values):
         return await self._wait(self.plane.all_and(values))
 
+    async def all_reduce(self, mins, ands):
+        return await self._wait(self.plane.all_reduce(mins, ands))
+
     def stop(self) -> float:
         return self.cpu + time.thread_time() - self._mark
 
@@ -456,18 +446,24 @@ async def run_round(
     ``anchors`` (rank 0's probe point of each offer, sent with the round: the first mask
     window ends there; None: at the probe limit, which only costs more AND rounds)."""
     t0 = time.perf_counter()
+    trace = getattr(plane, "trace", NO_TRACE)  # a test's stand-in plane may have none
+    trace.mark("start")
     check_eviction(book.cache, mode)
     plane = _WorkClock(plane)  # type: ignore[assignment]  # the collectives, timed apart
     n = len(offers)
     tops = window_tops(offers, anchors)
     local = probe_points(book.cache, offers, mode, book.probe_us)
+    trace.mark("probed")
     book.cache, held = lease_all(book.cache, offers, local, mode)
-    bits = window_bits(book.cache, offers, tops, held)
+    masks = serve_masks(book.cache, offers, tops, held)  # the first mask window's
     room = spare_room(book.cache, offers, mode)
-    got = await plane.all_min([*local, *(-p for p in local), *held, room, *bits])  # bits: AND
+    trace.mark("leased")
+    # one collective: the probes' MIN and MAX, the leases' MIN, the spare room's MIN, and
+    # the first windows' masks AND-ed
+    got, masks = await plane.all_reduce([*local, *(-p for p in local), *held, room], masks)
     points, highest, bases = got[:n], [-p for p in got[n : 2 * n]], got[2 * n : 3 * n]
     room = got[3 * n]
-    found = window_points(tops, bases, got[3 * n + 1 :])
+    found = window_points(tops, bases, masks)
     windows = next_windows(tops, bases, found)
     while windows:  # the same on every rank: the masks are AND-ed
         todo = sorted(windows)
@@ -479,7 +475,9 @@ async def run_round(
         left = lower_windows([windows[i] for i in todo], [found[i] for i in todo])
         windows = {todo[j]: windows[todo[j]] - MASK_WIDTH for j in left}
     agreed = [int(p) for p in found if p is not None]
+    trace.mark("min_done")
     book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
+    trace.mark("settled")
     if room >= 0:  # every stage had room for every offer: all escrows held everywhere
         if not all(ok):
             raise ProtocolError("an escrow failed on this stage although every stage had "
@@ -487,10 +485,12 @@ async def run_round(
         flags = ok
     else:
         flags = await plane.all_min(ok)
+    trace.mark("flags_done")
     admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, book.refusals))
     book.cache, evicted = commit(book.cache, offers, admitted, mode)
     book.refusals = note_refusals(book.refusals, offers, admitted)
     counters = count_round(admitted, highest, points, bases, agreed, fell_back(bases, agreed))
+    trace.mark("end")
     return RoundResult(tuple(admitted), tuple(agreed), tuple(evicted), time.perf_counter() - t0,
                        counters, plane.stop())  # fmt: skip
 

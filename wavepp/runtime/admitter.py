@@ -353,6 +353,8 @@ class Admitter:
         self.table.changed.notify()
 
     async def _round(self, limit: int) -> None:
+        trace = self.plane.trace
+        trace.mark("offers", ahead=True)
         offers, epoch = self._offers(limit)
         if not offers:  # every ready request was held back for a producer
             return
@@ -360,10 +362,11 @@ class Admitter:
         started = time.time()
         async with self.plane.lock:
             # rank 0's own probes end the first mask window of each offer
+            trace.mark("anchors", ahead=True)
             anchors = probe_points(self.stage.book.cache, offers, self.mode)
-            await self.plane.broadcast(
-                encode(AdmitRound(self.round_id, [_entry(o) for o in offers], anchors))
-            )
+            message = encode(AdmitRound(self.round_id, [_entry(o) for o in offers], anchors))
+            trace.mark("encoded", ahead=True)
+            await self.plane.broadcast(message)
             result = await run_round(self.plane, self.stage.book, offers, self.mode, anchors)
         ended = time.time()
         self.num_rounds += 1
@@ -379,6 +382,7 @@ class Admitter:
                 self.stage.register(Admitted(offer, point))
         self.stage.forget(result.evicted)
         self._apply(offers, result.admitted, result.points, epoch)
+        trace.mark("applied")
 
     def _admit_free(self) -> None:
         """The oracle: the same decisions as a round, on rank 0's cache, for free."""

@@ -6,9 +6,10 @@ raw bytes or little-endian int64.
   length, dtype code, number of dims, five dims — then the descriptor's bytes, then the
   tensor's. :func:`parse_header` is the only way a peer's header is read.
 - **Rounds-plane frame** (Unix sockets): a 16-byte header — magic, operation, payload
-  length — and the payload. :func:`check_frame` refuses another operation than the one
-  this rank runs (a protocol error, not data to misread), a wrong length, or one past
-  :data:`MAX_FRAME_BYTES`.
+  length — and the payload (a reduction's: little-endian int64, the number of values
+  MIN-ed, those values, then the values AND-ed). :func:`check_frame` refuses another
+  operation than the one this rank runs (a protocol error, not data to misread), a wrong
+  length, or one past :data:`MAX_FRAME_BYTES`.
 - **Gloo broadcast**: one buffer of the payload's length (8 bytes) and its first
   ``inline`` bytes, then, only for a longer payload, the rest; the length is bounded by
   the same :data:`MAX_FRAME_BYTES` before the rest is allocated.
@@ -128,9 +129,9 @@ def parse_header(
 # -- the rounds-plane frame (Unix sockets) ----------------------------------------------
 
 ROUNDS_MAGIC = 0x52505057  # "WPPR"
-HELLO, BROADCAST, MIN, AND, GATHER = 1, 2, 3, 4, 5
+HELLO, BROADCAST, MIN, AND, GATHER, REDUCE = 1, 2, 3, 4, 5, 6
 OPS = {HELLO: "hello", BROADCAST: "broadcast", MIN: "all_reduce MIN", AND: "all_reduce AND",
-       GATHER: "gather"}  # fmt: skip
+       GATHER: "gather", REDUCE: "all_reduce MIN + AND"}  # fmt: skip
 FRAME = struct.Struct("<IB3xQ")  # magic, op, length
 MAX_FRAME_BYTES = 64 << 20  # the largest payload a frame may announce (a broadcast's cap)
 

@@ -23,9 +23,11 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from wavepp.rounds.trace import NO_TRACE, RoundTrace
 from wavepp.transport.base import no_status, plane_error
 from wavepp.transport.frames import (
     HEADER_WORDS,
@@ -37,6 +39,8 @@ from wavepp.transport.frames import (
     make_header,
     parse_header,
 )
+
+_BIT_SHIFTS = np.arange(64, dtype=np.uint64)
 
 
 def _bytes_tensor(payload: bytes) -> torch.Tensor:
@@ -60,12 +64,13 @@ class GlooRoundsPlane:
 
     def __init__(
         self, group: dist.ProcessGroup, rank: int, world_size: int,
-        on_wait: Callable[[str], None] = no_status,
+        on_wait: Callable[[str], None] = no_status, trace: RoundTrace | None = None,
     ) -> None:  # fmt: skip
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.on_wait = on_wait
+        self.trace = trace or NO_TRACE  # where a round's steps are timed (wavepp.rounds.trace)
         self.lock = anyio.Lock(fast_acquire=True)  # no yield when free: rounds are on the clock
         self.inline = INLINE_MIN_BYTES  # payload bytes the next broadcast carries at once
 
@@ -102,7 +107,10 @@ class GlooRoundsPlane:
             self.inline = inline_after(inline, n)
             return data
 
-        return await self._run(work, "broadcast from rank 0")
+        data = await self._run(work, "broadcast from rank 0")
+        self.trace.opened()
+        self.trace.mark("bcast_sent" if self.rank == 0 else "bcast_recv")
+        return data
 
     async def _reduce(self, values: Sequence[int], op, label: str) -> list[int]:
         if not values:
@@ -117,6 +125,20 @@ class GlooRoundsPlane:
 
     async def all_min(self, values: Sequence[int]) -> list[int]:
         return await self._reduce(values, dist.ReduceOp.MIN, "MIN")
+
+    async def all_reduce(
+        self, mins: Sequence[int], ands: Sequence[int] = ()
+    ) -> tuple[list[int], list[int]]:
+        """MIN of ``mins`` and AND of ``ands`` in one collective: each AND value travels as
+        its 64 bits, 0 or 1, whose MIN is their AND."""
+        if not ands:
+            return await self.all_min(mins), []
+        words = np.asarray(ands, dtype=np.int64).view(np.uint64)
+        bits = ((words[:, None] >> _BIT_SHIFTS) & np.uint64(1)).astype(np.int64).ravel()
+        got = await self._reduce([*mins, *bits.tolist()], dist.ReduceOp.MIN, "MIN + AND")
+        anded = np.asarray(got[len(mins) :], dtype=np.uint64).reshape(len(ands), 64)
+        words = (anded << _BIT_SHIFTS).sum(axis=1, dtype=np.uint64)
+        return got[: len(mins)], words.view(np.int64).tolist()
 
     async def all_and(self, values: Sequence[int]) -> list[int]:
         return await self._reduce(values, dist.ReduceOp.BAND, "AND")
@@ -135,6 +157,7 @@ class GlooRoundsPlane:
                 return None
             return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bufs, sizes, strict=True)]
 
+        self.trace.write()  # the run's last operation on this plane
         return await self._run(work, "gather of stage reports")
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from wavepp.rounds.plane import RoundsPlane
+from wavepp.rounds.trace import RoundTrace
 from wavepp.transport import unix
 from wavepp.transport.base import Link, PlaneError, no_status
 from wavepp.transport.frames import DataLimits
@@ -80,11 +81,13 @@ async def build_planes(
     rounds plane waits on (the watchdog's status); ``limits`` bounds the links until
     :meth:`Planes.set_limits`."""
     on_wait = on_wait or no_status
-    if leaders is None:
-        gloo = GlooRoundsPlane(dist.group.WORLD, dist.get_rank(), dist.get_world_size(), on_wait)
-    else:
-        gloo = GlooRoundsPlane(leaders.group, leaders.stage, leaders.stages, on_wait)
-    rounds = await _rounds_plane(gloo, rounds_kind, timeout_s, log, on_wait)
+    group, rank, world = ((dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+                          if leaders is None else (leaders.group, leaders.stage, leaders.stages))
+    # WAVEPP_ROUND_TRACE=<dir>: time the rounds' steps (every rank counts the same
+    # broadcasts on whichever plane carries them, the set-up's included)
+    trace = RoundTrace.from_env(rank)
+    gloo = GlooRoundsPlane(group, rank, world, on_wait, trace)
+    rounds = await _rounds_plane(gloo, rounds_kind, timeout_s, log, on_wait, trace)
     links, kind = await _data_plane(gloo, data_kind, timeout_s, log,
                                     device or torch.device("cpu"), limits,
                                     leaders.gloo_links if leaders else None)  # fmt: skip
@@ -113,7 +116,7 @@ async def _path_from_rank0(gloo: RoundsPlane, path: str, what: str, longest: int
 
 async def _rounds_plane(
     gloo: GlooRoundsPlane, kind: str, timeout_s: float, log: Callable[[str], None],
-    on_wait: Callable[[str], None],
+    on_wait: Callable[[str], None], trace: RoundTrace | None = None,
 ) -> RoundsPlane:  # fmt: skip
     """The rounds plane of the run (``--rounds-plane``), the same choice on every rank.
 
@@ -145,7 +148,8 @@ async def _rounds_plane(
         if kind == "local":
             raise PlaneError("--rounds-plane local: rank 0 could not listen on a Unix socket")
         return gloo
-    plane = await SocketRoundsPlane.connect(gloo.rank, world, path, timeout_s, listener, on_wait)
+    plane = await SocketRoundsPlane.connect(gloo.rank, world, path, timeout_s, listener,
+                                            on_wait, trace)  # fmt: skip
     if gloo.rank == 0 and world > 1:
         log("rounds plane: Unix sockets around rank 0 (every rank on this host)")
     return plane

@@ -1,13 +1,7 @@
 """Both planes over Unix domain sockets, for ranks that share one host.
 
-**Rounds plane.** On the development machine a Gloo MIN among four processes takes 0.9 ms
-for one int64 and 3.1-3.4 ms for 256 (docs/design.md §10), and every call also hops to a
-worker thread and back, because Gloo cannot be awaited. An admission round is two
-collectives, so rounds cost milliseconds of wall time even when every rank is idle.
-:class:`SocketRoundsPlane` does the same four operations over Unix sockets in a star
-around rank 0, inside each rank's event loop: a MIN is one frame from each peer to rank 0
-and one frame back; a broadcast one frame out. The socket lives in a fresh directory
-only this user can enter, and is unlinked once every peer has connected.
+**Rounds plane.** :class:`SocketRoundsPlane`, a star around rank 0 inside each rank's
+event loop (:mod:`wavepp.transport.local_rounds`).
 
 **Data plane.** :class:`SocketLink` carries one direction of a link over a connected
 socket, around the ring of ranks (:func:`connect_ring`).
@@ -19,35 +13,19 @@ The frames and their checks, before anything is read or allocated, are
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
 
 import anyio
-import anyio.abc
 import torch
 
-from wavepp.transport.base import PlaneError, no_status
-from wavepp.transport.frames import (
-    AND,
-    BROADCAST,
-    FRAME,
-    GATHER,
-    HEADER,
-    HELLO,
-    MAX_FRAME_BYTES,
-    MIN,
-    OPS,
-    DataLimits,
-    check_frame,
-    frame,
-    ints,
-    make_header,
-    parse_header,
-    unints,
-)
+from wavepp.transport.base import PlaneError
+from wavepp.transport.frames import HEADER, DataLimits, make_header, parse_header
+from wavepp.transport.local_rounds import SocketRoundsPlane
+
+__all__ = ["SocketLink", "SocketRoundsPlane", "available", "connect_ring", "link_directory",
+           "listen_inbound", "recv_exactly", "send_all"]  # fmt: skip
 
 
 async def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
@@ -74,177 +52,6 @@ async def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise anyio.IncompleteRead
         got += n
-
-
-class _Peer:
-    """One connected socket: frames out, frames in (each header checked first).
-
-    Frames go to and come from the raw socket straight away (:func:`send_all`,
-    :func:`recv_exactly`): an anyio stream's ``send`` and ``receive`` first yield to the
-    event loop, which here let a rank's wave work run between a round's frames (a round
-    waited on it: 2.1-3.1 ms p50 a round on the ``seeded-8k`` smoke cell)."""
-
-    def __init__(self, stream: anyio.abc.SocketStream, who: str) -> None:
-        self.stream = stream
-        self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
-        self.who = who
-
-    async def send(self, op: int, payload: bytes) -> None:
-        try:
-            await send_all(self.sock, frame(op, payload))
-        except OSError as error:
-            raise PlaneError(f"{self.who} is gone ({OPS[op]}): {error!r}") from None
-
-    async def _exactly(self, n: int) -> bytes:
-        """The next ``n`` bytes (the caller bounds ``n`` before asking)."""
-        buf = bytearray(n)
-        await recv_exactly(self.sock, memoryview(buf))
-        return bytes(buf)
-
-    async def receive(self, op: int, exact: int | None = None) -> bytes:
-        """The next frame's payload; it must be ``op``, and ``exact`` bytes if given."""
-        try:
-            n = check_frame(await self._exactly(FRAME.size), op, exact, self.who)
-            return await self._exactly(n) if n else b""
-        except (anyio.IncompleteRead, OSError) as error:
-            raise PlaneError(f"{self.who} is gone ({OPS[op]}): {error!r}") from None
-
-    async def close(self) -> None:
-        await self.stream.aclose()
-
-
-class SocketRoundsPlane:
-    """The rounds plane's four operations over Unix sockets, a star around rank 0.
-
-    Build it with :meth:`connect` (every rank at once). Every rank calls the same
-    operations in the same order, as with collectives; each one is bounded by
-    ``timeout_s`` and fails with :class:`PlaneError`, never hangs.
-    """
-
-    kind = "local"
-
-    def __init__(
-        self, rank: int, world_size: int, peers: dict[int, _Peer], timeout_s: float,
-        on_wait: Callable[[str], None] = no_status,
-    ) -> None:  # fmt: skip
-        self.rank = rank
-        self.world_size = world_size
-        self.peers = peers  # rank 0: every other rank; elsewhere: {0: rank 0}
-        self.timeout_s = timeout_s
-        self.on_wait = on_wait  # the watchdog's status
-        self.lock = anyio.Lock(fast_acquire=True)  # no yield when free: rounds are on the clock
-
-    @staticmethod
-    def listen_path() -> str:
-        """A fresh socket path in a directory only this user may enter (rank 0)."""
-        return os.path.join(tempfile.mkdtemp(prefix="wavepp-rounds-"), "rounds.sock")
-
-    @classmethod
-    async def connect(
-        cls, rank: int, world_size: int, path: str, timeout_s: float,
-        listener: anyio.abc.SocketListener | None = None,
-        on_wait: Callable[[str], None] = no_status,
-    ) -> SocketRoundsPlane:  # fmt: skip
-        """Rank 0 accepts every other rank on ``listener`` (bound to ``path``); the
-        others connect to ``path`` and say which rank they are. The socket file and its
-        directory are removed once everyone is in (or the attempt failed)."""
-        try:
-            with anyio.fail_after(timeout_s):
-                if rank != 0:
-                    stream = await anyio.connect_unix(path)
-                    peer = _Peer(stream, "rank 0")
-                    await peer.send(HELLO, ints([rank]))
-                    return cls(rank, world_size, {0: peer}, timeout_s, on_wait)
-                assert listener is not None
-                peers: dict[int, _Peer] = {}
-                try:
-                    while len(peers) < world_size - 1:
-                        peer = _Peer(await listener.accept(), "a connecting rank")
-                        raw = await peer.receive(HELLO, exact=8)
-                        (who,) = unints(raw)
-                        if not 0 < who < world_size or who in peers:
-                            await peer.close()
-                            raise PlaneError(f"a peer said it is rank {who}; expected one "
-                                             f"of 1..{world_size - 1}, once each")  # fmt: skip
-                        peer.who = f"rank {who}"
-                        peers[who] = peer
-                finally:
-                    await listener.aclose()
-                return cls(rank, world_size, peers, timeout_s, on_wait)
-        except TimeoutError:
-            raise PlaneError(f"rounds plane: not every rank connected within {timeout_s:g} s "
-                             f"(rank {rank})") from None  # fmt: skip
-        finally:
-            if rank == 0:
-                shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
-    async def _bounded(self, what: str, work):
-        self.on_wait(f"waiting on the rounds plane ({what}, all ranks)")
-        try:
-            with anyio.fail_after(self.timeout_s):
-                return await work()
-        except TimeoutError:
-            raise PlaneError(f"rounds plane {what}: no answer within {self.timeout_s:g} s"
-                             ) from None  # fmt: skip
-        finally:
-            self.on_wait("running")
-
-    async def broadcast(self, payload: bytes | None) -> bytes:
-        async def work() -> bytes:
-            if self.rank != 0:
-                return await self.peers[0].receive(BROADCAST)
-            assert payload is not None
-            if len(payload) > MAX_FRAME_BYTES:  # the peers would refuse it: say so here
-                raise PlaneError(f"a broadcast of {len(payload):,} bytes; at most "
-                                 f"{MAX_FRAME_BYTES:,} are accepted")  # fmt: skip
-            for peer in self.peers.values():
-                await peer.send(BROADCAST, payload)
-            return payload
-
-        return await self._bounded("broadcast from rank 0", work)
-
-    async def _reduce(self, op: int, values: Sequence[int], combine) -> list[int]:
-        if not values:
-            return []
-        mine = list(values)
-
-        async def work() -> list[int]:
-            size = 8 * len(mine)
-            if self.rank != 0:
-                await self.peers[0].send(op, ints(mine))
-                return unints(await self.peers[0].receive(op, exact=size))
-            out = mine
-            for peer in self.peers.values():
-                theirs = unints(await peer.receive(op, size))
-                out = [combine(a, b) for a, b in zip(out, theirs, strict=True)]
-            raw = ints(out)
-            for peer in self.peers.values():
-                await peer.send(op, raw)
-            return out
-
-        return await self._bounded(OPS[op], work)
-
-    async def all_min(self, values: Sequence[int]) -> list[int]:
-        return await self._reduce(MIN, values, min)
-
-    async def all_and(self, values: Sequence[int]) -> list[int]:
-        return await self._reduce(AND, values, lambda a, b: a & b)
-
-    async def gather(self, payload: bytes) -> list[bytes] | None:
-        async def work() -> list[bytes] | None:
-            if self.rank != 0:
-                await self.peers[0].send(GATHER, payload)
-                return None
-            got = {0: payload}
-            for who, peer in self.peers.items():
-                got[who] = await peer.receive(GATHER)
-            return [got[r] for r in range(self.world_size)]
-
-        return await self._bounded("gather of stage reports", work)
-
-    async def aclose(self) -> None:
-        for peer in self.peers.values():
-            await peer.close()
 
 
 def available() -> bool:
