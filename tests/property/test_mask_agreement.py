@@ -7,7 +7,9 @@ by one earlier prompt each, then a round offers a prompt sharing it. The spec:
 - it is the *best* such point: no higher point at or below the lowest lease is served
   by every stage, however far below the first mask window it lies (no fallback to 0);
 - ``run_round`` over a plane of in-process ranks makes exactly ``round_over``'s
-  decisions, counters included.
+  decisions, counters included, and leaves each stage's claims as ``round_over`` does,
+  whether the escrow flags travelled with the agreement (every stage short of room
+  guessed the agreed points) or in a collective of their own.
 """
 
 from __future__ import annotations
@@ -174,7 +176,8 @@ class _Rank:
 
 
 def _run_round_on_every_rank(caches, offers, anchors):
-    """``run_round`` on one in-process rank per cache; the results and the plane."""
+    """``run_round`` on one in-process rank per cache; the results and the plane (with
+    each rank's book, ``plane.books``)."""
     plane = _Plane(len(caches))
     books = [StageBook(c) for c in caches]
     results = [None] * len(caches)
@@ -188,6 +191,7 @@ def _run_round_on_every_rank(caches, offers, anchors):
                 tg.start_soon(one, r)
 
     anyio.run(main)
+    plane.books = books
     return results, plane
 
 
@@ -207,20 +211,87 @@ def test_run_round_makes_round_over_decisions(spec, length, data):
         assert res.counters == expected.counters
 
 
-def test_escrow_flags_travel_only_when_some_stage_might_lack_room():
+def test_escrow_flags_travel_with_the_agreement_when_the_stages_guessed_it():
     # Stages that cached 120 blocks of a document; the offer shares them all (121
     # blocks, 1 to escrow). With room for its whole prompt on every stage, the round is
-    # one all-reduce; where one stage's pool could not hold it all, the flags' MIN runs
-    # too — and the decisions are the same.
+    # one all-reduce. Where one stage's pool could not hold it all, that stage settles
+    # at its guess (120: the window's top, its own lease) before the all-reduce, and the
+    # flags ride in it: still one. Where the stages hold different prefixes (one kept
+    # 100 blocks), the short stage's guess (120) is not the agreed point (100): the
+    # flags' MIN runs on its own. The decisions are the same every time.
     doc = [(i * 7) % 5 for i in range(121 * B)]
     offer = _offer("q", [*doc[: 120 * B], 3])
-    for small, collectives in ((400, 1), (200, 2)):
-        caches = [_stage(400, False, doc, [], 120), _stage(small, False, doc, [], 120)]
-        _, expected = round_over(caches, [offer], MODE)
+    for small, kept, collectives, point in ((400, 120, 1, 120), (200, 120, 1, 120),
+                                            (200, 100, 2, 100)):  # fmt: skip
+        caches = [_stage(small, False, doc, [], 120), _stage(400, False, doc, [], kept)]
+        after, expected = round_over(caches, [offer], MODE)
         results, plane = _run_round_on_every_rank(caches, [offer], [120])
         assert plane.collectives == collectives
-        assert expected.admitted == (True,) and expected.points == (120,)
-        assert all(r.admitted == expected.admitted and r.points == (120,) for r in results)
+        assert expected.admitted == (True,) and expected.points == (point,)
+        assert all(r.admitted == expected.admitted and r.points == (point,) for r in results)
+        assert [b.cache.claims for b in plane.books] == [c.claims for c in after]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    spec=st.lists(st.tuples(st.booleans(), st.integers(0, 24), st.integers(2, 40)),
+                  min_size=2, max_size=4),  # (recurrent, blocks kept, pool beyond them)
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    data=st.data(),
+)  # fmt: skip
+def test_many_offers_on_tight_pools_make_round_over_decisions(spec, lengths, data):
+    # Pools from barely enough to roomy, stages holding different prefixes, several
+    # offers sharing the document: escrows fail and cut the FCFS prefix, guesses hold
+    # or miss. run_round decides as round_over does and leaves the same claims.
+    doc = [(i * 7) % 5 for i in range(64 * B)]
+    caches = [_stage(keep + 1 + extra, rec, doc, [4, 8, 16], keep) for rec, keep, extra in spec]
+    offers = [_offer(f"q{i}", [*doc[: n * B], 3, i]) for i, n in enumerate(lengths)]
+    after, expected = round_over(caches, offers, MODE)
+    own = [MODE.policy.probe(caches[0], o.hashes, o.probe_limit) for o in offers]
+    anchors = data.draw(st.one_of(st.just(own), st.none()))
+    results, plane = _run_round_on_every_rank(caches, offers, anchors)
+    for res in results:
+        assert res.admitted == expected.admitted and res.points == expected.points
+        assert res.counters == expected.counters
+    assert [b.cache.claims for b in plane.books] == [c.claims for c in after]
+    assert [b.cache.num_escrowed for b in plane.books] == [c.num_escrowed for c in after]
+
+
+def test_a_stage_whose_cache_gains_room_during_the_collective_keeps_the_decision():
+    # Both stages hold "other"'s escrow of 15 blocks; "q" needs 12 more, which fit
+    # neither pool, so each stage settles at its guess before the all-reduce (q
+    # refused) and the flags travel with it. While rank 1 waits, its LOOP ends "other"
+    # (its escrow goes): rank 1 settles again on the cache it has now, where q would
+    # fit, and still refuses it with everyone; nothing leaks.
+    doc = [(i * 7) % 5 for i in range(40 * B)]
+    caches = [_stage(30, False, doc, [], 10) for _ in range(2)]
+    other = _offer("other", [100 + i for i in range(15 * B)])
+    caches, res = round_over(caches, [other], MODE)
+    assert res.admitted == (True,)
+    offer = _offer("q", [*doc[: 22 * B], 3])
+    plane = _Plane(2)
+    books = [StageBook(c) for c in caches]
+    results = [None, None]
+
+    class Ending(_Rank):
+        async def all_reduce(self, mins, ands):
+            books[1].cache = release(books[1].cache, "other")  # the LOOP, meanwhile
+            return await super().all_reduce(mins, ands)
+
+    async def one(r: int) -> None:
+        rank = Ending(plane, r) if r == 1 else plane.rank(r)
+        results[r] = await run_round(rank, books[r], [offer], MODE, [10])
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            for r in range(2):
+                tg.start_soon(one, r)
+
+    anyio.run(main)
+    assert plane.collectives == 1
+    assert [r.admitted for r in results] == [(False,), (False,)]
+    assert ["q" not in b.cache.claims for b in books] == [True, True]
+    assert books[0].cache.num_escrowed == 15 and books[1].cache.num_escrowed == 0
 
 
 def test_anchors_from_rank_0_are_checked_before_use():

@@ -147,8 +147,9 @@ def test_the_defaults_declare_the_guarantees_of_the_fast_paths():
     default = paths(DEFAULT)
     assert default["worth_offering"] == 2  # the FCFS trim: z is not offered
     assert default["spare_room"] >= 0 and default["r1_swaps_probe"]
-    # one collective: probes, leases and room MIN-ed, the masks AND-ed; no flags' MIN
-    assert default["roomy"][0] == [("min+and", 3 * 2 + 1, 2)]
+    # one collective: probes, leases, room and the guesses' points and flags (3 each per
+    # offer) MIN-ed, the masks AND-ed; no escrow flags' MIN of its own
+    assert default["roomy"][0] == [("min+and", 3 * 2 + 1 + 3 * 2, 2)]
 
 
 def test_a_wrapped_default_takes_exactly_the_defaults_paths():

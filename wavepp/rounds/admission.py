@@ -2,24 +2,29 @@
 
 Each step is a pure function of one stage's ``StageCache`` that calls the reducers only
 through the policy in use (:class:`wavepp.policy.Policy`); :func:`run_round` strings
-them together with one or two small collectives on the rounds plane, the same on every
-rank::
+them together with one small collective on the rounds plane (two where the stages'
+caches differ under memory pressure), the same on every rank::
 
-    probe, lease(own probe), masks  -> MIN + AND   per request: p (MIN of the probes),
-                                                  the highest probe, h (MIN of the leases),
-                                                  and the AND of the 63-bit masks of the
-                                                  window ending at rank 0's probe (sent
-                                                  with the round), in one collective
-                                                  (``all_reduce``); the window's highest
-                                                  common point is the agreed one
-    (where that window holds none)     -> AND     63-bit masks of the next windows down
-                                                  from h, until one holds a common point
-                                                  (point 0 is always served)
-    reconcile + escrow, in the escrow order -> MIN   admitted iff every stage escrowed;
-                                                     the order's cut (FCFS by default);
-                                                     skipped where the first collective
-                                                     showed every stage with room for
-                                                     every offer's whole prompt (all hold)
+    probe, lease(own probe), masks,   -> MIN + AND   per request: p (MIN of the probes),
+    [settle at the guessed point]                   the highest probe, h (MIN of the
+                                                    leases), the AND of the 63-bit masks of
+                                                    the window ending at rank 0's probe
+                                                    (sent with the round), and the guesses
+                                                    with their escrow flags, in one
+                                                    collective (``all_reduce``); the
+                                                    window's highest common point is the
+                                                    agreed one
+    (where that window holds none)     -> AND       63-bit masks of the next windows down
+                                                    from h, until one holds a common point
+                                                    (point 0 is always served)
+    reconcile + escrow, in the escrow order -> MIN  admitted iff every stage escrowed;
+                                                    the order's cut (FCFS by default);
+                                                    skipped where the first collective
+                                                    showed every stage with room for every
+                                                    offer's whole prompt (all hold), or
+                                                    carried the flags already: every stage
+                                                    short of room settled before it at the
+                                                    point agreed (``wavepp.rounds.speculate``)
 
 Each stage leases what it probed itself, so probe and lease need no collective between
 them; the richer leases roll back to the agreed point before anything is escrowed.
@@ -41,6 +46,7 @@ import attrs
 
 from wavepp.policy import DEFAULT, EscrowCandidate
 from wavepp.policy import Policy as _Rules
+from wavepp.rounds import speculate
 from wavepp.rounds.errors import ProtocolError
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.rounds.trace import NO_TRACE
@@ -458,11 +464,20 @@ async def run_round(
     masks = serve_masks(book.cache, offers, tops, held)  # the first mask window's
     room = spare_room(book.cache, offers, mode)
     trace.mark("leased")
-    # one collective: the probes' MIN and MAX, the leases' MIN, the spare room's MIN, and
-    # the first windows' masks AND-ed
-    got, masks = await plane.all_reduce([*local, *(-p for p in local), *held, room], masks)
+
+    def settle_at(cache: StageCache, at: Sequence[int]) -> tuple[StageCache, list[int]]:
+        return settle(cache, offers, at, mode, book.refusals)
+
+    fcfs = mode.policy.escrow_order.first_come_first_served
+    mine = speculate.guess(book.cache, tops, held, room, fcfs, settle_at)
+    trace.mark("guessed")
+    # one collective: the probes' MIN and MAX, the leases' MIN, the spare room's MIN, the
+    # guesses' MIN and MAX with their escrow flags, and the first windows' masks AND-ed
+    got, masks = await plane.all_reduce(
+        [*local, *(-p for p in local), *held, room, *mine.values()], masks
+    )
     points, highest, bases = got[:n], [-p for p in got[n : 2 * n]], got[2 * n : 3 * n]
-    room = got[3 * n]
+    room, guessed = got[3 * n], got[3 * n + 1 :]
     found = window_points(tops, bases, masks)
     windows = next_windows(tops, bases, found)
     while windows:  # the same on every rank: the masks are AND-ed
@@ -476,15 +491,21 @@ async def run_round(
         windows = {todo[j]: windows[todo[j]] - MASK_WIDTH for j in left}
     agreed = [int(p) for p in found if p is not None]
     trace.mark("min_done")
-    book.cache, ok = settle(book.cache, offers, agreed, mode, book.refusals)
-    trace.mark("settled")
-    if room >= 0:  # every stage had room for every offer: all escrows held everywhere
-        if not all(ok):
-            raise ProtocolError("an escrow failed on this stage although every stage had "
-                                "room for every offer's whole prompt")  # fmt: skip
-        flags = ok
+    flags = None if room >= 0 else speculate.flags_if_guessed(guessed, agreed)
+    if flags is not None:  # every stage short of room settled at the agreed points
+        ids = [o.request_id for o in offers]
+        book.cache, ok = speculate.adopt(book.cache, mine, agreed, flags, settle_at, ids)
+        trace.mark("settled")
     else:
-        flags = await plane.all_min(ok)
+        book.cache, ok = settle_at(book.cache, agreed)
+        trace.mark("settled")
+        if room >= 0:  # every stage had room for every offer: all escrows held everywhere
+            if not all(ok):
+                raise ProtocolError("an escrow failed on this stage although every stage "
+                                    "had room for every offer's whole prompt")  # fmt: skip
+            flags = ok
+        else:
+            flags = await plane.all_min(ok)
     trace.mark("flags_done")
     admitted = cut(flags, mode, candidates(offers, agreed, mode.block_size, book.refusals))
     book.cache, evicted = commit(book.cache, offers, admitted, mode)

@@ -34,6 +34,7 @@ STEPS = (
     "start",  # run_round begins (a peer: the message decoded, offers built)
     "probed",  # hint probes done
     "leased",  # leases taken, serve masks and spare room computed
+    "guessed",  # settled at the guessed points (a stage short of room), or not
     "sent",  # a peer: its frame of a MIN / AND / gather written to rank 0
     "peer_in",  # rank 0: one peer's frame read (one mark per peer)
     "reduced",  # rank 0: the reduced frame written to every peer
