@@ -19,9 +19,8 @@ KV events — and, per policy, ``python -m wavepp.route`` over them.
   requests in flight a replica); deadlines ``--slo-conversation-s``; the ceiling is one
   P-stage pipeline with N × the pool (one pipeline's compute: a ceiling on reuse only).
 
-Each run's prompts are the same requests with their token ids shifted by a run-specific
-offset: no run reuses another's cache. Writes a JSON record (``--json``) and, for
-``conversation`` at offered loads, SLO-attainment plots (``--plots DIR``).
+Each run's prompts are the same requests with token ids shifted per run: no run reuses
+another's cache. Writes a JSON record (``--json``); ``--plots DIR``: SLO plots.
 """
 
 from __future__ import annotations
@@ -378,6 +377,8 @@ def run_sessions(procs: Processes, setup: Setup, workload: str, seed: int, n: in
             rows.append({"workload": workload, "seed": seed, "replicas": n, "policy": policy,
                          "load": load, "offered_tok_s": offered, **row})  # fmt: skip
             _log(session_line(rows[-1]))
+            with open(procs.logs / "rows.jsonl", "a") as f:  # each run kept should one fail
+                f.write(json.dumps(rows[-1]) + "\n")
 
     with replicas(procs, setup, n, capacity, label) as urls:
         for policy in [p for p in setup.policies if p != "big"]:
@@ -542,8 +543,7 @@ def parser() -> argparse.ArgumentParser:
                    help="sim: a profile [qwen3-next-80b]; torch: a tiny model [tiny-llama]")
     p.add_argument("--executor", choices=sorted(EXECUTORS), default="sim",
                    help="what replicas run: sim, or torch (CPU; session workloads only) [sim]")
-    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")],
-                   help="the session workloads' trace seeds, one set of runs each [--seed]")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], help="trace seeds")
     p.add_argument("--route-option", action="append", default=[], metavar="OPT",
                    help="an option for every router, e.g. --route-option=--sent-memory-s=0")
     p.add_argument("--conversation-tokens", type=int, default=8192,
