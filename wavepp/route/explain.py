@@ -128,6 +128,10 @@ def breakdown(records: Sequence[dict], expected: Sequence[tuple[int | None, int]
         under_tokens += max(gap, 0)
         over_tokens += max(-gap, 0)
     input_tokens = sum(records[i]["num_tokens"] for i in done)
+    by_replica: dict[str, int] = {}
+    for i in done:
+        name = records[i]["replica"] or "-"
+        by_replica[name] = by_replica.get(name, 0) + 1
     return {
         "requests": len(done),
         "input_tokens": input_tokens,
@@ -135,6 +139,7 @@ def breakdown(records: Sequence[dict], expected: Sequence[tuple[int | None, int]
         "cached_tokens": sum(records[i]["cached_tokens"] for i in done),
         "lost_tokens": lost,
         "lost_requests": count,
+        "by_replica": by_replica,  # done requests each replica answered ("-": not routed)
         "moved_from_producer": moved,  # done requests not sent where their producer ran
         "looked_equal": equal,  # expected more than the head; every view the same, ≤ head
         "predicted_exact": exact,

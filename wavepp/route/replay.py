@@ -218,19 +218,23 @@ def measure(url: str, token_lists: Sequence[np.ndarray], arrivals_s: Sequence[fl
 def why_table(record: dict) -> str:
     """Per replayed run: reused against ideal, and the ideal's lost tokens by cause (each a
     share of the ideal's reused tokens), the requests sent away from their producer's
-    replica, and the chosen replica's predicted cached tokens against what it granted."""
+    replica, the busiest replica's share of the requests, and how often the chosen
+    replica's predicted cached tokens were exact / under / over what it granted."""
     short = ("cut<30%", "load", "comp.else", "events", "snap.floor", "evicted", "comp.here",
              "admission", "no-answer")  # CAUSES, in order
     lines = ["workload seed policy        load  got/ideal " + " ".join(
-        f"{name:>10}" for name in short) + "  moved  pred =/</>"]  # fmt: skip
+        f"{name:>10}" for name in short) + "  moved busiest  pred =/</>"]  # fmt: skip
     for r in record["rows"]:
         why = r.get("why")
         if not why:
             continue
         ideal = max(why["expected_tokens"], 1)
         lost = " ".join(f"{100 * why['lost_tokens'][c] / ideal:9.1f}%" for c in CAUSES)
+        by = why.get("by_replica") or {"-": 1}
+        busiest = max(by.values()) / max(sum(by.values()), 1)
         lines.append(f"{r['workload']:<8} {r['seed']:>4} {r['policy']:<13} {r['load']:4.1f}  "
                      f"{100 * why['cached_tokens'] / ideal:8.1f}%  {lost}  "
-                     f"{why['moved_from_producer']:>5}  {why['predicted_exact']}/"
-                     f"{why['predicted_under']}/{why['predicted_over']}")  # fmt: skip
+                     f"{why['moved_from_producer']:>5} {100 * busiest:6.0f}%  "
+                     f"{why['predicted_exact']}/{why['predicted_under']}/"
+                     f"{why['predicted_over']}")  # fmt: skip
     return "\n".join(lines)
