@@ -271,3 +271,20 @@ def test_the_memory_of_answered_prompts_is_bounded_oldest_first():
     assert off.answered_blocks((1, 2, 3), 3) == 0 and not off.in_flight
     with pytest.raises(ValueError, match="memory_s"):
         MemoryOptions(memory_s=-1.0)
+
+
+def test_the_routers_options_for_prefix_and_its_memory():
+    from wavepp.route.__main__ import check, parser
+
+    args = parser().parse_args(["--replica", "http://a:1", "--prefix-near-share", "0.2",
+                                "--prefix-overload", "3", "--sent-memory-s", "0", "--explain"])
+    check(args)
+    assert (args.prefix_near_share, args.prefix_overload, args.sent_memory_s) == (0.2, 3.0, 0.0)
+    assert args.explain and args.sent_memory_blocks == 1 << 18
+    for argv, why in ((["--prefix-overload", "0.5"], "--prefix-overload must be ≥ 1"),
+                      (["--prefix-near-share", "2"], "--prefix-near-share must be in"),
+                      (["--sent-memory-s", "-1"], "--sent-memory-s must be in"),
+                      (["--policy", "least-load", "--prefix-overload", "3"],
+                       "options of --policy prefix, not least-load")):  # fmt: skip
+        with pytest.raises(SystemExit, match=why):
+            check(parser().parse_args(["--replica", "http://a:1", *argv]))
