@@ -43,7 +43,7 @@ import httpx
 import numpy as np
 
 from wavepp.bench import load as load_bench
-from wavepp.route.replay import measure, session_line, session_table, why_table
+from wavepp.route.replay import goal_table, measure, session_line, session_table, why_table
 from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec
 from wavepp.workload.sessions import SHAPES, replay_order, session_trace, write_trace
@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     if args.report:  # a record's conversation-trace tables
         return print(session_table(rec := json.loads(Path(args.report).read_text())),
-                     why_table(rec), sep="\n\n")  # fmt: skip
+                     why_table(rec), goal_table(rec), sep="\n\n")  # fmt: skip
     setup = setup_from(args)
     if args.stages < 1 or args.time_scale <= 0 or not setup.loads or min(setup.loads) <= 0:
         raise SystemExit("benchmarks.fleet: --stages ≥ 1, --time-scale > 0 and positive --loads")

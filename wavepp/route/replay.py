@@ -238,3 +238,25 @@ def why_table(record: dict) -> str:
                      f"{why['predicted_exact']}/{why['predicted_under']}/"
                      f"{why['predicted_over']}")  # fmt: skip
     return "\n".join(lines)
+
+
+def goal_table(record: dict, policy: str = "prefix") -> str:
+    """Issue 58's goals per trace: ``policy``'s reused share against the big pipeline's
+    (≥ 90%), its throughput against round-robin's (≥ 1.3×), its p99 completion against
+    least-load's (no worse)."""
+    runs = {(r["workload"], r["seed"], r["replicas"], r["load"], r["policy"]): r
+            for r in record["rows"] if "seed" in r and r.get("done")}  # fmt: skip
+    lines = [f"workload seed N  load  {policy}: reused/big  tok/s / round-robin  "
+             "p99 s / least-load"]
+    for (workload, seed, n, load, name), row in sorted(runs.items()):
+        if name != policy:
+            continue
+        big, rr, ll = (runs.get((workload, seed, n, load, p)) for p in
+                       ("big", "round-robin", "least-load"))  # fmt: skip
+        reuse = f"{row['reused_share'] / big['reused_share']:7.1%}" if big else "    n/a"
+        speed = f"{row['throughput_tok_s'] / rr['throughput_tok_s']:6.2f}x" if rr else "   n/a"
+        tail = (f"{row['completion_p99_s']:5.2f} / {ll['completion_p99_s']:5.2f}" if ll
+                else "  n/a")  # fmt: skip
+        lines.append(f"{workload:<8} {seed:>4} {n}  {load:4.1f}  {reuse:>19}  {speed:>20}  "
+                     f"{tail:>18}")
+    return "\n".join(lines)
