@@ -22,6 +22,8 @@ from wavepp.route.explain import CAUSES, breakdown, producers
 from wavepp.state import block_hashes
 from wavepp.stats import percentile
 
+KEEPALIVE_S = 2.0  # the client keeps an idle connection this long (the server: 5 s)
+
 
 @attrs.frozen
 class Turn:
@@ -102,7 +104,10 @@ async def replay(url: str, turns: Sequence[Turn], timeout_s: float = 600.0) -> l
     before the answer to the turn it follows; one record per turn, in the same order."""
     records = [Sent(len(t.tokens)) for t in turns]
     answered = [anyio.Event() for _ in turns]
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
+    # idle connections are dropped before the server's keep-alive timeout (uvicorn's 5 s)
+    # closes them under a request being sent: a ReadError the request never recovers from
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512,
+                          keepalive_expiry=KEEPALIVE_S)  # fmt: skip
     timeout = httpx.Timeout(timeout_s, connect=30.0)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         start = time.monotonic()
