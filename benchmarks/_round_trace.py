@@ -62,6 +62,7 @@ def breakdown(directory: str | Path, skip: int = 5) -> dict:
     zero, peers = ranks.get(0, {}), sorted(r for r in ranks if r)
     rows: dict[str, list[float]] = {}
     collectives: dict[int, int] = {}  # reductions after the broadcast -> rounds
+    resettled: dict[int, int] = {}  # rank -> rounds it settled twice
 
     def add(label: str, end: int | None, start: int | None) -> None:
         if end is not None and start is not None:
@@ -80,6 +81,8 @@ def breakdown(directory: str | Path, skip: int = 5) -> dict:
         if peers:  # reductions in the round: the agreement, AND windows, the flags' MIN
             k = len(m0.get("peer_in", [])) // len(peers)
             collectives[k] = collectives.get(k, 0) + 1
+        for r, rounds in ranks.items():  # a guess settled, then settled again
+            resettled[r] = resettled.get(r, 0) + ("resettled" in rounds.get(seq, {}))
         add("rank 0: combine + write the reply", _one(m0, "reduced"), last_in)
         encoded, reduced = _one(m0, "encoded"), _one(m0, "reduced")
         slowest: dict[str, float] = {}
@@ -106,7 +109,9 @@ def breakdown(directory: str | Path, skip: int = 5) -> dict:
     for label, values in rows.items():
         steps[label] = {q: round(percentile(values, int(q[1:])), 1) for q in ("p50", "p90", "p99")}
         steps[label]["n"] = len(values)
-    return {"steps_us": steps, "rounds_by_collectives": dict(sorted(collectives.items()))}
+    return {"steps_us": steps, "rounds_by_collectives": dict(sorted(collectives.items())),
+            "rounds_resettled_by_rank": [resettled.get(r, 0) for r in sorted(ranks)],
+            "rounds": len(seqs)}  # fmt: skip
 
 
 def table(figures: dict) -> str:
@@ -116,5 +121,7 @@ def table(figures: dict) -> str:
         s = steps[label]
         lines.append(f"  {label:48s} p50 {s['p50']:9.1f}  p90 {s['p90']:9.1f}  "
                      f"p99 {s['p99']:9.1f} µs  (n={s['n']})")  # fmt: skip
-    lines.append(f"  rounds by reductions after the broadcast: {figures['rounds_by_collectives']}")
+    lines.append(f"  rounds by reductions after the broadcast: {figures['rounds_by_collectives']}; "
+                 f"settled twice, by rank: {figures['rounds_resettled_by_rank']} "
+                 f"of {figures['rounds']}")  # fmt: skip
     return "\n".join(lines)

@@ -494,6 +494,8 @@ async def run_round(
     flags = None if room >= 0 else speculate.flags_if_guessed(guessed, agreed)
     if flags is not None:  # every stage short of room settled at the agreed points
         ids = [o.request_id for o in offers]
+        if mine.settled is None or book.cache is not mine.base:
+            trace.mark("resettled")
         book.cache, ok = speculate.adopt(book.cache, mine, agreed, flags, settle_at, ids)
         trace.mark("settled")
     else:

@@ -44,6 +44,7 @@ STEPS = (
     "flags_done",  # the escrow flags' MIN done (or skipped: every stage had room)
     "end",  # the round's cut, commit and counters done
     "applied",  # rank 0: the admitter applied the outcome (registered, planned)
+    "resettled",  # settled again after the collective, its cache having moved meanwhile
 )
 _CODE = {name: i for i, name in enumerate(STEPS)}
 
