@@ -38,14 +38,14 @@ def test_least_load_counts_tokens_then_requests():
 
 
 def test_prefix_takes_the_deepest_match_however_short():
-    # 64 of 256 tokens (25%) at r0: no cut; the deeper match wins at equal load
+    # 64 of 256 tokens (25%) at r0: no cut. Costs (queued + 2 x uncached): 384 against 512
     assert pick("prefix", [view("r1"), view("r0", predicted=64)]) == "r0"
-    # deeper beats shallower when the difference is over 10% of the prompt (25.6 tokens)
+    # r0: 0 + 2 x 192 = 384, r1: 100 + 2 x 128 = 356, r2: 120 + 2 x 64 = 248
     views = [view("r0", predicted=64), view("r1", predicted=128, new=100),
              view("r2", predicted=192, new=120)]  # fmt: skip
     assert pick("prefix", views) == "r2"
-    assert pick("prefix", [view("r0", load=5), view("r1", load=1)]) == "r0"  # nothing cached
-    # whole prompts in flight (load) do not count, only work: no reuse, equal new work
+    # whole prompts in flight do not count, only their uncached work: a tie, the earlier one
+    assert pick("prefix", [view("r0", load=5), view("r1", load=1)]) == "r0"
     assert pick("prefix", [view("r0", load=900, new=10, n=1), view("r1", new=10, n=2)]) == "r0"
 
 
@@ -58,14 +58,14 @@ def test_prefix_counts_what_the_router_sent_as_cached():
 
 
 def test_prefix_weighs_work_only_where_reuse_differs_little():
-    # prompt 1000: r1's 420 is within 100 (10%) of r0's 500, so the work decides:
-    # r0 300 queued + 500 own = 800, r1 0 + 580 = 580
+    # prompt 1000. r1 holds 80 fewer tokens (a shared head r0 computed and r1 not yet) and
+    # 300 fewer queued: 300 > 2 x 80, the less busy one. r0: 300 + 2 x 500 = 1300, r1 1160
     views = [view("r0", predicted=500, new=300), view("r1", predicted=420)]
     assert pick("prefix", views, num_tokens=1000) == "r1"
-    # 380 is 120 short of 500: not near, the deeper match stays (800 < 2 x 620)
-    views = [view("r0", predicted=500, new=300), view("r1", predicted=380)]
+    # 200 fewer cached: 300 < 2 x 200, the reuse stays (1300 against 1400)
+    views = [view("r0", predicted=500, new=300), view("r1", predicted=300)]
     assert pick("prefix", views, num_tokens=1000) == "r0"
-    # equal work among the near: fewer requests in flight, then the earlier replica
+    # equal costs: fewer requests in flight, then the earlier replica
     views = [view("r0", predicted=500, new=100, n=3), view("r1", predicted=500, new=100, n=1),
              view("r2", predicted=500, new=100, n=1)]  # fmt: skip
     assert pick("prefix", views, num_tokens=1000) == "r1"
@@ -73,27 +73,23 @@ def test_prefix_weighs_work_only_where_reuse_differs_little():
 
 
 def test_prefix_keeps_a_conversation_together_unless_its_replica_is_overloaded():
-    # r0 holds 900 of 1000 tokens; r1 nothing. r0: 1800 queued + 100 own = 1900, r1 1000:
-    # 1900 is under 2 x 1000, the turn stays with its conversation
-    views = [view("r0", recent=900, new=1800), view("r1")]
+    # r0 holds 900 of 1000 tokens, r1 nothing: r0 keeps the turn while its queue is under
+    # 2 x 900 longer than r1's. 1500 + 2 x 100 = 1700 against 2000
+    views = [view("r0", recent=900, new=1500), view("r1")]
     assert pick("prefix", views, num_tokens=1000) == "r0"
-    # 2901 > 2 x 1000: it would finish almost three times later there, so it moves
-    views = [view("r0", recent=900, new=2801), view("r1")]
+    # 1900 + 200 = 2100 > 2000: it moves
+    views = [view("r0", recent=900, new=1900), view("r1")]
     assert pick("prefix", views, num_tokens=1000) == "r1"
-    # to the least busy replica, not to the next deepest match
-    views = [view("r0", recent=900, new=2801), view("r1", predicted=400, new=900),
+    # to the cheapest, not the next deepest: r1 900 + 2 x 600 = 2100, r2 2000
+    views = [view("r0", recent=900, new=1900), view("r1", predicted=400, new=900),
              view("r2", new=0)]  # fmt: skip
     assert pick("prefix", views, num_tokens=1000) == "r2"
-    # the thresholds are parameters
-    relaxed = prefix_policy(overload=4.0)
-    assert relaxed(RouteRequest(0, 1000), [view("r0", recent=900, new=2801), view("r1")]) == 0
-    eager = prefix_policy(near_share=0.5)
-    assert eager(RouteRequest(0, 1000), [view("r0", predicted=500, new=600),
-                                         view("r1", predicted=0)]) == 1  # fmt: skip
-    with pytest.raises(ValueError, match="overload must be ≥ 1"):
-        prefix_policy(overload=0.5)
-    with pytest.raises(ValueError, match="near_share must be in"):
-        prefix_policy(near_share=1.5)
+    # the exchange rate is a parameter: 4 keeps it (2300 < 4000), 1 moves it (2000 > 1000)
+    views = [view("r0", recent=900, new=1900), view("r1")]
+    assert prefix_policy(4.0)(RouteRequest(0, 1000), views) == 0
+    assert prefix_policy(1.0)(RouteRequest(0, 1000), views) == 1
+    with pytest.raises(ValueError, match="weight must be in"):
+        prefix_policy(0.5)
 
 
 def test_prefix_without_token_ids_goes_to_the_least_work():
@@ -276,15 +272,14 @@ def test_the_memory_of_answered_prompts_is_bounded_oldest_first():
 def test_the_routers_options_for_prefix_and_its_memory():
     from wavepp.route.__main__ import check, parser
 
-    args = parser().parse_args(["--replica", "http://a:1", "--prefix-near-share", "0.2",
-                                "--prefix-overload", "3", "--sent-memory-s", "0", "--explain"])
+    args = parser().parse_args(["--replica", "http://a:1", "--prefix-weight", "3",
+                                "--sent-memory-s", "0", "--explain"])  # fmt: skip
     check(args)
-    assert (args.prefix_near_share, args.prefix_overload, args.sent_memory_s) == (0.2, 3.0, 0.0)
+    assert (args.prefix_weight, args.sent_memory_s) == (3.0, 0.0)
     assert args.explain and args.sent_memory_blocks == 1 << 18
-    for argv, why in ((["--prefix-overload", "0.5"], "--prefix-overload must be ≥ 1"),
-                      (["--prefix-near-share", "2"], "--prefix-near-share must be in"),
+    for argv, why in ((["--prefix-weight", "0.5"], "--prefix-weight must be in"),
                       (["--sent-memory-s", "-1"], "--sent-memory-s must be in"),
-                      (["--policy", "least-load", "--prefix-overload", "3"],
-                       "options of --policy prefix, not least-load")):  # fmt: skip
+                      (["--policy", "least-load", "--prefix-weight", "3"],
+                       "an option of --policy prefix, not least-load")):  # fmt: skip
         with pytest.raises(SystemExit, match=why):
             check(parser().parse_args(["--replica", "http://a:1", *argv]))

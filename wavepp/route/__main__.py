@@ -22,8 +22,7 @@ from wavepp.route.app import BODY_TIMEOUT_S, http_client, run_router
 from wavepp.route.pd import Decoder, Disaggregated
 from wavepp.route.policies import (
     DEFAULT_ROUTE_POLICY,
-    PREFIX_NEAR_SHARE,
-    PREFIX_OVERLOAD,
+    PREFIX_WEIGHT,
     ROUTE_POLICIES,
     load_route_policy,
     prefix_policy,
@@ -56,14 +55,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=DEFAULT_ROUTE_POLICY,
                    help=f"routing policy: {', '.join(ROUTE_POLICIES)}, or pkg.mod:fn "
                    f"[{DEFAULT_ROUTE_POLICY}]")
-    p.add_argument("--prefix-near-share", type=float, default=PREFIX_NEAR_SHARE,
-                   help="prefix: replicas whose reuse is within this share of the prompt of the "
-                   "deepest match count as equal, and the least busy of them is chosen "
-                   f"[{PREFIX_NEAR_SHARE:g}]")
-    p.add_argument("--prefix-overload", type=float, default=PREFIX_OVERLOAD,
-                   help="prefix: leave the deepest match for the least busy replica when the "
-                   "request would finish more than this many times later there (work ahead "
-                   f"of it, its own included) [{PREFIX_OVERLOAD:g}]")
+    p.add_argument("--prefix-weight", type=float, default=PREFIX_WEIGHT,
+                   help="prefix: one uncached prompt token weighs as much as this many tokens "
+                   "of work queued ahead; the replica with the least queued + weight x "
+                   f"uncached is chosen [{PREFIX_WEIGHT:g}]")
     p.add_argument("--sent-memory-s", type=float, default=MEMORY.memory_s,
                    help="a prompt a replica answered counts as cached there this long while its "
                    "KV events have not confirmed it (they may lag the answer); 0: only prompts "
@@ -119,12 +114,10 @@ def check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         need(0 < value < 1e6, f"--{name.replace('_', '-')} must be positive, got {value:g}")
     need(args.fail_after >= 1, f"--fail-after must be ≥ 1, got {args.fail_after}")
-    need(0 <= args.prefix_near_share <= 1, f"--prefix-near-share must be in [0, 1], got "
-         f"{args.prefix_near_share:g}")
-    need(args.prefix_overload >= 1, f"--prefix-overload must be ≥ 1, got {args.prefix_overload:g}")
-    tuned = (args.prefix_near_share, args.prefix_overload) != (PREFIX_NEAR_SHARE, PREFIX_OVERLOAD)
-    need(args.policy == "prefix" or not tuned, "--prefix-near-share and --prefix-overload are "
-         f"options of --policy prefix, not {args.policy}")
+    need(1 <= args.prefix_weight < 1e6, f"--prefix-weight must be in [1, 1e6), got "
+         f"{args.prefix_weight:g}")
+    need(args.policy == "prefix" or args.prefix_weight == PREFIX_WEIGHT, "--prefix-weight is "
+         f"an option of --policy prefix, not {args.policy}")
     need(0 <= args.sent_memory_s < 1e6, f"--sent-memory-s must be in [0, 1e6), got "
          f"{args.sent_memory_s:g}")
     need(args.sent_memory_blocks >= 0, f"--sent-memory-blocks must be ≥ 0, got "
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         policy = load_route_policy(args.policy)
         if args.policy == "prefix":
-            policy = prefix_policy(args.prefix_near_share, args.prefix_overload)
+            policy = prefix_policy(args.prefix_weight)
     except PolicyError as error:
         raise SystemExit(f"wavepp route: --policy: {error}") from None
     watch = WatchOptions(args.health_interval_s, args.health_timeout_s, args.fail_after,

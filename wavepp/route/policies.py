@@ -12,10 +12,9 @@ name (``--policy NAME``), or any function as ``pkg.mod:fn``:
   the fewest requests;
 - ``prefix``: the deepest reuse (:func:`reuse_tokens`: the replica's KV-event index probed
   with WavePP's own chained hashes, or, where deeper, what the router sent there — prompts
-  in flight and prompts answered before their events arrived), a conversation's turns
-  following its earlier ones; among replicas whose reuse is within a small share of the
-  prompt of the deepest, the least work ahead; and the least busy replica instead when the
-  request would finish far later at the deepest match (:func:`prefix_policy`);
+  in flight and prompts answered before their events arrived) against the work queued
+  there, at an exchange rate (:func:`prefix_policy`): a conversation's turns follow its
+  earlier ones unless that replica's queue is far longer than another's;
 - ``cost``: Dynamo's KV-router cost, lowest first (:func:`dynamo_cost`);
 - ``text-tree``: SGLang's gateway ("cache-aware"), over an approximate radix tree of the
   token ids routed to each replica (:func:`text_tree`).
@@ -92,37 +91,30 @@ def reuse_tokens(view: ReplicaView) -> int:
     return max(view.predicted_tokens, view.pending_tokens, view.recent_tokens)
 
 
-# ``prefix``'s defaults. A replica whose reuse is within PREFIX_NEAR_SHARE of the prompt of
-# the deepest match counts as equal to it (load decides among those): balancing load then
-# never recomputes more than that share of a prompt. PREFIX_OVERLOAD: a request leaves the
-# deepest match only when it would finish more than this many times later there than on the
-# least busy replica (work ahead of it there, its own uncached tokens included).
-PREFIX_NEAR_SHARE = 0.1
-PREFIX_OVERLOAD = 2.0
+# ``prefix``'s exchange rate: one uncached prompt token weighs as much as PREFIX_WEIGHT
+# tokens of work queued ahead. A replica with less reuse wins only when what it saves in
+# waiting is over PREFIX_WEIGHT times what it adds in compute: load decides where reuse
+# differs little (a shared head that one replica has computed and another not yet), and a
+# conversation leaves its replica only when that replica's queue is longer than the
+# others' by over twice the conversation's cached prompt.
+PREFIX_WEIGHT = 2.0
 
 
-def prefix_policy(near_share: float = PREFIX_NEAR_SHARE,
-                  overload: float = PREFIX_OVERLOAD) -> RoutePolicy:  # fmt: skip
-    """``prefix`` with its two thresholds (:data:`PREFIX_NEAR_SHARE`, :data:`PREFIX_OVERLOAD`)."""
-    if not 0 <= near_share <= 1:
-        raise ValueError(f"near_share must be in [0, 1], got {near_share:g}")
-    if overload < 1:
-        raise ValueError(f"overload must be ≥ 1 (finishing later than elsewhere), got {overload:g}")
+def prefix_policy(weight: float = PREFIX_WEIGHT) -> RoutePolicy:
+    """``prefix`` with its exchange rate (:data:`PREFIX_WEIGHT`): the least ``queued
+    uncached tokens + weight × this request's uncached tokens``, reuse by
+    :func:`reuse_tokens`; ties by requests in flight, then the earlier replica."""
+    if not 1 <= weight < 1e6:
+        raise ValueError(f"weight must be in [1, 1e6) (1: this request's finish time alone), "
+                         f"got {weight:g}")  # fmt: skip
 
     def prefix(request: RouteRequest, replicas: Sequence[ReplicaView]) -> int:
-        reuse = [reuse_tokens(v) for v in replicas]
-        # work ahead of the request there, its own uncached tokens included (prompt tokens)
-        work = [v.load_new_tokens + max(request.num_tokens - r, 0)
-                for v, r in zip(replicas, reuse, strict=True)]  # fmt: skip
+        def key(i: int) -> tuple[float, int, int]:
+            view = replicas[i]
+            new = max(request.num_tokens - reuse_tokens(view), 0)
+            return (view.load_new_tokens + weight * new, view.num_in_flight, i)
 
-        def key(i: int) -> tuple[int, int, int]:
-            return (work[i], replicas[i].num_in_flight, i)
-
-        deepest = max(reuse)
-        near = [i for i, r in enumerate(reuse) if deepest - r <= near_share * request.num_tokens]
-        chosen = min(near, key=key)
-        least = min(range(len(replicas)), key=key)
-        return least if work[chosen] > overload * work[least] else chosen
+        return min(range(len(replicas)), key=key)
 
     return prefix
 

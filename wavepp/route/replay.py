@@ -49,6 +49,8 @@ class Sent:
     sent_s: float | None = None
     answered_s: float | None = None
     deadline_met: bool | None = None
+    queued_s: float | None = None  # the replica's submission to admission (its timings)
+    server_s: float | None = None  # the replica's submission to result
 
     @property
     def latency_s(self) -> float | None:
@@ -97,6 +99,8 @@ async def _send(client: httpx.AsyncClient, turn: Turn, sent: Sent, start: float)
     sent.status = str(result["status"])
     sent.cached_tokens = int(result.get("cached_tokens") or 0)
     sent.deadline_met = result.get("deadline_met")
+    timings = result.get("timings") or {}
+    sent.queued_s, sent.server_s = timings.get("queued_s"), timings.get("total_s")
 
 
 async def replay(url: str, turns: Sequence[Turn], timeout_s: float = 600.0) -> list[Sent]:
