@@ -38,9 +38,9 @@ def test_least_load_counts_tokens_then_requests():
 
 
 def test_prefix_takes_the_deepest_match_however_short():
-    # 64 of 256 tokens (25%) at r0: no cut. Costs (queued + 2 x uncached): 384 against 512
+    # 64 of 256 tokens (25%) at r0: no cut. Costs (queued + 4 x uncached): 768 against 1024
     assert pick("prefix", [view("r1"), view("r0", predicted=64)]) == "r0"
-    # r0: 0 + 2 x 192 = 384, r1: 100 + 2 x 128 = 356, r2: 120 + 2 x 64 = 248
+    # r0: 0 + 4 x 192 = 768, r1: 100 + 4 x 128 = 612, r2: 120 + 4 x 64 = 376
     views = [view("r0", predicted=64), view("r1", predicted=128, new=100),
              view("r2", predicted=192, new=120)]  # fmt: skip
     assert pick("prefix", views) == "r2"
@@ -58,11 +58,12 @@ def test_prefix_counts_what_the_router_sent_as_cached():
 
 
 def test_prefix_weighs_work_only_where_reuse_differs_little():
-    # prompt 1000. r1 holds 80 fewer tokens (a shared head r0 computed and r1 not yet) and
-    # 300 fewer queued: 300 > 2 x 80, the less busy one. r0: 300 + 2 x 500 = 1300, r1 1160
-    views = [view("r0", predicted=500, new=300), view("r1", predicted=420)]
+    # prompt 1000. r1 holds 50 fewer tokens (a shared head r0 computed and r1 not yet) and
+    # has 300 fewer queued: 300 > 4 x 50, the less busy one. r0: 300 + 4 x 500 = 2300,
+    # r1: 4 x 550 = 2200
+    views = [view("r0", predicted=500, new=300), view("r1", predicted=450)]
     assert pick("prefix", views, num_tokens=1000) == "r1"
-    # 200 fewer cached: 300 < 2 x 200, the reuse stays (1300 against 1400)
+    # 200 fewer cached: 300 < 4 x 200, the reuse stays (2300 against 2800)
     views = [view("r0", predicted=500, new=300), view("r1", predicted=300)]
     assert pick("prefix", views, num_tokens=1000) == "r0"
     # equal costs: fewer requests in flight, then the earlier replica
@@ -74,19 +75,19 @@ def test_prefix_weighs_work_only_where_reuse_differs_little():
 
 def test_prefix_keeps_a_conversation_together_unless_its_replica_is_overloaded():
     # r0 holds 900 of 1000 tokens, r1 nothing: r0 keeps the turn while its queue is under
-    # 2 x 900 longer than r1's. 1500 + 2 x 100 = 1700 against 2000
-    views = [view("r0", recent=900, new=1500), view("r1")]
+    # 4 x 900 longer than r1's. 3500 + 4 x 100 = 3900 against 4000
+    views = [view("r0", recent=900, new=3500), view("r1")]
     assert pick("prefix", views, num_tokens=1000) == "r0"
-    # 1900 + 200 = 2100 > 2000: it moves
-    views = [view("r0", recent=900, new=1900), view("r1")]
+    # 3700 + 400 = 4100 > 4000: it moves
+    views = [view("r0", recent=900, new=3700), view("r1")]
     assert pick("prefix", views, num_tokens=1000) == "r1"
-    # to the cheapest, not the next deepest: r1 900 + 2 x 600 = 2100, r2 2000
-    views = [view("r0", recent=900, new=1900), view("r1", predicted=400, new=900),
+    # to the cheapest, not the next deepest: r1 2000 + 4 x 600 = 4400, r2 4000
+    views = [view("r0", recent=900, new=3700), view("r1", predicted=400, new=2000),
              view("r2", new=0)]  # fmt: skip
     assert pick("prefix", views, num_tokens=1000) == "r2"
-    # the exchange rate is a parameter: 4 keeps it (2300 < 4000), 1 moves it (2000 > 1000)
-    views = [view("r0", recent=900, new=1900), view("r1")]
-    assert prefix_policy(4.0)(RouteRequest(0, 1000), views) == 0
+    # the exchange rate is a parameter: 8 keeps it (4500 < 8000), 1 moves it (3800 > 1000)
+    views = [view("r0", recent=900, new=3700), view("r1")]
+    assert prefix_policy(8.0)(RouteRequest(0, 1000), views) == 0
     assert prefix_policy(1.0)(RouteRequest(0, 1000), views) == 1
     with pytest.raises(ValueError, match="weight must be in"):
         prefix_policy(0.5)
