@@ -3,11 +3,15 @@ finding a run's ranks among the machine's processes."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# a traceback frame of WavePP's own code (its package's files, not a venv inside a
+# checkout that happens to be named wavepp)
+OUR_FRAME = re.compile(r'^[\s|]*File "' + re.escape(str(ROOT / "wavepp")) + "/", re.MULTILINE)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 

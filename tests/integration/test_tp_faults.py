@@ -6,12 +6,12 @@ Gloo's words), every other rank names it, no traceback from WavePP's code, and t
 launcher exits non-zero. The bounds are hang guards only."""
 
 import json
-import re
 import signal
 
 import pytest
 
 from tests.helpers.faults import break_a_rank, break_a_serving_rank
+from tests.helpers.run import OUR_FRAME
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,6 @@ OPTIONS = ("--tp", "2", "--model", "tiny-llama", "--requests", "400", "--prompt-
 NAMES = {1: "rank 1 (stage 0, TP rank 1)", 2: "rank 2 (stage 1, TP rank 0)",
          3: "rank 3 (stage 1, TP rank 1)"}  # fmt: skip
 # a traceback through WavePP's own code (torchrun's summary of a failed child is its own)
-OUR_FRAME = re.compile(r'^[\s|]*File "[^"]*/wavepp/', re.MULTILINE)
 
 
 @pytest.mark.parametrize("victim", [1, 2, 3], ids=["follower-0", "leader-1", "follower-1"])
