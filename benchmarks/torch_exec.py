@@ -19,13 +19,17 @@
    in GFLOP/s: fp32 and bf16 by each path this machine has (AMX tiles, ``vdpbf16ps``,
    converted to fp32), counting 2 (D + Dv) per head and query-key pair on or below the
    diagonal.
-5. **Last-layer rows**: the stage as it runs (the model's last layer computes its
+5. **Fused-op rows**: the layers' token-wise work (RMSNorm, rotary embedding,
+   ``silu(gate) * up``) as WavePP's fused CPU ops against PyTorch's kernels
+   (``WAVEPP_CPU_FUSED=0``) on the same executor, interleaved, at the
+   ``--fused-lengths``, cold and 90% cached, with the largest logit difference.
+6. **Last-layer rows**: the stage as it runs (the model's last layer computes its
    outputs only for the row the logits read) against ``full_last_layer`` (that layer
    for every token), interleaved, at the ``--last-layer-lengths``, cold and 90% cached,
    with the largest logit difference.
-``--dtype bfloat16`` runs the stage and transformers in bf16 (rows 1-5).
+``--dtype bfloat16`` runs the stage and transformers in bf16 (rows 1-6).
 
-6. ``--pp``: the whole runtime on a cold workload with one stage and with two:
+7. ``--pp``: the whole runtime on a cold workload with one stage and with two:
    throughput(P=2) / (2 x throughput(P=1)).
 
 Timings interleave the systems they compare, so that machine noise hits both alike; each
@@ -65,6 +69,11 @@ MODELS = {
     "bench-llama": llama_config(
         vocab_size=32_000, d_model=256, num_layers=4, num_heads=4, num_kv_heads=2,
         head_dim=64, d_ff=1024,
+    ),
+    # benchmarks.vllm_compare's deep model: a ~0.5B model's shapes
+    "llama-24l": llama_config(
+        vocab_size=32_000, d_model=896, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, d_ff=4864,
     ),
 }  # fmt: skip
 
@@ -106,6 +115,7 @@ class Sweep:
         self._full: TorchExecutor | None = None
         self.copy_logits: torch.Tensor | None = None  # the copying path's, last run
         self.pytorch_logits: torch.Tensor | None = None  # PyTorch attention's, last run
+        self.unfused_logits: torch.Tensor | None = None  # without the fused ops, last run
 
         cfg = MODELS[model]
         if set(cfg.pattern) != {"A"}:
@@ -169,6 +179,14 @@ class Sweep:
         with cpu_kernel.off():
             seconds = self.ours_seconds(tokens, cached, chunk)
         self.pytorch_logits = self.ours.last_logits["bench"].clone()
+        return seconds
+
+    def unfused_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
+        """:meth:`ours_seconds` with the layers' token-wise work in PyTorch's kernels
+        instead of WavePP's fused ops (its logits kept aside)."""
+        with cpu_kernel.fused_off():
+            seconds = self.ours_seconds(tokens, cached, chunk)
+        self.unfused_logits = self.ours.last_logits["bench"].clone()
         return seconds
 
     def copying_seconds(self, tokens: np.ndarray, cached: int, chunk: int) -> float:
@@ -295,8 +313,10 @@ def sweep(args: argparse.Namespace) -> dict:
     compile_lengths = [int(x) for x in args.compile_lengths.split(",") if x]
     kernel_lengths = [int(x) for x in args.kernel_lengths.split(",") if x]
     last_lengths = [int(x) for x in args.last_layer_lengths.split(",") if x]
+    fused_lengths = [int(x) for x in args.fused_lengths.split(",") if x]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    longest = max(lengths + attn_lengths + compile_lengths + kernel_lengths + last_lengths)
+    longest = max(lengths + attn_lengths + compile_lengths + kernel_lengths + last_lengths
+                  + fused_lengths)
     bench = Sweep(args.model, args.seed, args.block, longest, clock, getattr(torch, args.dtype))
     rows = []
     for n in lengths:
@@ -339,6 +359,8 @@ def sweep(args: argparse.Namespace) -> dict:
     kernel = _ab_rows(bench, args, "kernel", kernel_lengths, (0.0, 0.9), ("kernel", "pytorch"),
                       bench.ours_seconds, bench.pytorch_seconds, lambda: bench.pytorch_logits)
     gflops = kernel_gflops(bench.cfg, kernel_lengths, args.chunk, args.block, args.repeats, clock)
+    fused = _ab_rows(bench, args, "fused ops", fused_lengths, (0.0, 0.9), ("fused", "unfused"),
+                     bench.ours_seconds, bench.unfused_seconds, lambda: bench.unfused_logits)
     last_layer = _ab_rows(
         bench, args, "last layer", last_lengths, (0.0, 0.9), ("rows_only", "full_last_layer"),
         bench.ours_seconds, partial(_on, bench.ours_seconds, bench.full),
@@ -347,7 +369,8 @@ def sweep(args: argparse.Namespace) -> dict:
     return {"model": args.model, "chunk": args.chunk, "block": args.block, "clock": args.clock,
             "attention_kernel": bench.ours.attention_kernel, "sweep": rows,
             "attention": attention, "compile": compiled, "kernel": kernel,
-            "kernel_gflops": gflops, "last_layer": last_layer, "dtype": args.dtype}  # fmt: skip
+            "kernel_gflops": gflops, "fused": fused, "last_layer": last_layer,
+            "dtype": args.dtype}  # fmt: skip
 
 
 def plot(record: dict, path: str) -> None:
@@ -424,6 +447,12 @@ def main(argv: list[str] | None = None) -> None:
         "cached ('' for none)",
     )
     p.add_argument(
+        "--fused-lengths",
+        default="",
+        help="lengths of the fused token-wise ops vs PyTorch's kernels rows (norms, "
+        "rotary, silu * up), cold and 90%% cached ('' for none)",
+    )
+    p.add_argument(
         "--last-layer-lengths",
         default="",
         help="lengths of the rows-only last layer vs --full-last-layer rows, cold and 90%% "
@@ -431,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--chunk", type=int, default=2048, help="tokens per wave (cold and suffix)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="the stage's and transformers' dtype (rows 1-5)")  # fmt: skip
+                   help="the stage's and transformers' dtype (rows 1-6)")  # fmt: skip
     p.add_argument("--block", type=int, default=16, help="KV block size")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="0: every core of this machine")

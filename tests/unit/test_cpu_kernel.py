@@ -168,12 +168,13 @@ def test_a_failed_build_is_remembered(tmp_path):
     build = cpu_kernel.KernelBuild(tmp_path / "cache", str(compiler))
     with pytest.raises(cpu_kernel.KernelUnavailable, match=r"x\.cpp:3:2: error: no AVX-512 here"):
         build.library()
-    assert len(compiles(compiler)) == 1
+    tried = len(compiles(compiler))
+    assert 1 <= tried <= len(cpu_kernel.SOURCES)  # at most one compile per source
     assert not list(tmp_path.rglob("*.so")), "a failed build leaves no library behind"
     again = cpu_kernel.KernelBuild(tmp_path / "cache", str(compiler))  # the next start
     with pytest.raises(cpu_kernel.KernelUnavailable, match=r"no AVX-512 here.*delete it to try"):
         again.library()
-    assert len(compiles(compiler)) == 1, "a remembered failure is not built again"
+    assert len(compiles(compiler)) == tried, "a remembered failure is not built again"
 
 
 def test_a_hung_compiler_is_killed_and_remembered(tmp_path):
@@ -237,6 +238,7 @@ def test_a_rank_whose_build_fails_logs_one_line_and_pytorch_serves(tmp_path):
         print(float((got - want).abs().max()))
     """
     env = {"WAVEPP_CACHE": str(tmp_path / "cache"), "CXX": str(compiler)}
+    tried = None
     for _ in range(2):  # the second start remembers the first one's failure
         done = run_python(code, env)
         assert done.returncode == 0, done.stderr
@@ -245,7 +247,8 @@ def test_a_rank_whose_build_fails_logs_one_line_and_pytorch_serves(tmp_path):
         label, diff = done.stdout.splitlines()
         assert label.startswith("PyTorch's (WavePP's CPU kernel unavailable: x.cpp:1:1")
         assert float(diff) < 1e-5
-        assert len(compiles(compiler)) == 1
+        tried = tried or len(compiles(compiler))  # one build: a compile per source at most
+        assert 1 <= len(compiles(compiler)) == tried <= len(cpu_kernel.SOURCES)
 
 
 @pytest.mark.slow  # a fresh interpreter

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wavepp.model import cpu_kernel
 from wavepp.model.attention import paged_attention, to_queries, write_paged
-from wavepp.model.common import RMSNorm, apply_rope, rope_tables
+from wavepp.model.common import RMSNorm, RowFusion, apply_rope, rope_tables
 from wavepp.model.tp import NO_TP, TPGroup
 
 
@@ -79,12 +80,17 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, d_model, bias=False)
+        self.fused_qkv = RowFusion([self.q_proj, self.k_proj, self.v_proj])
         if qk_norm == "head":
             self.q_norm = RMSNorm(head_dim, eps, offset=True)
             self.k_norm = RMSNorm(head_dim, eps, offset=True)
         elif qk_norm == "full":
             self.q_norm = RMSNorm(num_heads * head_dim, eps)
             self.k_norm = RMSNorm(num_kv_heads * head_dim, eps)
+
+    def prepare(self) -> None:
+        """q, k and v as one matrix product, once the checkpoint is loaded (``build_stage``)."""
+        self.fused_qkv.fuse()
 
     @property
     def llama_shaped(self) -> bool:
@@ -106,12 +112,12 @@ class GQAttention(nn.Module):
         ``tables``: :meth:`rope` of the tokens' positions."""
         n, hd = h.shape[0], self.head_dim
         gate = None
+        # one product for q (and the gate), k and v: [n, q_out + 2 KV hd], split in views
+        q, k, v = F.linear(h, self.fused_qkv.weight()).split(self.fused_qkv.sizes, dim=-1)
+        v = v.view(n, self.num_kv_heads, hd)
         if self.gated:
-            q, gate = self.q_proj(h).view(n, self.num_heads, 2 * hd).chunk(2, dim=-1)
+            q, gate = q.reshape(n, self.num_heads, 2 * hd).chunk(2, dim=-1)
             gate = gate.reshape(n, -1)
-        else:
-            q = self.q_proj(h)
-        k = self.k_proj(h)
         if self.qk_norm == "head":
             q = self.q_norm(q.reshape(n, self.num_heads, hd))
             k = self.k_norm(k.view(n, self.num_kv_heads, hd))
@@ -121,7 +127,9 @@ class GQAttention(nn.Module):
         else:
             q = q.view(n, self.num_heads, hd)
             k = k.view(n, self.num_kv_heads, hd)
-        v = self.v_proj(h).view(n, self.num_kv_heads, hd)
+        if cpu_kernel.fused_fits(q, k, *tables) and q.stride(-1) == k.stride(-1) == 1:
+            # in place: q and k are this call's own (views of the product, or normed)
+            return cpu_kernel.rope_(q, *tables), gate, cpu_kernel.rope_(k, *tables), v
         return apply_rope(q, tables), gate, apply_rope(k, tables), v
 
     def full_norms(self, q: torch.Tensor, k: torch.Tensor):

@@ -1,4 +1,5 @@
-"""WavePP's CPU attention kernel (``cpu_attention.cpp``), a PyTorch op built on first use.
+"""WavePP's CPU attention kernel (``cpu_attention.cpp``) and fused token-wise ops
+(``cpu_fused.cpp``), PyTorch ops built on first use.
 
 One call per layer runs paged causal attention for every chunk of a wave, fp32 or
 bf16, with AVX-512: each new token attends to positions ``0..its own`` read through its
@@ -35,9 +36,15 @@ source, the compiler, the flags, torch's version and the CPU:
   build's directory and the library belong to this user and are writable by no one
   else.
 
+The same library holds a layer's token-wise work, each op one pass over its rows
+(``cpu_fused.cpp``): :func:`rms_norm`, :func:`rope_` (in place) and :func:`silu_mul`,
+rounding where PyTorch's own sequence of kernels rounds. The layers call them for CPU
+tensors in fp32 or bf16 (:func:`fused_fits`) and run their PyTorch forms otherwise.
+
 Where it cannot be had (no compiler, no AVX-512, a build error or timeout, a cache
 directory refused) the reason is logged once, in one line, and the PyTorch path serves.
-``WAVEPP_CPU_KERNEL=0`` turns it off (benchmarks compare the two that way).
+``WAVEPP_CPU_KERNEL=0`` turns the attention kernel off, ``WAVEPP_CPU_FUSED=0`` the fused
+ops (benchmarks compare each with PyTorch's that way).
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+# the library's sources: attention, and the fused token-wise ops
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_fused.cpp"))
 BUILDER = Path(__file__).with_name("cpu_kernel_build.py")
 NAME = "wavepp_cpu_attention"  # the library's name, and the build's
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads only in code built with it
@@ -88,6 +97,19 @@ def off():
         yield
     finally:
         _OFF.pop()
+
+
+_FUSED_OFF: list[bool] = []  # set inside :func:`fused_off`
+
+
+@contextlib.contextmanager
+def fused_off():
+    """The layers' PyTorch forms instead of the fused ops inside this block."""
+    _FUSED_OFF.append(True)
+    try:
+        yield
+    finally:
+        _FUSED_OFF.pop()
 
 
 class KernelUnavailable(RuntimeError):
@@ -162,7 +184,8 @@ class KernelBuild:
                                      text=True, timeout=30).stdout  # fmt: skip
         except (OSError, subprocess.SubprocessError) as error:
             raise KernelUnavailable(f"no C++ compiler ({self.compiler}: {error})") from error
-        parts = [SOURCE.read_bytes(), BUILDER.read_bytes(), version.encode(),
+        parts = [*(f.read_bytes() for f in SOURCES), BUILDER.read_bytes(),
+                 version.encode(),
                  " ".join(self.cflags + LDFLAGS).encode(), torch.__version__.encode(),
                  sys.implementation.cache_tag.encode(), _cpu_id()]  # fmt: skip
         return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
@@ -184,7 +207,7 @@ class KernelBuild:
             import ninja  # cpp_extension runs the ninja on PATH; this one is a dependency
         except ImportError as error:
             raise KernelUnavailable(f"ninja is not installed ({error})") from error
-        spec = {"name": NAME, "source": str(SOURCE), "directory": str(directory),
+        spec = {"name": NAME, "sources": [str(s) for s in SOURCES], "directory": str(directory),
                 "cflags": list(self.cflags), "ldflags": list(LDFLAGS)}  # fmt: skip
         env = {**os.environ, "CXX": self.compiler,
                "PATH": os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])}  # fmt: skip
@@ -281,11 +304,11 @@ def _load_ops(build: KernelBuild) -> None:
             raise build.remember(
                 library.parent, f"the rebuilt {library} does not load either: {again}"
             ) from again
-    if not hasattr(torch.ops.wavepp, "paged_attention"):  # loaded, so not rebuilt here
-        build.discard(library, library.stat())  # built afresh once FAILED is deleted
-        raise build.remember(
-            library.parent, f"{library} does not register the op wavepp::paged_attention"
-        )
+    for op in ("paged_attention", "rms_norm", "rope_", "silu_mul", "silu_mul_"):
+        if not hasattr(torch.ops.wavepp, op):  # loaded, so not rebuilt here
+            build.discard(library, library.stat())  # built afresh once FAILED is deleted
+            raise build.remember(library.parent, f"{library} does not register the op "
+                                 f"wavepp::{op}")  # fmt: skip
 
 
 @functools.cache
@@ -395,3 +418,47 @@ def paged_attention(q, k_pool, v_pool, seqs, tables, block_size: int, scale: flo
     code = _PATH_CODES[path] if _has(path) else _PATH_CODES["convert"]
     return torch.ops.wavepp.paged_attention(q, k_pool, v_pool, seqs, tables, block_size, scale,
                                             code)  # fmt: skip
+
+
+# -- the fused token-wise ops (cpu_fused.cpp) ----------------------------------------
+
+
+def fused_fits(*tensors: torch.Tensor) -> bool:
+    """Whether the fused ops serve these tensors: all on the CPU, all fp32 or all bf16,
+    gradients off (the ops have no backward), unless ``WAVEPP_CPU_FUSED=0`` or inside
+    :func:`fused_off` (else the caller runs its PyTorch form)."""
+    first = tensors[0]
+    return (
+        not torch.is_grad_enabled()
+        and not _FUSED_OFF
+        and first.device.type == "cpu"
+        and first.dtype in _DTYPES
+        and all(t.device.type == "cpu" and t.dtype == first.dtype for t in tensors)
+        and os.environ.get("WAVEPP_CPU_FUSED", "1") not in ("0", "false", "off", "")
+        and available()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """x: [..., d] -> ``weight * x / rms(x)`` (``offset``: ``(1 + weight) * ...``) in one
+    pass, as ``wavepp.model.common.RMSNorm`` computes it."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[-1] > 1 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return torch.ops.wavepp.rms_norm(rows, weight.contiguous(), eps, offset).view(x.shape)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of x: [tokens, heads, d] in place (its last dim
+    contiguous); cos, sin: [tokens, 1, w] (``wavepp.model.common.rope_tables``). Returns x."""
+    torch.ops.wavepp.rope_(x, cos[:, 0], sin[:, 0])
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """gate_up: [rows, 2 f], gate then up -> ``silu(gate) * up`` [rows, f] in one pass;
+    ``in_place``: written over the gate half, and that view returned (rows strided)."""
+    if in_place:
+        torch.ops.wavepp.silu_mul_(gate_up)
+        return gate_up[:, : gate_up.shape[1] // 2]
+    return torch.ops.wavepp.silu_mul(gate_up)

@@ -2,7 +2,7 @@
 
 :mod:`wavepp.model.cpu_kernel` runs this file by its path, in a subprocess it can kill
 when the build outlasts its timeout, so it imports only the standard library and
-torch. ``python cpu_kernel_build.py SPEC`` (a JSON object: ``name``, ``source``,
+torch. ``python cpu_kernel_build.py SPEC`` (a JSON object: ``name``, ``sources``,
 ``directory``, ``cflags``, ``ldflags``) exits 0 once ``directory/<name>.so`` exists,
 or 1 with the reason in ``directory/FAILED``.
 
@@ -43,7 +43,7 @@ def build(spec: dict) -> int:
         from torch.utils.cpp_extension import load
 
         try:
-            load(spec["name"], [spec["source"]], extra_cflags=spec["cflags"],
+            load(spec["name"], spec["sources"], extra_cflags=spec["cflags"],
                  extra_ldflags=spec["ldflags"], build_directory=str(directory),
                  is_python_module=False)  # fmt: skip
         except Exception as error:  # the compiler's or the loader's, to remember

@@ -6,9 +6,9 @@ kernel reading and writing a ``[tokens, width]`` tensor. Compiled (Inductor, dyn
 shapes), each layer's work around attention becomes two fused functions of plain
 tensors, shared by every layer of the same shapes:
 
-- :func:`gqa_pre`: input RMSNorm, q/k/v projections, rotary embedding;
+- :func:`gqa_pre`: input RMSNorm, the q/k/v projection (one product), rotary embedding;
 - :func:`swiglu_post`: output projection and residual, post-attention RMSNorm,
-  SwiGLU MLP and residual.
+  SwiGLU MLP (gate and up one product) and residual.
 
 Attention stays in :mod:`wavepp.model.attention` (compiled code never sees a block
 table), so the cache effects are exactly the uncompiled ones. Only Llama-shaped layers
@@ -32,21 +32,26 @@ from wavepp.model.attn import GQAttention
 from wavepp.model.common import RMSNorm, SwiGLU, apply_rope, rms_norm
 
 
-def gqa_pre(x, norm_w, eps: float, q_w, k_w, v_w, cos, sin, heads: int, kv_heads: int,
+def gqa_pre(x, norm_w, eps: float, qkv_w, cos, sin, heads: int, kv_heads: int,
             head_dim: int):  # fmt: skip
-    """x: [T, d_model] -> q [T, H, hd] and k, v [T, KV, hd], rotary applied to q and k."""
+    """x: [T, d_model] -> q [T, H, hd] and k, v [T, KV, hd], rotary applied to q and k;
+    qkv_w: q, k and v's weights as one (``GQAttention.fused_qkv``)."""
     h = rms_norm(x, norm_w, eps)
     n = x.shape[0]
-    q = apply_rope(F.linear(h, q_w).view(n, heads, head_dim), (cos, sin))
-    k = apply_rope(F.linear(h, k_w).view(n, kv_heads, head_dim), (cos, sin))
-    return q, k, F.linear(h, v_w).view(n, kv_heads, head_dim)
+    q, k, v = F.linear(h, qkv_w).split([heads * head_dim, kv_heads * head_dim,
+                                        kv_heads * head_dim], dim=-1)  # fmt: skip
+    q = apply_rope(q.view(n, heads, head_dim), (cos, sin))
+    k = apply_rope(k.view(n, kv_heads, head_dim), (cos, sin))
+    return q, k, v.view(n, kv_heads, head_dim)
 
 
-def swiglu_post(x, attn, o_w, norm_w, eps: float, gate_w, up_w, down_w):
-    """x: [T, d_model], attn: [T, H * hd] -> the layer's output [T, d_model]."""
+def swiglu_post(x, attn, o_w, norm_w, eps: float, gate_up_w, down_w):
+    """x: [T, d_model], attn: [T, H * hd] -> the layer's output [T, d_model];
+    gate_up_w: gate and up's weights as one (``SwiGLU.gate_up``)."""
     x = x + F.linear(attn, o_w)
     h = rms_norm(x, norm_w, eps)
-    return x + F.linear(F.silu(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w)
 
 
 _COMPILED: dict[str, object] = {}
@@ -91,14 +96,13 @@ class FusedLayer:
         pre = self.pre if x.shape[0] > 1 else gqa_pre
         cos, sin = mixer.wave_rope(batch, x.dtype)
         norm = layer.input_layernorm
-        q, k, v = pre(x, norm.weight, norm.eps, mixer.q_proj.weight, mixer.k_proj.weight,
-                      mixer.v_proj.weight, cos, sin, mixer.num_heads, mixer.num_kv_heads,
-                      mixer.head_dim)  # fmt: skip
+        q, k, v = pre(x, norm.weight, norm.eps, mixer.fused_qkv.weight(), cos, sin,
+                      mixer.num_heads, mixer.num_kv_heads, mixer.head_dim)  # fmt: skip
         out = mixer.paged_attend(q, None, k, v, batch, pools, queries)
         _, x = to_queries(batch, queries, x)
         if not x.shape[0]:
             return x
         post = self.post if x.shape[0] > 1 else swiglu_post
         norm = layer.post_attention_layernorm
-        return post(x, out, mixer.o_proj.weight, norm.weight, norm.eps, mlp.gate_proj.weight,
-                    mlp.up_proj.weight, mlp.down_proj.weight)  # fmt: skip
+        return post(x, out, mixer.o_proj.weight, norm.weight, norm.eps, mlp.gate_up.weight(),
+                    mlp.down_proj.weight)  # fmt: skip
