@@ -1,5 +1,6 @@
 """The fleet launcher's ``--threads`` default: the cores it may run on (its affinity
-mask, as the runtime counts them) over every replica's ranks."""
+mask, as the runtime counts them) over every replica's ranks; the replicas'
+``--handoff-secret`` reaches the router."""
 
 import argparse
 import os
@@ -37,3 +38,16 @@ def test_a_launcher_confined_to_one_core_gives_each_rank_one_thread():
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True)  # fmt: skip
     assert out.stdout.strip() == "1"
+
+
+def test_the_replicas_handoff_secret_reaches_the_router():
+    args = argparse.Namespace(host="127.0.0.1", port=0, route_policy="prefix", route_option=[])
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    plain = fleet.router_command(args, ["--model", "tiny-llama"], urls)
+    assert "--handoff-secret" not in plain and plain.count("--replica") == 2
+    for rest in (["--handoff-secret", "/run/s"], ["--handoff-secret=/run/s"]):
+        cmd = fleet.router_command(args, rest, urls)
+        assert cmd[cmd.index("--handoff-secret") + 1] == "/run/s"
+    args.route_option = ["--handoff-secret=/run/other"]  # the user's own, alone
+    cmd = fleet.router_command(args, ["--handoff-secret", "/run/s"], urls)
+    assert "--handoff-secret" not in cmd and "--handoff-secret=/run/other" in cmd

@@ -34,9 +34,14 @@ def _until(what, seconds: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def _follow(pub_endpoint, replay_endpoint, index, secret, body):
+def _follow(pub_endpoint, replay_endpoint, index, secret, body, subscriber=None):
+    """Run ``body(feed)`` while ``feed`` (``subscriber(...)``, else :func:`subscribe`
+    given the secret) follows the publisher."""
     async def main():
-        feed = subscribe(pub_endpoint, replay_endpoint, index, secret=secret)
+        if subscriber is None:
+            feed = subscribe(pub_endpoint, replay_endpoint, index, secret=secret)
+        else:
+            feed = subscriber(pub_endpoint, replay_endpoint, index)
         async with anyio.create_task_group() as tg:
             tg.start_soon(feed.run)
             await anyio.to_thread.run_sync(body, feed)
@@ -77,6 +82,46 @@ def test_a_subscriber_with_the_secret_applies_only_signed_batches():
     finally:
         signed.close()
         impostor.close()
+
+
+def test_the_routers_handoff_secret_reaches_its_subscriber(tmp_path, monkeypatch):
+    """``python -m wavepp.route --handoff-secret FILE``: the router's subscriber applies a
+    signing replica's batches and refuses an unsigned publisher's; a bad file is one line."""
+    from wavepp.route.__main__ import _events, parser, secret_of
+
+    monkeypatch.delenv("WAVEPP_HANDOFF_SECRET", raising=False)
+    (tmp_path / "secret").write_bytes(SECRET + b"\n")
+    args = parser().parse_args(["--replica", "http://x:1", "--handoff-secret",
+                                str(tmp_path / "secret")])  # fmt: skip
+    assert secret_of(args) == SECRET
+    _, routers_subscribe = _events(secret_of(args))
+    signed = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=BS,
+                            secret=SECRET)  # fmt: skip
+    impostor = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", block_size=BS)
+    try:
+        for i in range(2):
+            signed.publish(_store(i))
+            impostor.publish(_store(i))
+        index, fooled = ReplicaIndex(BS), ReplicaIndex(BS)
+        _follow(signed.endpoint, signed.replay_endpoint, index, None,
+                lambda feed: _until(lambda: feed.last_seq == 1), routers_subscribe)  # fmt: skip
+        assert index.predicted_blocks([100, 101], 2) == 2
+        feed = _follow(impostor.endpoint, impostor.replay_endpoint, fooled, None,
+                       lambda feed: _until(lambda: feed.feed.num_refused >= 1),
+                       routers_subscribe)  # fmt: skip
+        assert fooled.num_blocks == 0 and feed.last_seq is None
+    finally:
+        signed.close()
+        impostor.close()
+    (tmp_path / "short").write_bytes(b"too short")
+    bad = parser().parse_args(["--replica", "http://x:1", "--handoff-secret",
+                               str(tmp_path / "short")])  # fmt: skip
+    try:
+        secret_of(bad)
+    except SystemExit as error:
+        assert str(error).startswith("wavepp route: --handoff-secret: the handoff secret")
+    else:
+        raise AssertionError("a 9-byte secret was taken")
 
 
 def test_a_batch_numbered_past_the_publishers_own_is_refused():

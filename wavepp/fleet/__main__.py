@@ -8,8 +8,9 @@ to the router in its ``/v1/models``); every other option goes to every
 replica as it is (``--json PATH`` becomes ``PATH`` with ``-r<i>`` before its suffix, one
 record per replica; ``--threads`` defaults to the cores the launcher may run on over
 the N × P ranks). Once every replica listens, ``python -m wavepp.route`` starts over
-their URLs on ``--host`` and ``--port``. Each child's stderr is relayed with its name in
-front.
+their URLs on ``--host`` and ``--port`` (with the replicas' ``--handoff-secret``, to
+apply only the KV events it signed; ``$WAVEPP_HANDOFF_SECRET`` reaches every child).
+Each child's stderr is relayed with its name in front.
 
 SIGTERM or SIGINT drains the fleet: SIGTERM to the router (new requests 503, the ones in
 flight answer) and to each replica's launcher (which drains its server); the exit status
@@ -168,6 +169,17 @@ def replica_command(args: argparse.Namespace, rest: list[str], index: int) -> li
     return cmd + _per_replica(rest, index)
 
 
+def router_command(args: argparse.Namespace, rest: list[str], urls: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "wavepp.route", "--host", args.host, "--port",
+           str(args.port), "--policy", args.route_policy, *args.route_option]  # fmt: skip
+    for url in urls:
+        cmd += ["--replica", url]
+    secret = _option(rest, "--handoff-secret")  # the replicas sign their events with it
+    if secret is not None and not any(o.startswith("--handoff-secret") for o in args.route_option):
+        cmd += ["--handoff-secret", secret]
+    return cmd
+
+
 def _stop(children: list[Child], signum: int = signal.SIGTERM) -> None:
     for child in children:
         if child.proc.poll() is None:
@@ -220,11 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     replicas: list[Child] = []
     _start_replicas(args, rest, replicas, stopping)
-    route_cmd = [sys.executable, "-m", "wavepp.route", "--host", args.host, "--port",
-                 str(args.port), "--policy", args.route_policy, *args.route_option]  # fmt: skip
-    for child in replicas:
-        route_cmd += ["--replica", child.url]
-    router = Child("router", route_cmd)
+    router = Child("router", router_command(args, rest, [c.url for c in replicas]))
     children = [router, *replicas]
     while not router.ready.is_set():
         if router.proc.poll() is not None:

@@ -2,7 +2,8 @@
 
 A router over WavePP servers (``python -m wavepp.serve``): it learns each replica's block
 size and KV-event endpoints from its ``GET /v1/models``, keeps one index per replica fed
-by its events, and sends each request where the policy says (``docs/fleet.md``). With
+by its events (given ``--handoff-secret``, only the batches it signed), and sends each
+request where the policy says (``docs/fleet.md``). With
 ``--decoder`` (vLLM servers with WavePP's connector), completions and chats are prefilled
 on a replica and decoded on the least busy decoder (``wavepp.route.pd``,
 ``docs/handoff.md``). SIGTERM or SIGINT drains it: new requests get 503, the ones in
@@ -12,6 +13,7 @@ flight answer, exit 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import sys
 
@@ -31,6 +33,7 @@ from wavepp.route.replicas import Replica, WatchOptions, log
 from wavepp.route.router import Router
 from wavepp.route.sent import MemoryOptions
 from wavepp.serve.app import DEFAULT_MAX_BODY_BYTES
+from wavepp.signing import SECRET_ENV, load_secret
 
 MEMORY = MemoryOptions()  # the defaults
 
@@ -84,18 +87,31 @@ def parser() -> argparse.ArgumentParser:
                    help="after SIGTERM, how long requests in flight may take, seconds [25]")
     p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
                    help=f"a request body that takes longer gets 408, seconds [{BODY_TIMEOUT_S:g}]")
+    p.add_argument("--handoff-secret", default=None, metavar="FILE",
+                   help="the replicas' shared secret (their --handoff-secret): apply only KV "
+                   "events it signed, an unsigned or forged batch counted as refused and "
+                   f"dropped [${SECRET_ENV}'s value, else none: every batch applied]")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level [warning]")
     return p  # fmt: skip
 
 
-def _events():
-    """The KV-event index and subscriber (wavepp.kv_events.index), or (None, None) without them."""
+def _events(secret: bytes | None):
+    """The KV-event index and subscriber (wavepp.kv_events.index; given the secret, one
+    that applies only batches it signed), or (None, None) without them."""
     try:
         from wavepp.kv_events.index import ReplicaIndex, subscribe
     except ImportError as error:
         log(f"no KV-event index ({error}): predicted reuse is 0 everywhere")
         return None, None
-    return ReplicaIndex, subscribe
+    return ReplicaIndex, functools.partial(subscribe, secret=secret)
+
+
+def secret_of(args: argparse.Namespace) -> bytes | None:
+    """The shared secret ``--handoff-secret`` (or the environment) names, or None."""
+    try:
+        return load_secret(args.handoff_secret)
+    except ValueError as error:
+        raise SystemExit(f"wavepp route: --handoff-secret: {error}") from None
 
 
 def check(args: argparse.Namespace) -> None:
@@ -136,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"wavepp route: --policy: {error}") from None
     watch = WatchOptions(args.health_interval_s, args.health_timeout_s, args.fail_after,
                          args.events_timeout_s)  # fmt: skip
-    make_index, subscribe = _events()
+    make_index, subscribe = _events(secret_of(args))
 
     async def run() -> None:
         stop = anyio.Event()
