@@ -345,7 +345,7 @@ class TorchExecutor:
         """A zeroed pool. On CPU, transparent huge pages are asked for first (before the
         pages are touched): block tables scatter a request's blocks over the pool, and
         2 MiB pages spare the TLB (the kernel's attention over scattered tables took
-        0.96-0.98x the time, docs/benchmarks.md)."""
+        0.96-0.98x the time when this landed; see the git log)."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
         pool = torch.empty(shape, dtype=dtype)
