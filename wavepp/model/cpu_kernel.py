@@ -24,7 +24,8 @@ items run on torch's intra-op threads (``at::parallel_for``, ``torch.get_num_thr
 of them). :class:`KernelBuild` compiles it once per machine with
 ``torch.utils.cpp_extension`` (ninja; ``-O3 -march=native -fopenmp``) into
 ``$WAVEPP_CACHE/kernels/<key>`` (default ``~/.cache/wavepp``), the key a hash of the
-source, the compiler, the flags, torch's version and the CPU:
+sources (and ``cpu_simd.h``, which they share), the compiler, the flags, torch's version
+and the CPU:
 
 - ranks that start together build once: the others wait on the build's lock
   (``cpu_kernel_build.py``);
@@ -68,8 +69,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
-# the library's sources: attention, and the fused token-wise ops
+# the library's sources: attention, and the fused token-wise ops; the header they share
 SOURCES = (SOURCE, Path(__file__).with_name("cpu_fused.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_simd.h"),)
 BUILDER = Path(__file__).with_name("cpu_kernel_build.py")
 NAME = "wavepp_cpu_attention"  # the library's name, and the build's
 # -fopenmp: at::parallel_for runs on torch's OpenMP threads only in code built with it
@@ -184,7 +186,7 @@ class KernelBuild:
                                      text=True, timeout=30).stdout  # fmt: skip
         except (OSError, subprocess.SubprocessError) as error:
             raise KernelUnavailable(f"no C++ compiler ({self.compiler}: {error})") from error
-        parts = [*(f.read_bytes() for f in SOURCES), BUILDER.read_bytes(),
+        parts = [*(f.read_bytes() for f in SOURCES + HEADERS), BUILDER.read_bytes(),
                  version.encode(),
                  " ".join(self.cflags + LDFLAGS).encode(), torch.__version__.encode(),
                  sys.implementation.cache_tag.encode(), _cpu_id()]  # fmt: skip
