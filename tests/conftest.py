@@ -16,13 +16,13 @@ DEPS = {
     "unit": {
         "test_codec.py", "test_handoff_wire.py", "test_kv_events.py", "test_serve_app.py",
         "test_serve_drain.py", "test_serve_protocol.py", "test_serve_prom.py",
-        "test_route_proxy.py", "test_dependencies.py", "test_vllm_example.py",
+        "test_route_proxy.py", "test_dependencies.py",
         "test_serve_chat.py", "test_serve_pd.py", "test_route_pd.py", "test_kv_events_auth.py",
     },
     "property": {"test_codec_fuzz.py", "test_kv_events_codec.py", "test_pull_codec_fuzz.py"},
     "integration": {
         "test_serve.py", "test_serve_decode.py", "test_decode_worker.py", "test_serve_pd.py",
-        "test_kv_events_serve.py", "test_kv_events_vllm.py", "test_vllm_handoff.py",
+        "test_kv_events_serve.py", "test_kv_events_vllm.py",
         "test_vllm_connector.py", "test_vllm_pd.py", "test_serve_decode_faults.py",
         "test_serve_abuse.py",
     },

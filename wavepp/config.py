@@ -79,9 +79,6 @@ class RunConfig:
     compile: bool = False
     full_last_layer: bool = False
     handoff_to: str | None = None
-    handoff_format: str = "wavepp"
-    handoff_dir: str | None = None
-    handoff_block_size: int = 128
     handoff_timeout_s: float = 30.0
     handoff_budget_mib: int = 256
     handoff_all: bool = False
@@ -172,14 +169,6 @@ HELP: dict[str, str] = {
     "only, the one row the logits read, and writes its cache for every token",
     "handoff_to": "torch executor: where a request asking for the run's default handoff "
     "(handoff: true) sends its cache: unix:/path or tcp://host:port (docs/handoff.md)",
-    "handoff_format": "torch executor: the default handoff's format: 'wavepp' (the wire format, "
-    "to --handoff-to) or 'vllm-example' (files in vLLM's ExampleConnector layout, one folder "
-    "per prompt under --handoff-dir; attention-only models)",
-    "handoff_dir": "vllm-example handoff: the folder vLLM's ExampleConnector reads "
-    "(its shared_storage_path)",
-    "handoff_block_size": "vllm-example handoff: vLLM's --block-size, which must be the same "
-    "(it names a prompt's folder by its block-aligned tokens; vLLM CPU's default is 128, and "
-    "its attention kernel takes multiples of 32 whole)",
     "handoff_timeout_s": "a stage's band of a handed-off cache must be acknowledged this many "
     "seconds after the request's last chunk there; then its blocks are released and the "
     "handoff fails (reason timeout)",
@@ -238,7 +227,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "sim_link": ("nvlink4", "nvlink5", "pcie5", "ib-ndr", "ib-xdr", "roce-400"),
     "weight_format": ("bf16", "fp8", "nvfp4"),
     "dtype": FLOATS,
-    "handoff_format": ("wavepp", "vllm-example"),
 }  # fmt: skip
 """Options that take one of a few names (checked for every source, like the types)."""
 
@@ -256,7 +244,7 @@ LIMITS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "threads": _AT_LEAST_0, "sim_tp": _AT_LEAST_1, "tp": _AT_LEAST_1, "time_scale": _POSITIVE,
     "seed": _AT_LEAST_0,
     "heartbeat_s": _POSITIVE, "timeout_s": _POSITIVE, "dead_after_s": _POSITIVE,
-    "handoff_block_size": _AT_LEAST_1, "handoff_timeout_s": _POSITIVE,
+    "handoff_timeout_s": _POSITIVE,
     "handoff_budget_mib": _AT_LEAST_1, "handoff_lease_s": _POSITIVE,
     "kv_events": (lambda v: v is None or _zmq_tcp(v), "tcp://HOST:PORT (PORT 0..65535)"),
     "kv_events_replay": (lambda v: v is None or _zmq_tcp(v), "tcp://HOST:PORT (PORT 0..65535)"),
@@ -440,16 +428,12 @@ def validate(c: RunConfig) -> None:
          "--tp applies to --executor torch (the sim models tensor parallelism with --sim-tp)")
     need(not c.full_last_layer or c.executor == "torch",
          "--full-last-layer applies to --executor torch only")
-    need(c.handoff_format != "vllm-example" or bool(c.handoff_dir),
-         "--handoff-format vllm-example needs --handoff-dir DIR")
-    need(not c.handoff_all or bool(c.handoff_to or c.handoff_format == "vllm-example"),
-         "--handoff-all needs a default target: --handoff-to ADDRESS, or --handoff-format "
-         "vllm-example --handoff-dir DIR")
+    need(not c.handoff_all or bool(c.handoff_to),
+         "--handoff-all needs a default target: --handoff-to ADDRESS")
     need(not c.kv_events_replay or bool(c.kv_events), "--kv-events-replay needs --kv-events")
     need(not c.kv_events or kv_events_replay(c) != c.kv_events or c.kv_events.endswith(":0"),
          "--kv-events and --kv-events-replay must differ")
-    need(not (c.handoff_to or c.handoff_dir) or c.executor == "torch",
-         "--handoff-to / --handoff-dir apply to --executor torch only")
+    need(not c.handoff_to or c.executor == "torch", "--handoff-to applies to --executor torch only")
     need(not (c.handoff_serve or c.handoff_advertise) or c.executor == "torch",
          "--handoff-serve / --handoff-advertise apply to --executor torch only")
     if c.handoff_serve:
@@ -468,11 +452,9 @@ def validate(c: RunConfig) -> None:
         from wavepp.handoff.wire import parse_address
 
         try:
-            kind = parse_address(c.handoff_to).kind
+            parse_address(c.handoff_to)
         except ValueError as error:
             raise SystemExit(f"wavepp: --handoff-to: {error}") from None
-        need(kind != "dir", "--handoff-to takes unix:/path or tcp://host:port; a folder for "
-             "vLLM is --handoff-format vllm-example --handoff-dir DIR")
 
 
 def capacity_list(text: str) -> list[int]:

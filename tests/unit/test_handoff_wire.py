@@ -229,12 +229,13 @@ def test_unknown_fields_and_wrong_types_are_refused():
 
 def test_addresses():
     assert parse_address("unix:/tmp/x.sock") == Address("unix", path="/tmp/x.sock")
-    assert parse_address("dir:/data/out") == Address("dir", path="/data/out")
+    with pytest.raises(ValueError, match="accepted forms"):
+        parse_address("dir:/data/out")  # a folder layout no longer ships
     assert parse_address("tcp://127.0.0.1:9000") == Address("tcp", host="127.0.0.1", port=9000)
     assert parse_address("tcp://decode-1.local:1") == Address("tcp", host="decode-1.local", port=1)
     v6 = parse_address("tcp://[::1]:65535")
     assert v6 == Address("tcp", host="::1", port=65535)
-    for text in ("unix:/tmp/x.sock", "dir:/a", "tcp://h:2", "tcp://[fe80::1]:80"):
+    for text in ("unix:/tmp/x.sock", "tcp://h:2", "tcp://[fe80::1]:80"):
         assert str(parse_address(text)) == text
 
 

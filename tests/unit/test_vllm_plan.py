@@ -1,7 +1,7 @@
 """The connector's pure parts, without vLLM (``wavepp.vllm.plan``, ``wavepp.vllm.pulling``):
 reading ``kv_transfer_params``, the prefix it loads, the model and cache checks at start,
-where each token's keys and values go in vLLM CPU's pages (against the layout the
-ExampleConnector test proved with vLLM), and one stage's band pulled and checked."""
+where each token's keys and values go in vLLM CPU's pages (the layout vLLM's CPU kernel
+reads; test_vllm_pd decodes through it), and one stage's band pulled and checked."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from tests.helpers.fake_stage import FakeStage
 from wavepp.handoff import wire
 from wavepp.handoff.client import build_band
 from wavepp.handoff.gate import Gate
-from wavepp.handoff.vllm_example import kv_cache_tensor
 from wavepp.vllm import plan
 from wavepp.vllm.pulling import PullFailed, pull_band
 
@@ -69,7 +68,7 @@ def test_params_as_wavepp_answers_them_are_read():
     (lambda p: p["wavepp"].update(num_tokens=99), "100 prompt_token_ids but wavepp.num_tokens"),
     (lambda p: p["wavepp"].update(request_id=""), "request_id"),
     (lambda p: p["wavepp"].update(stages=["tcp://10.0.0.7:9000"]), "is not allowed"),
-    (lambda p: p["wavepp"].update(stages=["dir:/tmp/x"]), "not a band server"),
+    (lambda p: p["wavepp"].update(stages=["dir:/tmp/x"]), "accepted forms"),
     (lambda p: p["wavepp"].update(stages=["http://x"]), "accepted forms"),
     (lambda p: p.update(prompt_token_ids=[1, "2"]), "prompt_token_ids"),
     (lambda p: p.update(prompt_token_ids=[*IDS[:-1], 512]), "outside the decoder's vocab"),
@@ -155,15 +154,28 @@ def test_the_cache_layout_is_checked():
         plan.cpu_pages(torch.zeros(8, 2, 16, 64), FP, 16, "vec", "layer 0")
 
 
+def page_cells(k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
+    """vLLM CPU's ``vec`` page, built by hand: a (block, head) page is the block's keys
+    [D, B] column-major then its values [B, D]; seen as [blocks, H, B, 2D], token t's cell
+    is [t // B, :, t % B]. Returns the cells token-major, [T, H, 2D]."""
+    tokens, heads, head_dim = k.shape
+    blocks = tokens // b
+    k, v = (x.reshape(blocks, b, heads, head_dim) for x in (k, v))
+    pages = torch.cat([k.permute(0, 2, 3, 1).reshape(blocks, heads, -1),
+                       v.transpose(1, 2).reshape(blocks, heads, -1)], dim=2)  # fmt: skip
+    cells = pages.reshape(blocks, heads, b, 2 * head_dim).transpose(1, 2)
+    return cells.reshape(tokens, heads, 2 * head_dim)
+
+
 def test_tokens_land_where_vllms_cpu_kernel_reads_them():
-    """Blocks written at scattered ids hold what the ExampleConnector layout (checked with
-    vLLM by test_vllm_handoff) puts at view[block, :, t % B] of [blocks, H, B, 2D]."""
+    """Blocks written at scattered ids hold each token's keys and values where vLLM CPU's
+    ``vec`` kernel reads them (:func:`page_cells`)."""
     torch.manual_seed(0)
     b, blocks = 32, [5, 2, 7]
     k, v = torch.randn(96, 2, 32), torch.randn(96, 2, 32)
     cache = torch.zeros(8, 2, b, 64)
     plan.write_pages(plan.cpu_pages(cache, FP, b, "vec", "l"), blocks, k, v)
-    rows = kv_cache_tensor(k, v, b)  # [96, H, 2D]: token t's cell of its block
+    rows = page_cells(k, v, b)  # [96, H, 2D]: token t's cell of its block
     for t in range(96):
         assert torch.equal(cache[blocks[t // b], :, t % b], rows[t]), t
     untouched = [i for i in range(8) if i not in blocks]

@@ -3,9 +3,8 @@
 - the wire format of a stage's band (``wire``, pure) and the sockets it goes over
   (``_io``);
 - sending: a stage's one sender (``send``), the seam between it and each transport
-  (``base``), WavePP's wire over a socket (``socket_send``), the stage's band server
-  where decoders pull (``pull``) and vLLM's ``ExampleConnector`` files
-  (``vllm_example``);
+  (``base``), WavePP's wire over a socket (``socket_send``) and the stage's band server
+  where decoders pull (``pull``);
 - receiving: the server (``receive``, which reads each band into a recycled buffer) and
   the band's way through it — checked before anything is allocated (``gate``), claimed
   and assembled (``assembly``); the ``transformers`` cache built from a request's bands

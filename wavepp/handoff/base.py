@@ -7,11 +7,10 @@ and hands the band, as a :class:`Band`, to the :class:`Transport` that serves it
 address's kind. A transport's one job is :meth:`Transport.deliver`: the band to its
 receiver and the receiver's acknowledgement back, or :class:`BandFailed` with a reason
 from ``REASONS``. One implementation per transport: ``socket_send.SocketTransport``
-(``unix:`` and ``tcp://``, WavePP's wire), ``pull.PullTransport`` (``pull:``: the band
-waits on the stage's band server until a decoder pulls it) and
-``vllm_example.ExampleConnectorTransport`` (``dir:``, files in vLLM's
-``ExampleConnector`` layout). A new one is one class with ``kinds``, ``parks``,
-``address``, ``run``, ``figures`` and ``deliver``, given to the sender.
+(``unix:`` and ``tcp://``, WavePP's wire) and ``pull.PullTransport`` (``pull:``: the band
+waits on the stage's band server until a decoder pulls it; vLLM's ``WavePPConnector``
+pulls this way). A new one is one class with ``kinds``, ``parks``, ``address``, ``run``,
+``figures`` and ``deliver``, given to the sender.
 
 A push transport's band takes its turn (:meth:`Band.turn`: its tensors laid out, the
 byte budget held) before ``deliver`` is called, and must be acknowledged within the
@@ -87,7 +86,7 @@ class BandJob:
     """What a stage hands its sender when a request that hands off ends there."""
 
     request_id: RequestId
-    target: str  # unix:/path, tcp://host:port, dir:/path or pull: (a peer's string: parsed here)
+    target: str  # unix:/path, tcp://host:port or pull: (a peer's string: parsed here)
     num_tokens: int  # the whole prompt
     block_table: tuple[SlotId, ...]  # every block of the prompt, full or partial
     states: dict  # recurrent layer -> {part: state after the prompt's last token}
@@ -107,7 +106,6 @@ class HandoffSettings:
     fingerprint: wire.Fingerprint  # the model this stage computes with
     timeout_s: float  # last chunk -> acknowledgement, per band
     budget_bytes: int  # bands on their way at once, bytes
-    vllm_block_size: int = 16  # dir: targets, vLLM's block size (ExampleConnector layout)
     # bands of up to this many bytes go out from the event loop, without a worker thread
     # (0: never; a CPU stage's: INLINE_BYTES; a GPU stage's rows need copies to the host)
     inline_bytes: int = 0

@@ -62,13 +62,11 @@ def band_server_address(option: str, stage: int, folder: Path | None = None) -> 
     address = wire.parse_address(option, any_port=True)
     if address.kind == "unix":
         return wire.parse_address(f"unix:{address.path}-stage{stage}.sock")
-    if address.kind == "tcp":
-        port = address.port + stage if address.port else 0
-        if port > 65535:
-            raise ValueError(f"--handoff-serve {option}: stage {stage} would listen on port "
-                             f"{port}, above 65535")  # fmt: skip
-        return attrs.evolve(address, port=port)
-    raise ValueError(f"--handoff-serve takes unix:/path, tcp://HOST:PORT or auto, not {option!r}")
+    port = address.port + stage if address.port else 0
+    if port > 65535:
+        raise ValueError(f"--handoff-serve {option}: stage {stage} would listen on port "
+                         f"{port}, above 65535")  # fmt: skip
+    return attrs.evolve(address, port=port)
 
 
 def advertised(bound: wire.Address, advertise: str | None) -> str:

@@ -50,15 +50,12 @@ from wavepp.handoff.base import (
 )
 from wavepp.handoff.pull import PullTransport
 from wavepp.handoff.socket_send import SocketTransport
-from wavepp.handoff.vllm_example import ExampleConnectorTransport
 from wavepp.rounds.messages import HandoffOutcome
 from wavepp.state import RequestId
 
 BAND_THREADS = 8  # a stage's bands on their way in worker threads at once
-# every transport a stage has: WavePP's wire over sockets, pulls from the stage's band
-# server, the vLLM example layout's files
-TRANSPORTS: tuple[TransportClass, ...] = (SocketTransport, PullTransport,
-                                          ExampleConnectorTransport)
+# every transport a stage has: WavePP's wire over sockets, pulls from the stage's band server
+TRANSPORTS: tuple[TransportClass, ...] = (SocketTransport, PullTransport)
 
 
 class HandoffSender:

@@ -354,7 +354,7 @@ def fingerprint_mismatch(theirs: Fingerprint, mine: Fingerprint, their_side: str
 
 # -- addresses -----------------------------------------------------------------------
 
-_ACCEPTED = "unix:/abs/path, tcp://HOST:PORT (HOST a name, IPv4 or [IPv6]) or dir:/abs/path"
+_ACCEPTED = "unix:/abs/path or tcp://HOST:PORT (HOST a name, IPv4 or [IPv6])"
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")  # fmt: skip
 MAX_UNIX_PATH_BYTES = 107
@@ -362,11 +362,11 @@ MAX_UNIX_PATH_BYTES = 107
 
 @attrs.frozen
 class Address:
-    """Where a band goes: a Unix socket, a TCP endpoint, a folder (``dir``), or the
-    stage's own band server, where a decoder pulls it (``pull``: ``PULL_TARGET``)."""
+    """Where a band goes: a Unix socket, a TCP endpoint, or the stage's own band server,
+    where a decoder pulls it (``pull``: ``PULL_TARGET``)."""
 
-    kind: str  # unix | tcp | dir | pull
-    path: str = ""  # unix, dir: absolute path
+    kind: str  # unix | tcp | pull
+    path: str = ""  # unix: absolute path
     host: str = ""  # tcp: a name, IPv4, or IPv6 (without brackets)
     port: int = 0  # tcp: 1..65535
 
@@ -378,7 +378,7 @@ class Address:
 
 
 def parse_address(text: str, *, any_port: bool = False) -> Address:
-    """``unix:/abs/path``, ``tcp://HOST:PORT`` or ``dir:/abs/path``; ValueError otherwise.
+    """``unix:/abs/path`` or ``tcp://HOST:PORT``; ValueError otherwise.
     ``any_port``: a listener's address, whose port may be 0 (any free one)."""
 
     def bad(why: str) -> ValueError:
@@ -386,16 +386,15 @@ def parse_address(text: str, *, any_port: bool = False) -> Address:
 
     if not isinstance(text, str):
         raise bad("not a string")
-    for kind in ("unix", "dir"):
-        if text.startswith(f"{kind}:") and not text.startswith(f"{kind}://"):
-            path = text[len(kind) + 1 :]
-            if not path.startswith("/"):
-                raise bad("the path must be absolute")
-            if "\x00" in path:
-                raise bad("the path holds a NUL byte")
-            if kind == "unix" and len(path.encode()) > MAX_UNIX_PATH_BYTES:
-                raise bad(f"a Unix socket path is at most {MAX_UNIX_PATH_BYTES} bytes")
-            return Address(kind=kind, path=path)
+    if text.startswith("unix:") and not text.startswith("unix://"):
+        path = text[len("unix:") :]
+        if not path.startswith("/"):
+            raise bad("the path must be absolute")
+        if "\x00" in path:
+            raise bad("the path holds a NUL byte")
+        if len(path.encode()) > MAX_UNIX_PATH_BYTES:
+            raise bad(f"a Unix socket path is at most {MAX_UNIX_PATH_BYTES} bytes")
+        return Address(kind="unix", path=path)
     if text.startswith("tcp://"):
         rest = text[len("tcp://") :]
         host, sep, port_text = rest.rpartition(":")

@@ -20,7 +20,7 @@ MAX_ENTRIES = 65_536  # requests in one round / chunks in one wave
 MAX_STAGES = 4096  # pipeline stages
 Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 MAX_HASH_BYTES = 8 << 22  # 4M blocks: a 268M-token prompt at block 64
-MAX_ADDRESS_CHARS = 4096  # a handoff target: unix:/path, tcp://host:port, dir:/path
+MAX_ADDRESS_CHARS = 4096  # a handoff target: unix:/path, tcp://host:port, pull:
 
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]

@@ -25,12 +25,12 @@ from wavepp.rounds.admission import RoundCounters, RoundMode
 from wavepp.rounds.plane import RoundsPlane
 from wavepp.rungs import Rung
 from wavepp.runtime.admitter import Admitter
-from wavepp.runtime.intake import Intake
+from wavepp.runtime.intake import HandoffTarget, Intake
 from wavepp.runtime.pace import Pace
 from wavepp.runtime.planning import WavePlanner
 from wavepp.runtime.records import Record, Result
 from wavepp.runtime.stage_zero import StageZero
-from wavepp.runtime.table import HandoffTarget, RequestTable
+from wavepp.runtime.table import RequestTable
 from wavepp.state import RequestId
 from wavepp.transport.base import Link
 from wavepp.workload import RequestSpec
@@ -60,8 +60,7 @@ class Coordinator:
     ) -> None:  # fmt: skip
         """``retain_ended``: how many ended requests' ids stay taken (a server); None
         keeps every record for the run's record. ``timeline``: keep every round's span."""
-        self.table = RequestTable(log, num_stages=num_stages, handoff_target=handoff_target,
-                                  queue_order=mode.policy.queue_order,
+        self.table = RequestTable(log, num_stages=num_stages, queue_order=mode.policy.queue_order,
                                   retain_ended=retain_ended)  # fmt: skip
         self.intake = Intake(self.table, stage.block_size, min_capacity, vocab_size,
                              handoff_target)  # fmt: skip

@@ -11,7 +11,7 @@ its chunks to stage 0 (``StageZero``) and are not checked again.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -20,11 +20,13 @@ import numpy as np
 from wavepp.ids import id_problem
 from wavepp.rounds.admission import Offer
 from wavepp.runtime.records import Record, RequestRejected
-from wavepp.runtime.table import HandoffTarget, RequestTable
+from wavepp.runtime.table import RequestTable
 from wavepp.state import RequestId, block_hashes, num_blocks_for
 from wavepp.workload import MAX_DEADLINE_S, RequestSpec
 
 NO_VOCAB_LIMIT = 2**31  # the sim executor: any int32 id
+# where a request's cache goes (``wavepp.runtime.handoff.HandoffTargets``)
+HandoffTarget = Callable[[RequestSpec], str]
 
 
 def prompt_ids(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

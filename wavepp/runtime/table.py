@@ -14,7 +14,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 import anyio
 import attrs
@@ -23,7 +22,6 @@ import numpy as np
 from wavepp.queueing import WaitingQueue
 from wavepp.runtime.records import ENDS, Record, Result, Signal, Status
 from wavepp.state import RequestId
-from wavepp.workload import RequestSpec
 
 RECENT_RECORDS = 1000  # a server's ended requests its JSON record lists, the latest ones
 
@@ -43,18 +41,9 @@ class _EndedOffer:
     handoff: str  # all an ended request's result reads of its offer
 
 
-class HandoffTarget(Protocol):
-    """Where requests' caches go (``wavepp.runtime.handoff.HandoffTargets``)."""
-
-    def __call__(self, spec: RequestSpec) -> str: ...
-
-    def settled(self, spec: RequestSpec, target: str, ok: bool) -> None: ...
-
-
 class RequestTable:
     def __init__(
-        self, log: Callable[[str], None], *, num_stages: int = 1,
-        handoff_target: HandoffTarget | None = None, queue_order: str = "fcfs",
+        self, log: Callable[[str], None], *, num_stages: int = 1, queue_order: str = "fcfs",
         retain_ended: int | None = None,
     ) -> None:  # fmt: skip
         """``num_stages``: the bands that make a handed-off request's cache.
@@ -64,7 +53,6 @@ class RequestTable:
         ended record, as an offline run's record needs."""
         self.log = log
         self.num_stages = num_stages
-        self.handoff_target = handoff_target
         self.changed = Signal()
         self.waiting = WaitingQueue(queue_order)
         self.capacity_epoch = 0  # bumped whenever a request that held room ends
@@ -238,8 +226,6 @@ class RequestTable:
         self.awaiting_handoff.discard(rid)
         if record.offer.handoff:
             summary = record.handoff_summary()
-            self.handoff_target.settled(record.spec, record.offer.handoff,
-                                        summary["status"] == "done")  # fmt: skip
             if status is not Status.REJECTED:  # a rejected one never asked a stage anything
                 key = summary["reason"] if summary["status"] == "failed" else status.value
                 self.handoff_totals[key] = self.handoff_totals.get(key, 0) + 1

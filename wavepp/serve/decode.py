@@ -51,11 +51,9 @@ def check_decode_option(value: str | None) -> str | None:
                              "which needs transformers: pip install -e '.[decode]'")  # fmt: skip
         return value
     try:
-        address = parse_address(value)
+        parse_address(value)
     except ValueError as error:
         raise SystemExit(f"wavepp serve: --decode: {error}") from None
-    if address.kind == "dir":
-        raise SystemExit("wavepp serve: --decode takes unix:/path, tcp://host:port or auto")
     return value
 
 

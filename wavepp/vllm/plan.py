@@ -156,9 +156,6 @@ def parse_params(params: object, vocab_size: int,
             where = wire.parse_address(address)
         except ValueError as error:
             raise ParamsError(f"kv_transfer_params.wavepp.stages[{s}]: {error}") from None
-        if where.kind not in ("unix", "tcp"):
-            raise ParamsError(f"kv_transfer_params.wavepp.stages[{s}] {address!r} is not a "
-                              "band server (unix: or tcp://)")  # fmt: skip
         if "*" not in allow and not any(str(where).startswith(a) for a in allow):
             raise ParamsError(
                 f"kv_transfer_params.wavepp.stages[{s}] {address!r} is not "

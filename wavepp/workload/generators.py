@@ -22,7 +22,7 @@ class RequestSpec:
     expected_reuse: int  # tokens a perfect cache would reuse (0: none expected)
     arrival_s: float | None = None  # open-loop arrival after the start; None: closed loop
     handoff: str | bool | None = None  # hand the cache on: an address, or True for the
-    #                                    run's default target (--handoff-to / --handoff-dir)
+    #                                    run's default target (--handoff-to)
     deadline_s: float | None = None  # the result is due this many wall seconds after the
     #                                  request enters rank 0's intake; None: no deadline
 

@@ -181,12 +181,10 @@ class TorchBackend(Backend):
         on_cpu = pick_device(c.device).type == "cpu"
         settings = HandoffSettings(rank, world, fingerprint(c.model, self._cfg, c.dtype),
                                    c.handoff_timeout_s, c.handoff_budget_mib << 20,
-                                   c.handoff_block_size, INLINE_BYTES if on_cpu else 0,
+                                   INLINE_BYTES if on_cpu else 0,
                                    c.handoff_lease_s, c.handoff_serve, c.handoff_advertise,
                                    secret=handoff_secret(c), sender=sender)  # fmt: skip
-        targets = HandoffTargets(c.handoff_to, c.handoff_format, c.handoff_dir,
-                                 c.handoff_block_size, settings.fingerprint.layer_kinds,
-                                 pulls=c.handoff_serve is not None)  # fmt: skip
+        targets = HandoffTargets(c.handoff_to, pulls=c.handoff_serve is not None)
         return settings, targets
 
     def follow_stage(self, groups: StageGroups) -> int:
