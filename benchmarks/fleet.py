@@ -7,7 +7,7 @@ KV events — and, per policy, ``python -m wavepp.route`` over them.
 
 - **Conversation traces** (``chat``, ``docs``, ``agent``: ``wavepp.workload.sessions`` by
   ``--seeds``; ``mooncake``: the trace in ``data/mooncake``) are replayed by
-  ``wavepp.route.replay`` at ``--loads`` (fractions of N × ``--pipeline-tok-s``, one
+  ``benchmarks._replay`` at ``--loads`` (fractions of N × ``--pipeline-tok-s``, one
   pipeline's nominal cold throughput; a load compresses the trace's clock), a turn never
   before its previous turn's answer, the router explaining each choice (``--explain``). A
   replica's pool is the trace's working set / N; the comparison is one big pipeline of the
@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,14 +43,14 @@ import attrs
 import httpx
 import numpy as np
 
+from benchmarks._replay import goal_table, measure, session_line, session_table, why_table
 from wavepp.bench import load as load_bench
-from wavepp.route.replay import goal_table, measure, session_line, session_table, why_table
 from wavepp.state import block_hashes
 from wavepp.workload import RequestSpec
 from wavepp.workload.sessions import SHAPES, replay_order, session_trace, write_trace
 
 POLICIES = ("round-robin", "least-load", "prefix", "cost", "text-tree")
-SESSION_WORKLOADS = ("chat", "docs", "agent", "mooncake")  # replayed by wavepp.route.replay
+SESSION_WORKLOADS = ("chat", "docs", "agent", "mooncake")  # replayed by benchmarks._replay
 PREFIX_BEFORE = "wavepp.route.policies:prefix_before"  # prefix before issue 58
 
 
@@ -97,13 +98,30 @@ class Setup:
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports on 127.0.0.1, all held while they are chosen."""
-    held = []
+    """``count`` distinct free ports on 127.0.0.1, all held while they are chosen, below
+    the kernel's ephemeral range: a port is free between its choice here and its child's
+    bind, and a port the kernel hands out meanwhile (a Gloo or torchrun connection, a
+    client's socket) comes from that range, never from these (one Mooncake run lost a
+    replica to "Address already in use" with ports the kernel had picked)."""
     try:
-        for _ in range(count):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default lower end
+    rng = random.Random()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(50 * count):
+            if len(held) == count:
+                break
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", rng.randrange(10000, max(low, 10001))))
+            except OSError:
+                s.close()
+                continue
             held.append(s)
+        if len(held) < count:
+            raise RuntimeError(f"no {count} free ports below {low} on 127.0.0.1")
         return [s.getsockname()[1] for s in held]
     finally:
         for s in held:

@@ -119,3 +119,17 @@ def test_the_bench_finds_the_repository_and_its_trace():
     """Its paths are the repository's (the module sits in the top-level benchmarks/)."""
     assert (fleet.ROOT / "pyproject.toml").is_file()
     assert fleet.TRACE.is_file()
+
+
+def test_chosen_ports_are_free_distinct_and_below_the_ephemeral_range():
+    """A port the kernel picks for a connection while a replica starts never collides
+    with one chosen for it."""
+    import socket
+    from pathlib import Path
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = fleet._free_ports(12)
+    assert len(set(ports)) == 12 and all(10000 <= p < low for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -1,5 +1,5 @@
 """The conversation traces the routing study replays (wavepp.workload.sessions), the replay's
-clock (wavepp.route.replay) and the causes of lost reuse (wavepp.route.explain)."""
+clock (benchmarks._replay) and the causes of lost reuse (wavepp.route.explain)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
+from benchmarks._replay import parse_views, turns_at
 from wavepp.route.explain import breakdown, cause, producers
-from wavepp.route.replay import parse_views, turns_at
 from wavepp.state import block_hashes
 from wavepp.workload import read_trace
 from wavepp.workload.sessions import (

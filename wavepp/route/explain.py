@@ -64,7 +64,7 @@ def _known(view: Sequence[int | None] | None, reads_memory: bool) -> int:
 
 def cause(record: dict, producer: dict | None, expected: int, reads_memory: bool) -> str | None:
     """The cause of one request's lost reuse (None: it lost none). ``record`` and
-    ``producer`` are :class:`wavepp.route.replay.Sent` as dicts."""
+    ``producer`` are ``benchmarks._replay.Sent`` as dicts."""
     if expected <= record["cached_tokens"]:
         return None
     if producer is None or producer["status"] != "done":
