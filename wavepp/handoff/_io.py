@@ -46,13 +46,15 @@ class Connection:
     everything read until it is lifted (:meth:`set_deadline`): a peer that trickles a
     byte every few seconds would otherwise hold the connection for ever."""
 
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float,
+                 on_admitted: Callable[[], None] | None = None) -> None:  # fmt: skip
+        """``on_admitted``: a server's, run once when the peer is admitted."""
         sock.setblocking(False)
         self.sock = sock
         self.timeout_s = timeout_s
         self.deadline = math.inf  # anyio's clock: reads end with DeadlineError then
         self.deadline_why = ""
-        self.on_admitted: Callable[[], None] | None = None  # a server's, once (admitted)
+        self.on_admitted = on_admitted
 
     def admitted(self) -> None:
         """The peer's frame has passed its checks (a server's handler says so): the

@@ -204,9 +204,6 @@ class Receiver:
             del self._peer_connections[peer]
 
     async def _connection(self, sock, peer: str = "") -> None:
-        conn = _io.Connection(sock, self.read_timeout_s)
-        conn.set_deadline(self.header_timeout_s, f"the prefix and header did not arrive "
-                          f"within {self.header_timeout_s:g} s of the connection")  # fmt: skip
         shared = {"held": True}  # this connection counts against its peer's share
 
         def admitted() -> None:
@@ -214,7 +211,9 @@ class Receiver:
                 shared["held"] = False
                 self._unshare(peer)
 
-        conn.on_admitted = admitted
+        conn = _io.Connection(sock, self.read_timeout_s, admitted)
+        conn.set_deadline(self.header_timeout_s, f"the prefix and header did not arrive "
+                          f"within {self.header_timeout_s:g} s of the connection")  # fmt: skip
         try:
             try:
                 magic = await conn.read_exactly(4)
