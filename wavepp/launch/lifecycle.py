@@ -205,9 +205,17 @@ def reason(error: BaseException) -> str:
     return "; ".join(f"{type(e).__name__}: {e}" for e in leaves(error)) or repr(error)
 
 
+REFUSED_WAIT_S = 30.0  # a rank > 0 refusing an option waits this long for rank 0 to say why
+
+
 def refuse_once(error: SystemExit) -> NoReturn:
     """A refused option: rank 0 says why in one line, the other ranks exit quietly (each
-    would say the same)."""
+    would say the same). A rank > 0 first waits (up to ``REFUSED_WAIT_S``) for torchrun to
+    stop it: its own exit would have torchrun stop every rank at once, rank 0 too if it
+    had not reached the check yet (a loaded machine), and the line would be lost. Rank 0
+    refuses the same options, so it ends the wait within moments; a check that passes on
+    rank 0 costs the wait."""
     if int(os.environ.get("RANK", "0") or 0) and isinstance(error.code, str):
+        time.sleep(REFUSED_WAIT_S)
         raise SystemExit(2) from None
     raise error
