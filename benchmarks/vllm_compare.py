@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,33 @@ def finish(record: dict) -> None:
                                            "for non-MLA models; its log did not name it)")
 
 
+LOCAL_PATH = re.compile(r"(?:file://)?/(?:tmp|root|home|work|var/tmp)(?:/[^\s'\",)]*)?")
+
+
+def scrub(value, names: dict[str, str]):
+    """``value`` (a record) without this machine's own paths: each of ``names`` (a
+    directory given to the run: its models, vLLM's venv) as its label, any other path
+    under a temporary or home directory as ``<local path>``; system libraries stay."""
+    if isinstance(value, dict):
+        return {k: scrub(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub(v, names) for v in value]
+    if isinstance(value, str):
+        for path, label in names.items():  # a whole path's prefix, not a name's
+            value = re.sub(re.escape(path) + r"(?=[/\s'\",)]|$)", label, value)
+        return LOCAL_PATH.sub("<local path>", value)
+    return value
+
+
+def local_names(args) -> dict[str, str]:
+    """The run's own directories and the labels a record gives them, longest first."""
+    names = {str(Path(args.vllm_python).resolve().parent.parent): "<vllm venv>",
+             str(Path(args.vllm_python).parent.parent): "<vllm venv>",
+             str(Path(args.models_dir).resolve()): "<models dir>",
+             str(Path(args.models_dir)): "<models dir>"}  # fmt: skip
+    return dict(sorted(names.items(), key=lambda kv: -len(kv[0])))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -311,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         log(f"the record lacks {', '.join(missing)}")
     print_table(record["summary"])
-    emit(record, args.json)
+    emit(scrub(record, local_names(args)), args.json)
 
 
 if __name__ == "__main__":

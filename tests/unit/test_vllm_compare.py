@@ -203,3 +203,21 @@ def test_a_smoke_row_is_cut_down_and_keeps_its_shape():
 
     row = smoke_row(ROWS["llama-4l"]["short-suffix"])
     assert (row.num_prompts, row.num_tokens, row.shared, row.num_prefixes) == (4, 256, 0.9375, 4)
+
+
+def test_a_record_names_no_path_of_this_machine():
+    from types import SimpleNamespace
+
+    from benchmarks.vllm_compare import local_names, scrub
+
+    args = SimpleNamespace(vllm_python="/tmp/v/bin/python", models_dir="/tmp/m")
+    record = {"preload": {"iomp": "/tmp/v/lib/libiomp5.so",
+                          "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"},
+              "log": ["model='/tmp/m/llama-24l', init=file:///tmp/vllm_dist_1 backend=gloo",
+                      "saved to /root/.cache/vllm/x/model"], "tok_s": [1.5]}  # fmt: skip
+    out = scrub(record, local_names(args))
+    assert out["preload"] == {"iomp": "<vllm venv>/lib/libiomp5.so",
+                              "tcmalloc": record["preload"]["tcmalloc"]}  # fmt: skip
+    assert out["log"] == ["model='<models dir>/llama-24l', init=<local path> backend=gloo",
+                          "saved to <local path>"]  # fmt: skip
+    assert out["tok_s"] == [1.5]
