@@ -35,6 +35,14 @@ class Rung:
     def eager(self) -> bool:
         return self.reservation is Reservation.EAGER
 
+    @property
+    def look_ahead(self) -> bool:
+        """Each stage does the next wave's host work (stage 0 plans it; every stage
+        materializes its blocks) while this wave's executor runs. Only with admission in
+        rounds: R1 keeps admission on the path by design, and the oracle's followers must
+        apply rank 0's decisions in the order it made them."""
+        return self.admission is Admission.ROUNDS
+
 
 RUNGS: dict[str, Rung] = {
     "R1": Rung("R1", Admission.INLINE, Reservation.EAGER, "static", linear_probe=True),

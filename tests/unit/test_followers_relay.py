@@ -57,7 +57,10 @@ class BusyStage:
     def take_cache_report(self):
         return None
 
-    async def execute(self, wave, tensor):
+    async def begin(self, wave, prompts=None):
+        return wave
+
+    async def finish(self, wave, tensor):
         self.inside.set()
         await self.release.wait()
         return StageOutput(np.zeros(1, dtype=np.float32), 0.0, {}), []

@@ -92,7 +92,10 @@ class _Stage:
         self.last_wave_s = seconds
         self.handoffs = None  # hands nothing on
 
-    async def execute(self, wave, tensor):
+    async def begin(self, wave, prompts=None):
+        return wave
+
+    async def finish(self, wave, tensor):
         self.started.append(time.monotonic())
         await anyio.sleep(self.seconds)
         return StageOutput(tensor, self.seconds, {}), []

@@ -3,13 +3,16 @@
 ``Stage.execute`` takes a wave descriptor and incoming activations (on stage 0: the
 wave's prompts, from rank 0's request table), applies the cache effects the reducers
 decide — materialize just before first use, publish computed blocks, release finished
-requests — and runs the executor in between.
+requests — and runs the executor in between. It is ``begin`` (the cache effects before
+the run) then ``finish`` (the run, then those after it); ``finish_looking_ahead`` does the
+next wave's ``begin`` while this wave's executor runs, so that host work leaves the
+pipeline's path (DESIGN §3, *Host work off the path*).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import attrs
@@ -33,6 +36,29 @@ from wavepp.rounds.messages import (
     unpack_hashes,
 )
 from wavepp.state import RequestId, block_table, num_blocks_for, resume_slot, usage
+
+
+@attrs.frozen
+class Prepared:
+    """A wave whose cache effects are done (``Stage.begin``), ready to run."""
+
+    wave: WaveMsg
+    works: list[ChunkWork]
+    prompts: Mapping[RequestId, np.ndarray] | None
+    host_s: float  # seconds of cache effects, admission waits excluded
+
+
+@attrs.frozen
+class Ahead:
+    """The next wave, taken while one ran: its activations or prompts, its payload for
+    the caller (stage 0's plan), and its preparation when it could start early. A wave
+    of None: there is no next wave (stage 0 planned its stop)."""
+
+    wave: WaveMsg | None
+    activations: torch.Tensor | None = None
+    prompts: Mapping[RequestId, np.ndarray] | None = None
+    payload: object = None
+    prepared: Prepared | None = None
 
 
 @attrs.frozen
@@ -263,19 +289,30 @@ class Stage:
         ``prompts``: stage 0's input, each chunk's request's token ids (the whole prompt:
         the chunk's slice is embedded, the whole is handed on and published with KV
         events); None on the other stages, which take ``activations``."""
+        return await self.finish(await self.begin(wave, prompts), activations)
+
+    async def begin(self, wave: WaveMsg,
+                    prompts: Mapping[RequestId, np.ndarray] | None = None) -> Prepared:  # fmt: skip
+        """The wave's cache effects before it runs: materialize, place and reserve
+        snapshots. Waits first for the rounds that admit its requests here; cancelled in
+        that wait, it has changed nothing (the oracle's admits aside, which a wave run
+        ahead never carries)."""
         if wave.oracle and self.index != 0:  # rank 0 decided them on its own cache
             self.apply_oracle(wave.oracle)
-        works = []
-        waited = 0.0
-        t0 = time.perf_counter()
         for chunk in wave.chunks:
             if chunk.request_id not in self.requests:  # its round is still under way
-                w0 = time.perf_counter()
-                admitted = await self.wait_admitted(chunk.request_id)
-                waited += time.perf_counter() - w0
-            else:
-                admitted = self.requests[chunk.request_id]
-            works.append(self._prepare(chunk, admitted, _prompt(prompts, chunk.request_id)))
+                await self.wait_admitted(chunk.request_id)
+        t0 = time.perf_counter()
+        works = [self._prepare(c, self.requests[c.request_id], _prompt(prompts, c.request_id))
+                 for c in wave.chunks]  # fmt: skip
+        return Prepared(wave, works, prompts, time.perf_counter() - t0)
+
+    async def finish(self, prepared: Prepared, activations: torch.Tensor | None,
+                     ) -> tuple[StageOutput, list[tuple[RequestId, int]]]:  # fmt: skip
+        """Run a wave ``begin`` prepared, then publish what it computed, release the
+        requests it ended and drop the ones it cancels."""
+        wave, works, prompts = prepared.wave, prepared.works, prepared.prompts
+        t0 = time.perf_counter()
         started = time.time()
         if not works:  # a wave that only carries cancels
             for rid in wave.cancels:
@@ -298,13 +335,42 @@ class Stage:
             self.drop(RequestId(rid))
         # This stage's whole time on the wave — cache effects, executor, publishing; not
         # the wait for an admission round — for the cost planner (WaveMsg.stage_s).
-        self.last_wave_s = max(output.seconds, time.perf_counter() - t0 - waited)
+        host = prepared.host_s + time.perf_counter() - t0
+        self.last_wave_s = max(output.seconds, host)
         if output.seconds and not all(w.free for w in works):
             self.busy_s += output.seconds
             self.first_start = started if self.first_start is None else self.first_start
             self.last_end = time.time()
             self.num_waves += 1
         return output, ended
+
+    async def finish_looking_ahead(
+        self, prepared: Prepared, activations: torch.Tensor | None,
+        take_next: Callable[[], Awaitable[Ahead]],
+    ) -> tuple[tuple[StageOutput, list[tuple[RequestId, int]]], Ahead | None]:
+        """``finish(prepared)`` and meanwhile, while its executor runs, the next wave's
+        host work: ``take_next()`` receives (or plans) it and, when none of its requests
+        is in this wave (whose publishing a request's next chunk reads), ``begin``
+        prepares it. Returns the result and the next wave as far as it got: untaken
+        (None), taken, or taken and prepared (``Ahead.prepared``)."""
+        ahead: Ahead | None = None
+
+        async def look() -> None:
+            nonlocal ahead
+            ahead = await take_next()
+            nxt = ahead.wave
+            if nxt is None or nxt.stop or nxt.oracle:
+                return
+            running = {w.request_id for w in prepared.works}
+            if any(c.request_id in running for c in nxt.chunks):
+                return
+            ahead = attrs.evolve(ahead, prepared=await self.begin(nxt, ahead.prompts))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(look)
+            result = await self.finish(prepared, activations)
+            tg.cancel_scope.cancel()  # a wait for a round or a wave is moot now
+        return result, ahead
 
 
 def _prompt(prompts: Mapping[RequestId, np.ndarray] | None, rid: RequestId) -> np.ndarray | None:

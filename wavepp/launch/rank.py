@@ -63,6 +63,7 @@ class StageParts:
     mode: RoundMode
     handoff_targets: HandoffTargets | None  # where rank 0 sends requests' caches
     cache_log: StageLog | None  # with --kv-events
+    look_ahead: bool  # the rung's: the next wave's host work while this one runs
 
 
 def build_stage_parts(c: RunConfig, backend: Backend, rank: int, world: int, setup: Setup,
@@ -83,7 +84,8 @@ def build_stage_parts(c: RunConfig, backend: Backend, rank: int, world: int, set
     stage = Stage(rank, book, executor, c.block_size, c.snapshot_interval, recurrent,
                   policy=policy, handoff=handoff, cache_log=cache_log,
                   record_spans=bool(c.trace_out))  # fmt: skip
-    return StageParts(stage, executor, policy, mode, handoff_targets, cache_log)
+    return StageParts(stage, executor, policy, mode, handoff_targets, cache_log,
+                      RUNGS[c.rung].look_ahead)  # fmt: skip
 
 
 def stage_plan(c: RunConfig, rank: int, world: int, setup: Setup) -> StagePlan:
@@ -188,7 +190,8 @@ async def follow(planes: Planes, parts: StageParts) -> None:
     """Ranks > 0: follow rank 0's rounds and run the waves it sends."""
     async with anyio.create_task_group() as tg:
         tg.start_soon(follow_rounds, planes.rounds, parts.stage, parts.mode)
-        tg.start_soon(follow_waves, parts.stage, planes.inbound, planes.outbound, planes.done)
+        tg.start_soon(follow_waves, parts.stage, planes.inbound, planes.outbound, planes.done,
+                      parts.look_ahead)  # fmt: skip
 
 
 async def _unbalanced(rank: int, report: StageReport, watchdog: Watchdog | None) -> None:

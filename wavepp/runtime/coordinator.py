@@ -69,7 +69,7 @@ class Coordinator:
         self.admitter = Admitter(rung, plane, stage, self.table, mode, max_batch, heartbeat_s,
                                  pace, self._admitted, timeline)  # fmt: skip
         self.loop = StageZero(stage, planner, self.admitter, self.table, pace, outbound, done,
-                              ring, events)  # fmt: skip
+                              ring, events, look_ahead=rung.look_ahead)  # fmt: skip
         self.stage = stage
         self.has_completions = done is not None
 

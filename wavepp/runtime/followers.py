@@ -10,7 +10,7 @@ import anyio
 import msgspec
 
 from wavepp.exec.base import StageOutput
-from wavepp.exec.stage import Admitted, Stage, offer_from_entry
+from wavepp.exec.stage import Admitted, Ahead, Stage, offer_from_entry
 from wavepp.rounds.admission import RoundMode, run_round
 from wavepp.rounds.messages import (
     MAX_MESSAGE_BYTES,
@@ -47,9 +47,12 @@ async def follow_rounds(plane: RoundsPlane, stage: Stage, mode: RoundMode) -> No
 
 
 async def follow_waves(
-    stage: Stage, inbound: Link, outbound: Link | None, done: Link | None
+    stage: Stage, inbound: Link, outbound: Link | None, done: Link | None,
+    look_ahead: bool = False,
 ) -> None:
     """LOOP on ranks > 0: receive, execute, send on — three tasks joined by streams.
+    ``look_ahead`` (admission in rounds, off the path): the next wave's cache effects are
+    done while this one's executor runs (``Stage.finish_looking_ahead``).
     Handoff outcomes skip the worker: a relay from upstream, or a band of this stage's
     that settled, goes on to the next link at once (``HandoffRelay``)."""
     to_worker_send, to_worker = anyio.create_memory_object_stream(math.inf)
@@ -78,8 +81,21 @@ async def follow_waves(
                     return
 
     async def worker() -> None:
+        ahead: Ahead | None = None  # the next wave, taken while one ran
+
+        async def take() -> Ahead:
+            try:
+                wave, tensor = await to_worker.receive()
+            except anyio.EndOfStream:  # the receiver ended without a stop wave
+                return Ahead(None)
+            return Ahead(wave, tensor)
+
         async with to_worker, to_sender_send:
-            async for wave, tensor in to_worker:
+            while True:
+                ahead, current = None, ahead or await take()
+                wave, tensor = current.wave, current.activations
+                if wave is None:
+                    return
                 if wave.stop:
                     if outbound is not None:
                         await to_sender_send.send((encode(wave), None, outbound))
@@ -88,7 +104,12 @@ async def follow_waves(
                             (encode(WaveDone(wave.wave_id, [], stop=True)), None, done)
                         )
                     return
-                output, ended = await stage.execute(wave, tensor)
+                prepared = current.prepared or await stage.begin(wave)
+                if look_ahead:
+                    (output, ended), ahead = await stage.finish_looking_ahead(
+                        prepared, tensor, take)
+                else:
+                    output, ended = await stage.finish(prepared, tensor)
                 times = [*wave.stage_s, stage.last_wave_s]
                 # this stage's cache changes ride on to rank 0, with --kv-events
                 # (wavepp.kv_events.changes); its bands' outcomes went on as they settled

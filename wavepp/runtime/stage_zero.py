@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import numpy as np
 
-from wavepp.exec.stage import Stage
+from wavepp.exec.stage import Ahead, Stage
 from wavepp.kv_events.changes import Announcer
 from wavepp.plan import Wave
 from wavepp.rounds.messages import (
@@ -39,8 +39,10 @@ class StageZero:
     def __init__(
         self, stage: Stage, planner: WavePlanner, admitter: Admitter, table: RequestTable,
         pace: Pace, outbound: Link | None, done: Link | None, ring: int,
-        events: Announcer | None = None,
+        events: Announcer | None = None, look_ahead: bool = False,
     ) -> None:  # fmt: skip
+        """``look_ahead`` (admission in rounds, off the path): the next wave is planned and
+        its cache effects done while this one's executor runs."""
         self.stage = stage
         self.planner = planner
         self.admitter = admitter
@@ -50,6 +52,7 @@ class StageZero:
         self.done_link = done  # from the last stage
         self.ring = ring
         self.events = events  # with --kv-events: every stage's cache changes -> KV events
+        self.look_ahead = look_ahead
         self.in_flight = 0  # waves sent and not yet back from the last stage
         self.pending_cancels: list[RequestId] = []  # admitted, to drop with the next wave
         self.measuring: dict[int, Wave] = {}  # measured waves in flight, for the cost fit
@@ -122,6 +125,22 @@ class StageZero:
         while True:
             self.complete((), handoffs=await self.stage.handoffs.settled())
 
+    async def _plan(self, finished_all: Callable[[], bool]) -> Ahead:
+        """The next wave, planned and counted in flight, with its message and prompts; a
+        wave of None once ``finished_all()`` and nothing is left to plan."""
+        while True:
+            await self.admitter.admit_on_path()
+            wave = self._next_wave()
+            if wave is not None:
+                break
+            if finished_all():
+                return Ahead(None)
+            await self.table.changed.wait(None)  # outcomes notify it too
+        message, prompts = self._message(wave)
+        self.in_flight += 1
+        self.sent[wave.wave_id] = (wave, time.monotonic())
+        return Ahead(message, prompts=prompts, payload=wave)
+
     async def _waves(self, finished_all: Callable[[], bool]) -> None:
         send_side, receive_side = anyio.create_memory_object_stream(math.inf)
 
@@ -130,22 +149,26 @@ class StageZero:
                 async for raw, tensor in receive_side:
                     await self.outbound.send(raw, tensor)
 
+        async def take() -> Ahead:
+            return await self._plan(finished_all)
+
+        ahead: Ahead | None = None  # the next wave, planned while one ran
         async with anyio.create_task_group() as tg:
             if self.outbound is not None:
                 tg.start_soon(sender)
             async with send_side:
                 while True:
-                    await self.admitter.admit_on_path()
-                    wave = self._next_wave()
-                    if wave is None:
-                        if finished_all():
-                            break
-                        await self.table.changed.wait(None)  # outcomes notify it too
-                        continue
-                    message, prompts = self._message(wave)
-                    self.in_flight += 1
-                    self.sent[wave.wave_id] = (wave, time.monotonic())
-                    output, ended = await self.stage.execute(message, None, prompts)
+                    ahead, current = None, ahead or await take()
+                    message, prompts, wave = current.wave, current.prompts, current.payload
+                    if message is None:
+                        break
+                    self.sent[wave.wave_id] = (wave, time.monotonic())  # its passage starts
+                    prepared = current.prepared or await self.stage.begin(message, prompts)
+                    if self.look_ahead:
+                        (output, ended), ahead = await self.stage.finish_looking_ahead(
+                            prepared, None, take)
+                    else:
+                        output, ended = await self.stage.finish(prepared, None)
                     self._cache_changed()  # stage 0's evictions go out before the wave is back
                     if message.chunks and not message.chunks[0].free:
                         self.measuring[wave.wave_id] = wave
