@@ -225,6 +225,27 @@ def test_sim_noise_is_seeded_and_has_the_asked_spread():
     assert ratios.std() == pytest.approx(0.05, rel=0.2)
 
 
+def test_a_wave_sleeps_its_time_less_the_timers_rounding(monkeypatch):
+    # the event loop's timer ends a sleep half a millisecond late on average: the wave
+    # asks for that much less, and the stage is still charged its whole predicted time
+    from wavepp.sim import executor as sim
+
+    slept = []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    monkeypatch.setattr(sim.anyio, "sleep", sleep)
+    model = MODELS["llama3-70b"]
+    cost = StageCostModel(model, DEVICES["h200"], split_layers(model.num_layers, 2)[0], False)
+    exact = cost.cost([(0, 256)], 0).seconds
+    assert _waves(SimExecutor(cost), 1) == [pytest.approx(exact)]
+    assert slept == [pytest.approx(exact - sim.TIMER_ROUNDING_S)]
+    slept.clear()
+    assert _waves(SimExecutor(cost, 1e-3), 1) == [pytest.approx(exact * 1e-3)]
+    assert slept == [max(exact * 1e-3 - sim.TIMER_ROUNDING_S, 0.0)]
+
+
 def test_the_planners_prior_is_not_the_simulators_cost_function():
     # MoE weights streamed every wave make this stage's waves cost far more than its
     # FLOPs; the prior counts FLOPs at the datasheet peak, a nominal 1 ms and no floor,
