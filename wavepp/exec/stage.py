@@ -59,6 +59,18 @@ class Ahead:
     prompts: Mapping[RequestId, np.ndarray] | None = None
     payload: object = None
     prepared: Prepared | None = None
+    launched: Launched | None = None
+
+
+@attrs.define
+class Launched:
+    """A prepared wave whose run started: ``done`` is set when the executor ended it."""
+
+    prepared: Prepared
+    done: anyio.Event = attrs.field(factory=anyio.Event)
+    output: StageOutput = StageOutput(None, 0.0, {})
+    t0: float = 0.0  # perf_counter when the run started
+    started: float = 0.0  # wall clock when the run started
 
 
 @attrs.frozen
@@ -311,19 +323,27 @@ class Stage:
                      ) -> tuple[StageOutput, list[tuple[RequestId, int]]]:  # fmt: skip
         """Run a wave ``begin`` prepared, then publish what it computed, release the
         requests it ended and drop the ones it cancels."""
-        wave, works, prompts = prepared.wave, prepared.works, prepared.prompts
-        t0 = time.perf_counter()
-        started = time.time()
-        if not works:  # a wave that only carries cancels
-            for rid in wave.cancels:
-                self.drop(RequestId(rid))
-            self.last_wave_s = 0.0
-            return StageOutput(None, 0.0, {}), []
-        output = await self.executor.run(works, activations)
-        if self.spans is not None:
-            tokens = sum(w.end - w.start for w in works)
-            free = all(w.free for w in works)
-            self.spans.append(Span(wave.wave_id, started, time.time(), tokens, free))
+        run = Launched(prepared)
+        await self._run(run, activations)
+        return run.output, self._settle(run)
+
+    async def _run(self, run: Launched, activations: torch.Tensor | None) -> None:
+        """The executor's part of a wave; sets ``run.done`` when it ended."""
+        works = run.prepared.works
+        run.t0, run.started = time.perf_counter(), time.time()
+        if works:  # else a wave that only carries cancels
+            run.output = await self.executor.run(works, activations)
+            if self.spans is not None:
+                tokens = sum(w.end - w.start for w in works)
+                free = all(w.free for w in works)
+                self.spans.append(Span(run.prepared.wave.wave_id, run.started, time.time(),
+                                       tokens, free))  # fmt: skip
+        run.done.set()
+
+    def _settle(self, run: Launched) -> list[tuple[RequestId, int]]:
+        """A wave's cache effects after its run: publish, release, drop its cancels."""
+        wave, works, prompts = run.prepared.wave, run.prepared.works, run.prepared.prompts
+        output = run.output
         ended = []
         for work in works:
             if work.is_last:
@@ -333,27 +353,35 @@ class Stage:
             self._publish(work, output, _prompt(prompts, work.request_id))
         for rid in wave.cancels:  # none of their chunks come after this wave
             self.drop(RequestId(rid))
+        if not works:
+            self.last_wave_s = 0.0
+            return ended
         # This stage's whole time on the wave — cache effects, executor, publishing; not
         # the wait for an admission round — for the cost planner (WaveMsg.stage_s).
-        host = prepared.host_s + time.perf_counter() - t0
+        host = run.prepared.host_s + time.perf_counter() - run.t0
         self.last_wave_s = max(output.seconds, host)
         if output.seconds and not all(w.free for w in works):
             self.busy_s += output.seconds
-            self.first_start = started if self.first_start is None else self.first_start
+            self.first_start = run.started if self.first_start is None else self.first_start
             self.last_end = time.time()
             self.num_waves += 1
-        return output, ended
+        return ended
 
     async def finish_looking_ahead(
-        self, prepared: Prepared, activations: torch.Tensor | None,
-        take_next: Callable[[], Awaitable[Ahead]],
+        self, current: Prepared | Launched, activations: torch.Tensor | None,
+        take_next: Callable[[], Awaitable[Ahead]], runs: anyio.abc.TaskGroup,
     ) -> tuple[tuple[StageOutput, list[tuple[RequestId, int]]], Ahead | None]:
-        """``finish(prepared)`` and meanwhile, while its executor runs, the next wave's
-        host work: ``take_next()`` receives (or plans) it and, when none of its requests
-        is in this wave (whose publishing a request's next chunk reads), ``begin``
-        prepares it. Returns the result and the next wave as far as it got: untaken
-        (None), taken, or taken and prepared (``Ahead.prepared``)."""
+        """``finish`` the current wave (``current``: prepared, or already running) and
+        meanwhile, while its executor runs, the next wave's host work: ``take_next()``
+        receives (or plans) it and, when none of its requests is in this wave (whose
+        publishing a request's next chunk reads), ``begin`` prepares it. A next wave
+        prepared by the time this one's run ends starts running at once (a task in
+        ``runs``), before this one's publishing. Returns the result and the next wave as
+        far as it got: untaken (None), taken, prepared (``Ahead.prepared``) or running
+        (``Ahead.launched``)."""
         ahead: Ahead | None = None
+        run = current if isinstance(current, Launched) else Launched(current)
+        running = {w.request_id for w in run.prepared.works}
 
         async def look() -> None:
             nonlocal ahead
@@ -361,16 +389,23 @@ class Stage:
             nxt = ahead.wave
             if nxt is None or nxt.stop or nxt.oracle:
                 return
-            running = {w.request_id for w in prepared.works}
             if any(c.request_id in running for c in nxt.chunks):
                 return
             ahead = attrs.evolve(ahead, prepared=await self.begin(nxt, ahead.prompts))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(look)
-            result = await self.finish(prepared, activations)
+            if run is current:
+                await run.done.wait()
+            else:
+                await self._run(run, activations)
             tg.cancel_scope.cancel()  # a wait for a round or a wave is moot now
-        return result, ahead
+        if ahead is not None and ahead.prepared is not None and ahead.prepared.works:
+            launched = Launched(ahead.prepared)
+            ahead = attrs.evolve(ahead, launched=launched)
+            runs.start_soon(self._run, launched, ahead.activations)
+            await anyio.sleep(0)  # it starts (the executor has the wave) before publishing
+        return (run.output, self._settle(run)), ahead
 
 
 def _prompt(prompts: Mapping[RequestId, np.ndarray] | None, rid: RequestId) -> np.ndarray | None:

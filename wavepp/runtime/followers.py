@@ -90,7 +90,7 @@ async def follow_waves(
                 return Ahead(None)
             return Ahead(wave, tensor)
 
-        async with to_worker, to_sender_send:
+        async with to_worker, to_sender_send, anyio.create_task_group() as runs:
             while True:
                 ahead, current = None, ahead or await take()
                 wave, tensor = current.wave, current.activations
@@ -104,10 +104,10 @@ async def follow_waves(
                             (encode(WaveDone(wave.wave_id, [], stop=True)), None, done)
                         )
                     return
-                prepared = current.prepared or await stage.begin(wave)
+                prepared = current.launched or current.prepared or await stage.begin(wave)
                 if look_ahead:
                     (output, ended), ahead = await stage.finish_looking_ahead(
-                        prepared, tensor, take)
+                        prepared, tensor, take, runs)
                 else:
                     output, ended = await stage.finish(prepared, tensor)
                 times = [*wave.stage_s, stage.last_wave_s]

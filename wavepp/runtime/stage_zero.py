@@ -156,17 +156,18 @@ class StageZero:
         async with anyio.create_task_group() as tg:
             if self.outbound is not None:
                 tg.start_soon(sender)
-            async with send_side:
+            async with send_side, anyio.create_task_group() as runs:
                 while True:
                     ahead, current = None, ahead or await take()
                     message, prompts, wave = current.wave, current.prompts, current.payload
                     if message is None:
                         break
                     self.sent[wave.wave_id] = (wave, time.monotonic())  # its passage starts
-                    prepared = current.prepared or await self.stage.begin(message, prompts)
+                    prepared = (current.launched or current.prepared
+                                or await self.stage.begin(message, prompts))  # fmt: skip
                     if self.look_ahead:
                         (output, ended), ahead = await self.stage.finish_looking_ahead(
-                            prepared, None, take)
+                            prepared, None, take, runs)
                     else:
                         output, ended = await self.stage.finish(prepared, None)
                     self._cache_changed()  # stage 0's evictions go out before the wave is back
