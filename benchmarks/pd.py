@@ -1,6 +1,6 @@
 """``python -m benchmarks.pd``: WavePP as the prefiller of vLLM's disaggregated serving,
-measured on this host (``docs/benchmarks.md``, "vLLM decoding WavePP's prefill": the
-protocol is written there, before any figure). One deployment for the whole run, as the
+measured on this host (``docs/handoff.md``, "Measured: vLLM decoding WavePP's prefill":
+the protocol is written there, before any figure). One deployment for the whole run, as the
 interop test builds it (``tests/helpers/vllm_pd.py``): a random Llama written with
 ``transformers`` (``--shape``, float32, a byte-level tokenizer), WavePP's server at P = 2
 on it, ``vllm serve`` with ``WavePPConnector`` (vLLM CPU, ``VLLM_CPU_OMP_THREADS_BIND``
