@@ -68,7 +68,7 @@ class Launched:
 
     prepared: Prepared
     done: anyio.Event = attrs.field(factory=anyio.Event)
-    output: StageOutput = StageOutput(None, 0.0, {})
+    output: StageOutput = attrs.field(factory=lambda: StageOutput(None, 0.0, {}))
     t0: float = 0.0  # perf_counter when the run started
     started: float = 0.0  # wall clock when the run started
 
