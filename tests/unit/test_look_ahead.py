@@ -24,7 +24,7 @@ class GatedExecutor:
 
     has_recurrent = False
 
-    def __init__(self, stage_of=None) -> None:
+    def __init__(self) -> None:
         self.gate, self.inside = anyio.Event(), anyio.Event()
         self.runs: list[list[str]] = []
         self.held_at_start: list[int] = []  # a's published blocks when each run started

@@ -52,7 +52,8 @@ async def follow_waves(
 ) -> None:
     """LOOP on ranks > 0: receive, execute, send on — three tasks joined by streams.
     ``look_ahead`` (admission in rounds, off the path): the next wave's cache effects are
-    done while this one's executor runs (``Stage.finish_looking_ahead``).
+    done while this one's executor runs, and it starts as that run ends
+    (``Stage.finish_looking_ahead``).
     Handoff outcomes skip the worker: a relay from upstream, or a band of this stage's
     that settled, goes on to the next link at once (``HandoffRelay``)."""
     to_worker_send, to_worker = anyio.create_memory_object_stream(math.inf)
