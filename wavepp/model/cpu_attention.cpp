@@ -9,7 +9,8 @@
 
    Work items: (sequence, KV head, tile of QT query positions). An item packs its query
    rows (the g heads of the group times QT positions), then walks the keys in tiles of
-   KT: packs K transposed and V, S = Q K^T, the online softmax per row, O += P V.
+   KT: packs K transposed and V, then for each block of RB rows S = Q K^T, the online
+   softmax per row, O += P V (a block's S and P stay in L1 between the three).
    The items run on torch's intra-op threads (at::parallel_for, at::get_num_threads()
    of them: torch's own OpenMP pool, which is why the library is built with -fopenmp),
    each thread taking the next item until none is left, the costliest first.
@@ -24,7 +25,7 @@
      layout), so S = Q K^T takes pairs of dims; the scale multiplies S in fp32. P is
      rounded to bf16 (as FlashAttention rounds it for its second product) and V packed
      as pairs of keys, so O += P V takes pairs of keys; each row's sum l is taken over
-     the rounded P, the weights O is made of (their exponential by a degree-5
+     the rounded P, the weights O is made of (their exponential by a degree-4
      polynomial, exact to well under bf16's rounding). CONVERT converts Q, K and V to
      fp32 as it packs them, then runs the fp32 products.
    The output is written in the inputs' type (bf16 rounded to nearest even).
@@ -49,6 +50,7 @@
 
 #define KT 256     /* keys per tile (a multiple of 32) */
 #define ROWS 256   /* query rows (heads of a group x positions) per item, at most */
+#define RB 32      /* rows a key tile's products and softmax take at a time (a multiple of 16) */
 
 #include "cpu_simd.h" /* bf16, exp512, the bf16 conversions */
 
@@ -60,19 +62,18 @@ typedef struct {
 } Seq;
 
 
-/* 2^t for weights rounded to bf16 next (2^-9 of relative error there): t clamped at
-   -126, 2^f (f = t - round(t) in [-0.5, 0.5]) by its Taylor series to degree 5
-   (relative error < 3e-6). */
+/* 2^t for weights rounded to bf16 next (2^-9 of relative error there): 2^f (f = t -
+   round(t) in [-0.5, 0.5]) by a polynomial of degree 4 fitted for relative error
+   (< 1e-5, 2^-16.6), scaled by 2^round(t) (vscalefps: 0 far below the max, no clamp
+   needed). */
 static inline __m512 exp2_bf16(__m512 t) {
-    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-03f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(9.630151093006134e-03f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5818647146224976e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402241975069046e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931350231170654e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000004768371582f));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -421,7 +422,7 @@ typedef struct {
 
 typedef struct {
     float *Q, *Kt, *V, *S, *O, *m, *l, *alpha;
-    float *P;  /* DOT, AMX: P in bf16, [rpad][KT] */
+    float *P;  /* DOT, AMX: P in bf16, [RB][KT] (S is [RB][KT] fp32: a block's rows) */
     float *Kc; /* CONVERT in bf16: 16 key rows in fp32, [16][d_k] */
 } Scratch;
 
@@ -532,17 +533,18 @@ static void pack_kv(const Wave *w, const Seq *s, int64_t kh, int64_t k0, int kn,
     }
 }
 
-/* The online softmax of one tile, row by row, zero past each row's keys up to kpad:
-   P overwrites S (fp32), or for DOT and AMX goes to P in bf16, each row's sum taken
-   over the rounded weights. S holds the scores divided by `mul` (1 where Q was packed
-   scaled). */
+/* The online softmax of one tile for rows r0..r1-1, row by row, zero past each row's
+   keys up to kpad: P overwrites S (fp32), or for DOT and AMX goes to P in bf16, each
+   row's sum taken over the rounded weights. S and P hold the block's rows only (row r at
+   r - r0); S holds the scores divided by `mul` (1 where Q was packed scaled). */
 static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, int64_t rows,
-                         int64_t rpad, int64_t k0, int kn, int kpad, float mul, Scratch *x) {
+                         int64_t r0, int64_t r1, int64_t k0, int kn, int kpad, float mul,
+                         Scratch *x) {
     const __m512 mulv = _mm512_set1_ps(mul);
     const int rounded = w->path != CONVERT;
-    for (int64_t r = 0; r < rpad; r++) {
-        float *srow = x->S + r * KT;
-        bf16 *prow = (bf16 *)x->P + r * KT;
+    for (int64_t r = r0; r < r1; r++) {
+        float *srow = x->S + (r - r0) * KT;
+        bf16 *prow = (bf16 *)x->P + (r - r0) * KT;
         int64_t valid = r < rows ? s->start + i0 + r % nq - k0 + 1 : 0;
         if (valid > kn) valid = kn;
         if (valid <= 0) {
@@ -557,13 +559,36 @@ static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, in
         __mmask16 tail = (__mmask16)((1u << (valid - j)) - 1u);
         if (j < valid) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_load_ps(srow + j));
         float m_new = _mm512_reduce_max_ps(mx);
-        if (x->m[r] > m_new) m_new = x->m[r];
-        const float a = expf((x->m[r] - m_new) * mul); /* 0 on the first tile (m = -inf) */
-        __m512 sum = _mm512_setzero_ps();
+        if (x->m[r] >= m_new) m_new = x->m[r];
+        /* 1 where the max stands (no exp to take), 0 on the first tile (m = -inf) */
+        const float a = m_new == x->m[r] ? 1.0f : expf((x->m[r] - m_new) * mul);
+        /* two sums, so that one add's latency does not pace the loop */
+        __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
         if (rounded) { /* 2^(s c - m c), c = mul log2(e): one FMA, then exp2_bf16 */
             const __m512 c = _mm512_set1_ps(mul * 1.4426950408889634f);
             const __m512 mc = _mm512_set1_ps(m_new * mul * 1.4426950408889634f);
-            for (j = 0; j < kpad; j += 16) {
+#ifdef __AVX512BF16__
+            /* 32 weights rounded by one instruction, summed by one dot product with ones
+               (each rounded weight times 1, pairs added in fp32) */
+            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+            for (j = 0; j + 32 <= valid; j += 32) {
+                __m512bh h = _mm512_cvtne2ps_pbh(
+                    exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(srow + j + 16), c, mc)),
+                    exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(srow + j), c, mc)));
+                _mm512_store_si512(prow + j, (__m512i)h);
+                sum2 = _mm512_dpbf16_ps(sum2, h, ones);
+            }
+#else
+            for (j = 0; j + 32 <= valid; j += 32) {
+                __m256i h0 = to_bf16(exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(srow + j), c, mc)));
+                __m256i h1 = to_bf16(exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(srow + j + 16), c, mc)));
+                _mm256_store_si256((__m256i *)(prow + j), h0);
+                _mm256_store_si256((__m256i *)(prow + j + 16), h1);
+                sum = _mm512_add_ps(sum, bf16x16_to_f32(h0));
+                sum2 = _mm512_add_ps(sum2, bf16x16_to_f32(h1));
+            }
+#endif
+            for (; j < kpad; j += 16) {
                 __m512 p = _mm512_setzero_ps();
                 if (j < valid) {
                     p = exp2_bf16(_mm512_fmsub_ps(_mm512_load_ps(srow + j), c, mc));
@@ -575,7 +600,15 @@ static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, in
             }
         } else {
             const __m512 mv = _mm512_set1_ps(m_new);
-            for (j = 0; j < kpad; j += 16) {
+            for (j = 0; j + 32 <= valid; j += 32) {
+                __m512 p0 = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(srow + j), mv), mulv));
+                __m512 p1 = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(srow + j + 16), mv), mulv));
+                _mm512_store_ps(srow + j, p0);
+                _mm512_store_ps(srow + j + 16, p1);
+                sum = _mm512_add_ps(sum, p0);
+                sum2 = _mm512_add_ps(sum2, p1);
+            }
+            for (; j < kpad; j += 16) {
                 __m512 p = _mm512_setzero_ps();
                 if (j < valid) {
                     p = exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_load_ps(srow + j), mv), mulv));
@@ -585,7 +618,7 @@ static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, in
                 sum = _mm512_add_ps(sum, p);
             }
         }
-        x->l[r] = x->l[r] * a + _mm512_reduce_add_ps(sum);
+        x->l[r] = x->l[r] * a + _mm512_reduce_add_ps(_mm512_add_ps(sum, sum2));
         x->m[r] = m_new;
         x->alpha[r] = a;
     }
@@ -601,32 +634,40 @@ static void run_item(const Wave *w, const Seq *s, int64_t kh, int64_t i0, Scratc
     for (int64_t r = 0; r < rpad; r++) x->m[r] = -INFINITY, x->l[r] = 0.0f, x->alpha[r] = 1.0f;
 
     const int64_t keys = s->start + i1; /* keys 0..keys-1 are seen by some row */
+    const int64_t width = w->path == CONVERT ? d_k : w->kw; /* a packed Q row, 32-bit words */
     for (int64_t k0 = 0; k0 < keys; k0 += KT) {
         const int kn = (int)(keys - k0 < KT ? keys - k0 : KT), kpad = (kn + 31) & ~31;
         pack_kv(w, s, kh, k0, kn, kpad, x);
-        if (w->path == CONVERT) {
-            qk(x->Q, (int)d_k, x->Kt, kpad, (int)rpad, x->S);
-            softmax_tile(w, s, i0, nq, rows, rpad, k0, kn, kpad, 1.0f, x);
-            pv(x->S, x->V, kn, (int)d_v, (int)rpad, x->alpha, x->O);
-            continue;
-        }
+        /* a block of rows at a time: its scores and weights stay in L1 from one product
+           to the next (the whole tile's would not) */
+        for (int64_t r0 = 0; r0 < rpad; r0 += RB) {
+            const int64_t r1 = r0 + RB < rpad ? r0 + RB : rpad;
+            const int rb = (int)(r1 - r0);
+            float *O = x->O + r0 * d_v, *alpha = x->alpha + r0;
+            if (w->path == CONVERT) {
+                qk(x->Q + r0 * width, (int)d_k, x->Kt, kpad, rb, x->S);
+                softmax_tile(w, s, i0, nq, rows, r0, r1, k0, kn, kpad, 1.0f, x);
+                pv(x->S, x->V, kn, (int)d_v, rb, alpha, O);
+                continue;
+            }
 #if HAS_AMX || HAS_DOT
-        const uint32_t *Q = (const uint32_t *)x->Q, *Kt = (const uint32_t *)x->Kt;
-        const uint32_t *V2 = (const uint32_t *)x->V;
+            const uint32_t *Q = (const uint32_t *)x->Q + r0 * width, *Kt = (const uint32_t *)x->Kt;
+            const uint32_t *V2 = (const uint32_t *)x->V;
 #endif
 #if HAS_AMX
-        if (w->path == AMX) {
-            qk_amx(Q, (int)w->kw, Kt, kpad, (int)rpad, x->S);
-            softmax_tile(w, s, i0, nq, rows, rpad, k0, kn, kpad, w->scale, x);
-            pv_amx((const bf16 *)x->P, V2, kpad, (int)d_v, (int)rpad, x->alpha, x->O);
-            continue;
-        }
+            if (w->path == AMX) {
+                qk_amx(Q, (int)w->kw, Kt, kpad, rb, x->S);
+                softmax_tile(w, s, i0, nq, rows, r0, r1, k0, kn, kpad, w->scale, x);
+                pv_amx((const bf16 *)x->P, V2, kpad, (int)d_v, rb, alpha, O);
+                continue;
+            }
 #endif
 #if HAS_DOT
-        qk_dot(Q, (int)w->kw, Kt, kpad, (int)rpad, x->S);
-        softmax_tile(w, s, i0, nq, rows, rpad, k0, kn, kpad, w->scale, x);
-        pv_dot((const bf16 *)x->P, V2, kn, (int)d_v, (int)rpad, x->alpha, x->O);
+            qk_dot(Q, (int)w->kw, Kt, kpad, rb, x->S);
+            softmax_tile(w, s, i0, nq, rows, r0, r1, k0, kn, kpad, w->scale, x);
+            pv_dot((const bf16 *)x->P, V2, kn, (int)d_v, rb, alpha, O);
 #endif
+        }
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t h = kh * g + r / nq, i = i0 + r % nq;
@@ -657,8 +698,8 @@ static void run_items(const Wave &w, const std::vector<int64_t> &work,
     const int64_t rpad = ((g * w.positions) + 15) & ~(int64_t)15;
     const int64_t width = w.d_k > w.kw ? w.d_k : w.kw; /* a packed Q or K row, 32-bit words */
     Scratch x = {aligned(rpad * width), aligned(width * KT), aligned(KT * w.d_v),
-                 aligned(rpad * KT), aligned(rpad * w.d_v), aligned(rpad), aligned(rpad),
-                 aligned(rpad), aligned(rpad * KT / 2), aligned(16 * w.d_k)};
+                 aligned(RB * KT), aligned(rpad * w.d_v), aligned(rpad), aligned(rpad),
+                 aligned(rpad), aligned(RB * KT / 2), aligned(16 * w.d_k)};
     if (x.Q && x.Kt && x.V && x.S && x.O && x.m && x.l && x.alpha && x.P && x.Kc) {
 #if HAS_AMX
         if (w.path == AMX) amx_configure();
