@@ -16,7 +16,7 @@ from torch import nn
 
 from wavepp.exec.base import ChunkWork
 from wavepp.exec.torch_exec import TorchExecutor
-from wavepp.model import BUILTIN, build_stage, cpu_kernel, random_weights
+from wavepp.model import BUILTIN, build_stage, common, cpu_kernel, random_weights
 from wavepp.model.common import RMSNorm, RowFusion, SwiGLU, apply_rope, rms_norm, rope_tables
 
 needs_kernel = pytest.mark.skipif(
@@ -99,6 +99,7 @@ def test_fused_ops_refuse_what_they_cannot_serve():
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_modules_with_the_fused_ops_match_them_off(dtype, monkeypatch):
+    monkeypatch.setitem(common.MLP_ROWS, dtype, 128)  # 300 rows: three chunks of 100
     gen = torch.Generator().manual_seed(5)
     mlp, norm = SwiGLU(96, 160).to(dtype), RMSNorm(96, 1e-6, offset=True).to(dtype)
     with torch.no_grad():
@@ -106,7 +107,7 @@ def test_modules_with_the_fused_ops_match_them_off(dtype, monkeypatch):
             p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     x = torch.randn(300, 96, generator=gen).to(dtype)
     with torch.inference_mode():
-        fused = (mlp(x), norm(x), mlp(x[:7]))  # a second, smaller wave reuses the buffer
+        fused = (mlp(x), norm(x), mlp(x[:7]))  # a smaller wave, one chunk, reuses the buffer
         monkeypatch.setenv("WAVEPP_CPU_FUSED", "0")
         plain = (mlp(x), norm(x), mlp(x[:7]))
     for got, want in zip(fused, plain, strict=True):

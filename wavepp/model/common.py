@@ -101,14 +101,15 @@ class RowFusion:
 
 
 class _Scratch(threading.local):
-    """One reused buffer per thread for SwiGLU's ``[tokens, 2 d_ff]`` product on the CPU.
+    """One reused buffer per thread for SwiGLU's ``[rows, 2 d_ff]`` product on the CPU.
 
     At a wave of 2,048 tokens of a 0.5B model that product is 80 MB in fp32: above
     glibc's largest mmap threshold (32 MiB), so a fresh one is a fresh mapping whose
     19,500 pages fault in (and are zeroed) on every call. Kept, it costs nothing again:
     the deep model's MLP ran at 88 GFLOP per CPU-second with a fresh product, 104 with
-    this buffer (bf16: 334 and 405). It grows to the largest wave seen and stays, one
-    per thread that ran a wave (the executor's compute thread)."""
+    this buffer (bf16: 334 and 405). It grows to the largest product seen (a wave, or a
+    bf16 chunk: :data:`MLP_ROWS`) and stays, one per thread that ran a wave (the
+    executor's compute thread)."""
 
     buffer: torch.Tensor | None = None
 
@@ -124,10 +125,19 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
+# SwiGLU's rows a CPU product takes at a time, by dtype (others: the whole wave). The
+# deep model's MLP (d 896, d_ff 4,864, two cores) ran in bf16 at 860-1,060 GFLOP/s a
+# wave of 1,024 rows whole against 1,110-1,280 in chunks of at most 512 (oneDNN's bf16
+# products of 1K rows are slow); in fp32 chunks gained nothing (whole 230-260, 512-row
+# chunks 220-240).
+MLP_ROWS = {torch.bfloat16: 512}
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` under the checkpoint's own names; gate and up run
     as one matrix product (:class:`RowFusion`), then ``silu(gate) * up`` in one pass on
-    the CPU (``wavepp.model.cpu_kernel.silu_mul``)."""
+    the CPU (``wavepp.model.cpu_kernel.silu_mul``), a bf16 wave in even chunks of at
+    most :data:`MLP_ROWS` rows."""
 
     def __init__(self, d_model: int, d_ff: int, names=("gate_proj", "up_proj", "down_proj")):
         super().__init__()
@@ -142,14 +152,26 @@ class SwiGLU(nn.Module):
         self.gate_up.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, d_model] -> [n, d_model]; gate_up: [n, 2 d_ff]
+        # x: [n, d_model] -> [n, d_model]; gate_up: [rows, 2 d_ff] a chunk
         down, weight = getattr(self, self.names[2]), self.gate_up.weight()
         if x.dim() == 2 and cpu_kernel.fused_fits(x, weight):
-            # the product into this thread's buffer, silu(gate) * up over its gate half
-            gate_up = torch.mm(x, weight.t(), out=_SCRATCH.take(x.shape[0], weight.shape[0], x))
-            return down(cpu_kernel.silu_mul(gate_up, in_place=True))
+            n = x.shape[0]
+            chunks = -(-n // MLP_ROWS.get(x.dtype, n)) if n else 1
+            if chunks == 1:
+                return self._fused(x, weight, down)
+            out = x.new_empty(n, down.out_features)
+            step = -(-n // chunks)
+            for a in range(0, n, step):
+                out[a : a + step] = self._fused(x[a : a + step], weight, down)
+            return out
         gate, up = F.linear(x, weight).chunk(2, dim=-1)
         return down(F.silu(gate) * up)
+
+    @staticmethod
+    def _fused(x: torch.Tensor, weight: torch.Tensor, down: nn.Module) -> torch.Tensor:
+        """The product into this thread's buffer, silu(gate) * up over its gate half."""
+        gate_up = torch.mm(x, weight.t(), out=_SCRATCH.take(x.shape[0], weight.shape[0], x))
+        return down(cpu_kernel.silu_mul(gate_up, in_place=True))
 
 
 def rope_tables(positions: torch.Tensor, rotary_dim: int, theta: float,
