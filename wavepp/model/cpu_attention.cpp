@@ -10,7 +10,8 @@
    Work items: (sequence, KV head, tile of QT query positions). An item packs its query
    rows (the g heads of the group times QT positions), then walks the keys in tiles of
    KT: packs K transposed and V, then for each block of RB rows S = Q K^T, the online
-   softmax per row, O += P V (a block's S and P stay in L1 between the three).
+   softmax per row, O += P V (a block's S and P, 48 KiB, stay near the core between
+   the three, where a whole tile's 384 KiB would not).
    The items run on torch's intra-op threads (at::parallel_for, at::get_num_threads()
    of them: torch's own OpenMP pool, which is why the library is built with -fopenmp),
    each thread taking the next item until none is left, the costliest first.
@@ -562,7 +563,8 @@ static void softmax_tile(const Wave *w, const Seq *s, int64_t i0, int64_t nq, in
         if (x->m[r] >= m_new) m_new = x->m[r];
         /* 1 where the max stands (no exp to take), 0 on the first tile (m = -inf) */
         const float a = m_new == x->m[r] ? 1.0f : expf((x->m[r] - m_new) * mul);
-        /* two sums, so that one add's latency does not pace the loop */
+        /* two sums (fp32, and bf16 without vdpbf16ps), so that one add's latency does
+           not pace the loop */
         __m512 sum = _mm512_setzero_ps(), sum2 = _mm512_setzero_ps();
         if (rounded) { /* 2^(s c - m c), c = mul log2(e): one FMA, then exp2_bf16 */
             const __m512 c = _mm512_set1_ps(mul * 1.4426950408889634f);
@@ -638,8 +640,8 @@ static void run_item(const Wave *w, const Seq *s, int64_t kh, int64_t i0, Scratc
     for (int64_t k0 = 0; k0 < keys; k0 += KT) {
         const int kn = (int)(keys - k0 < KT ? keys - k0 : KT), kpad = (kn + 31) & ~31;
         pack_kv(w, s, kh, k0, kn, kpad, x);
-        /* a block of rows at a time: its scores and weights stay in L1 from one product
-           to the next (the whole tile's would not) */
+        /* a block of rows at a time: its scores and weights stay near the core from one
+           product to the next (the whole tile's would not) */
         for (int64_t r0 = 0; r0 < rpad; r0 += RB) {
             const int64_t r1 = r0 + RB < rpad ? r0 + RB : rpad;
             const int rb = (int)(r1 - r0);
