@@ -126,10 +126,11 @@ _SCRATCH = _Scratch()
 
 
 # SwiGLU's rows a CPU product takes at a time, by dtype (others: the whole wave). The
-# deep model's MLP (d 896, d_ff 4,864, two cores) ran in bf16 at 860-1,060 GFLOP/s a
-# wave of 1,024 rows whole against 1,110-1,280 in chunks of at most 512 (oneDNN's bf16
-# products of 1K rows are slow); in fp32 chunks gained nothing (whole 230-260, 512-row
-# chunks 220-240).
+# deep model's MLP (d 896, d_ff 4,864; this module, two cores) ran in bf16 at 0.80-0.86
+# TFLOP/s a 1,024-row wave whole against 1.12-1.23 in chunks of 512 (2,048 rows: 1.06
+# against 1.28; 4,096: 1.08-1.15 against 1.13-1.20): oneDNN's bf16 products of ~1K rows
+# of these shapes are slow. In fp32 chunks gained nothing (whole 0.23-0.26, chunks of
+# 512 0.22-0.24).
 MLP_ROWS = {torch.bfloat16: 512}
 
 
