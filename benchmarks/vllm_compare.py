@@ -261,13 +261,16 @@ def finish(record: dict) -> None:
 
 LOCAL_PATH = re.compile(r"(?:file://)?/(?:tmp|root|home|work|var/tmp)(?:/[^\s'\",)]*)?")
 SYSTEM_PATH = re.compile(r"(?<![\w>.-])/(?:usr|lib|lib64|opt)(?:/[^\s'\",)]*)*/([^/\s'\",)]+)")
+# a labelled path (``<vllm venv>/lib/libiomp5.so``) -> its file's name and the label
+LABELLED = re.compile(r"<([a-z ]+)>/(?:[^\s'\",)/]+/)*([^\s'\",)/]+)")
 
 
 def scrub(value, names: dict[str, str]):
-    """``value`` (a record) without this machine's own paths: each of ``names`` (a
-    directory given to the run: its models, vLLM's venv) as its label, any other path
-    under a temporary or home directory as ``<local path>``, a system file by its name
-    (``<system>/libtcmalloc_minimal.so.4``)."""
+    """``value`` (a record) without a path at all: a file under one of ``names`` (a
+    directory given to the run: its models, vLLM's venv) by its name and that label
+    (``libiomp5.so [vllm venv]``), a system file the same way
+    (``libtcmalloc_minimal.so.4 [system]``), any other path under a temporary or home
+    directory as ``<local path>``."""
     if isinstance(value, dict):
         return {k: scrub(v, names) for k, v in value.items()}
     if isinstance(value, list):
@@ -275,7 +278,8 @@ def scrub(value, names: dict[str, str]):
     if isinstance(value, str):
         for path, label in names.items():  # a whole path's prefix, not a name's
             value = re.sub(re.escape(path) + r"(?=[/\s'\",)]|$)", label, value)
-        return SYSTEM_PATH.sub(r"<system>/\1", LOCAL_PATH.sub("<local path>", value))
+        value = SYSTEM_PATH.sub(r"<system>/\1", LOCAL_PATH.sub("<local path>", value))
+        return LABELLED.sub(r"\2 [\1]", value)
     return value
 
 
