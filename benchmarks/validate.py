@@ -8,9 +8,11 @@ Each cell (model x workload x P) runs as ``python -m benchmarks`` runs a cell (t
 measured:FILE``, every other option the same, ``--repeat`` times each (medians).
 Profiles come from ``--profile FILE`` (one per model), else ``python -m
 wavepp.sim.calibrate`` measures them first. Every rank runs one torch thread (the
-profiles are measured so): on a 2-core machine, P = 4 runs four ranks on two cores,
-which the simulator models as every wave taking P / 2 times as long (all stages busy at
-once, sharing the cores evenly: ``MeasuredProfile.core_sharing``). Goal: throughput
+profiles are measured so): on a 2-core machine, P = 4 runs four ranks on two cores. The
+sim runs with ``--sim-burn``: each wave spent as work on a core at the rate the profile
+measured, so the OS shares the cores among the ranks' waves and their host work as it
+does for torch waves (``--sleep``: slept instead, every wave P / 2 times as long where
+the ranks outnumber the cores, ``MeasuredProfile.core_sharing``). Goal: throughput
 within ±10% and p50 completion within ±15%; a cell that misses says what differs between
 its real and simulated runs (seconds a wave, waves, busy share, balance: :func:`why`).
 ``--table FILE`` prints a recorded validation again.
@@ -79,10 +81,12 @@ def slowest_wave_s(runs: list[dict]) -> float | None:
 
 
 def why(spec: Spec, tok_err: float | None, p50_err: float | None,
-        torch_runs: list[dict] = (), sim_runs: list[dict] = ()) -> str:  # fmt: skip
+        torch_runs: list[dict] = (), sim_runs: list[dict] = (),
+        burned: bool = False) -> str:  # fmt: skip
     """Where a cell misses, what differs between its real and simulated runs: the slowest
     stage's seconds per wave, the waves a stage ran, the share of the run the stages were
-    busy, and how evenly the stages were loaded (slowest over fastest busy time)."""
+    busy, and how evenly the stages were loaded (slowest over fastest busy time).
+    ``burned``: the sim ran with ``--sim-burn`` (its waves share the cores as well)."""
     if tok_err is None or p50_err is None:
         return "no figure"
     if abs(tok_err) <= TOK_S_GOAL and abs(p50_err) <= P50_GOAL:
@@ -104,7 +108,7 @@ def why(spec: Spec, tok_err: float | None, p50_err: float | None,
     if abs(real_busy - sim_busy) > BUSY_GAP:
         reason = (f"the real stages busy {real_busy:.0%} of the run against {sim_busy:.0%} "
                   "simulated")
-        if spec.stages > CORES and real_busy < sim_busy:
+        if spec.stages > CORES and real_busy < sim_busy and not burned:
             reason += (f" ({spec.stages} ranks on {CORES} cores: the runtime's own work "
                        "between waves shares them too; the sim stretches only the waves)")
         reasons.append(reason)
@@ -130,7 +134,7 @@ def compact(record: dict) -> dict:
     return out
 
 
-def row(spec: Spec, torch_runs: list[dict], sim_runs: list[dict]) -> dict:
+def row(spec: Spec, torch_runs: list[dict], sim_runs: list[dict], burned: bool = False) -> dict:
     def med(runs: list[dict], key: str) -> float | None:
         values = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(values) if values else None
@@ -151,7 +155,7 @@ def row(spec: Spec, torch_runs: list[dict], sim_runs: list[dict]) -> dict:
     real, simulated = slowest_wave_s(out["runs"]["torch"]), slowest_wave_s(out["runs"]["sim"])
     out["wave_ratio"] = real / simulated if real and simulated else None
     out["note"] = why(spec, out["tok_s_error"], out["p50_error"], out["runs"]["torch"],
-                      out["runs"]["sim"])
+                      out["runs"]["sim"], burned)
     return out
 
 
@@ -189,6 +193,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cells(names: str) -> list[Spec]:
+    """The cells named ``model/workload/P<stages>``, comma-separated."""
+    specs = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        model, workload, stages = [*name.split("/"), "", "", ""][:3]
+        if (model not in MODELS or workload not in WORKLOADS or not stages.startswith("P")
+                or not stages[1:].isdigit() or int(stages[1:]) not in STAGES):
+            raise SystemExit(f"--cells: {name!r} is not a cell (model/workload/P<stages>: "
+                             f"{'|'.join(MODELS)} / {'|'.join(WORKLOADS)} / "
+                             f"{'|'.join(f'P{s}' for s in STAGES)})")
+        specs.append(Spec(model, workload, int(stages[1:])))
+    return specs
+
+
 def ensure_profile(model: str, given: dict[str, str], workdir: Path) -> str:
     """The profile of ``model``: given, or measured now by wavepp.sim.calibrate."""
     if model in given:
@@ -206,7 +224,8 @@ def reprint(path: Path, out: str | None) -> None:
     try:
         record = json.loads(path.read_text())
         rows = [row(Spec(r["model"], r["workload"], r["stages"]), r["runs"]["torch"],
-                    r["runs"]["sim"]) for r in record["rows"]]  # fmt: skip
+                    r["runs"]["sim"], record.get("sim_burn", False))
+                for r in record["rows"]]  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         sys.exit(f"{path}: not a validation record ({type(e).__name__}: {e})")
     print(table(rows), flush=True)
@@ -221,6 +240,12 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"{len(QUICK)} cells, one run each (a few minutes here)")
+    p.add_argument("--sleep", action="store_true",
+                   help="the sim sleeps each wave and stretches it by the ranks over the cores "
+                        "(the default: --sim-burn, each wave spent as work on a core)")
+    p.add_argument("--cells", default=None, metavar="LIST",
+                   help="only these cells, comma-separated as the table names them "
+                        "(e.g. tiny-llama/cold/P1)")
     p.add_argument("--profile", action="append", default=[], metavar="FILE",
                    help="a calibrate profile (repeat for each model; the rest are measured)")
     p.add_argument("--json", default=None, metavar="FILE", help="one row per cell")
@@ -244,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     repeat = a.repeat or (1 if a.quick else 3)
     specs = ([Spec(*s) for s in QUICK] if a.quick else
              [Spec(m, w, s) for m in MODELS for w in WORKLOADS for s in STAGES])  # fmt: skip
+    if a.cells:
+        specs = cells(a.cells)
     given = {}
     for path in a.profile:
         given[json.loads(Path(path).read_text())["model"]] = path
@@ -255,11 +282,12 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(repeat):  # alternate, so a slow spell of the machine hits both
             for executor in ("torch", "sim"):
                 device = f"measured:{profiles[spec.model]}"
-                extra = ("--sim-device", device) if executor == "sim" else ()
+                extra = (("--sim-device", device, *(() if a.sleep else ("--sim-burn",)))
+                         if executor == "sim" else ())  # fmt: skip
                 cell = Cell(spec.workload, a.concurrency, "R4",
                             ("--executor", executor, *spec.args(a), *extra), ranks=spec.stages)
                 runs[executor].append(run_cell(cell, spec.stages, a.timeout))
-        rows.append(row(spec, runs["torch"], runs["sim"]))
+        rows.append(row(spec, runs["torch"], runs["sim"], burned=not a.sleep))
         r = rows[-1]
         print(f"[{n}/{len(specs)} {time.perf_counter() - started:.0f} s] {spec.name}: "
               f"tok/s {r['predicted_tok_s']:,.0f} predicted, {r['measured_tok_s']:,.0f} "
@@ -268,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows), flush=True)
     if a.json:
         record = {"command": "python -m benchmarks.validate " + " ".join(argv or sys.argv[1:]),
-                  "profiles": profiles, "repeat": repeat, "run_spread": run_spread(rows),
+                  "profiles": profiles, "sim_burn": not a.sleep, "repeat": repeat,
+                  "run_spread": run_spread(rows),
                   "rows": rows}  # fmt: skip
         Path(a.json).write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {a.json}", file=sys.stderr)

@@ -71,6 +71,7 @@ class RunConfig:
     sim_tp: int = 1
     sim_link: str | None = None
     sim_noise: float = SIM_NOISE
+    sim_burn: bool = False
     weight_format: str | None = None
     device: str = "auto"
     tp: int = 1
@@ -144,6 +145,11 @@ HELP: dict[str, str] = {
     "sim then predicts that machine's torch executor for the model it was measured with)",
     "sim_noise": "sim: spread of each wave's time about the cost model's (coefficient of "
     "variation of a lognormal factor, seeded by --seed and the rank; 0: none)",
+    "sim_burn": "sim with --sim-device measured:FILE: spend each wave as work on one thread "
+    "(hashing, at the rate the profile measured) instead of sleeping it and stretching every "
+    "wave by the ranks x threads over the profile's cores, so ranks sharing this machine's "
+    "cores, their own host work and a machine slower than at calibration slow the waves as "
+    "they slow torch waves",
     "sim_tp": "sim: devices per stage, tensor parallel with experts spread over them (each "
     "does 1/T of every layer and holds 1/T of the weights and of the KV its heads split; "
     "two all-reduces per layer over the node's link); modelled, still one rank per stage",
@@ -424,6 +430,8 @@ def validate(c: RunConfig) -> None:
          "--sim-tp and --sim-link apply to --executor sim only")
     need(not c.sim_device.startswith("measured:") or (c.sim_tp == 1 and c.sim_link is None),
          "--sim-device measured:FILE models this machine's ranks: no --sim-tp or --sim-link")
+    need(not c.sim_burn or (c.executor == "sim" and c.sim_device.startswith("measured:")),
+         "--sim-burn applies to --executor sim with --sim-device measured:FILE only")
     need(c.tp == 1 or c.executor == "torch",
          "--tp applies to --executor torch (the sim models tensor parallelism with --sim-tp)")
     need(not c.full_last_layer or c.executor == "torch",

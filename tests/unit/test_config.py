@@ -32,6 +32,9 @@ def test_bad_options_say_what(tmp_path):
     with pytest.raises(SystemExit, match="--full-last-layer applies to --executor torch only"):
         load(["--executor", "sim", "--full-last-layer"])
     assert load(["--executor", "torch", "--full-last-layer"]).full_last_layer
+    with pytest.raises(SystemExit, match="--sim-burn applies to --executor sim with --sim-device"):
+        load(["--executor", "sim", "--sim-device", "h200", "--sim-burn"])
+    assert load(["--executor", "sim", "--sim-device", "measured:p.json", "--sim-burn"]).sim_burn
 
 
 def test_capacity_blocks_per_stage():

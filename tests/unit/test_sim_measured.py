@@ -182,15 +182,62 @@ def test_a_shared_mixer_is_priced_as_the_torch_placement_prices_it():
 
 def test_the_fit_recovers_synthetic_coefficients():
     rng = np.random.default_rng(0)
-    truth = (2e-4, 3e-6, 5e-10)
+    truth = (2e-4, 3e-6, 5e-10, 4e-4)  # wave, token, pair, chunk
     points = []
-    for t, prefix in ((128, 0), (512, 0), (2048, 0), (256, 1792), (1024, 1024), (64, 4000)):
-        pairs = attention_pairs(prefix, t)
-        seconds = (truth[0] + truth[1] * t + truth[2] * pairs) * (1 + 0.001 * rng.standard_normal())
-        points.append((t, pairs, seconds))
-    fit = fit_part(points)
-    for got, want in zip(fit, truth, strict=True):
+    for n, t, prefix in ((1, 128, 0), (1, 512, 0), (1, 2048, 0), (1, 256, 1792), (1, 1024, 1024),
+                         (2, 256, 4096), (4, 512, 0), (8, 256, 0), (16, 64, 1984)):  # fmt: skip
+        tokens, pairs = n * t, n * attention_pairs(prefix, t)
+        seconds = truth[0] + truth[1] * tokens + truth[2] * pairs + truth[3] * n
+        points.append((tokens, pairs, n, seconds * (1 + 0.001 * rng.standard_normal())))
+    for got, want in zip(fit_part(points), truth, strict=True):
         assert got == pytest.approx(want, rel=0.05)
+    # a part whose work does not grow with the prefix nor with the chunks: both terms 0
+    flat = [(tk, pr, n, truth[0] + truth[1] * tk) for tk, pr, n, _ in points]
+    wave, token, pair, chunk = fit_part(flat, prefix=False, per_chunk=False)
+    assert (pair, chunk) == (0.0, 0.0)
+    assert (wave, token) == (pytest.approx(truth[0]), pytest.approx(truth[1]))
+
+
+def test_a_profile_written_before_the_chunk_term_reads_it_as_zero(tmp_path):
+    data = profile().to_json()
+    for fit in data["parts"].values():
+        del fit["chunk_s"]
+    parsed = parse_profile(data, "old.json")
+    assert all(part.chunk_s == 0.0 for part in parsed.parts.values())
+    assert parsed.parts["mixer:kda"].seconds(100, 0, 4) == pytest.approx(1e-4 + 2e-6 * 100)
+
+
+def test_a_stage_pays_each_parts_chunk_term_once_per_chunk():
+    p = attrs.evolve(profile(), parts=profile().parts | {
+        "mixer:kda": PartCost(1e-4, 2e-6, 0.0, 1e-7, 0.0, chunk_s=5e-4)})  # fmt: skip
+    stage = MeasuredStageCost(p, range(2, 4), False, False)  # layer 1: kda, moe
+    one, four = stage.cost([(0, 256)], 0), stage.cost([(0, 64)] * 4, 0)
+    assert four.seconds - one.seconds == pytest.approx(3 * 5e-4)
+
+
+def test_a_burnt_wave_spends_its_time_on_a_core_and_is_charged_its_wall():
+    import time
+
+    from wavepp.sim.executor import burn
+
+    before = time.thread_time()
+    burn(0.05)
+    assert time.thread_time() - before >= 0.05  # CPU time, which a sleep does not spend
+    stage = MeasuredStageCost(profile(), range(2, 4), False, False)
+    work = [ChunkWork("r", 0, 256, 257, (), (), False)]
+    predicted = stage.cost([(0, 256)], 0).seconds
+    out = anyio.run(SimExecutor(stage, burn=True).run, work, None)
+    assert out.seconds >= predicted
+
+
+def test_a_burn_at_a_measured_rate_hashes_that_many_blocks(monkeypatch):
+    from wavepp.sim import executor
+
+    calls = []
+    monkeypatch.setattr(executor.hashlib, "sha256", lambda block: calls.append(len(block))
+                        or executor.hashlib.new("md5"))  # fmt: skip
+    executor.burn(0.25, rate=200.0)  # 50 blocks, however fast this machine is now
+    assert calls == [len(executor.BURN_BLOCK)] * 50
 
 
 def test_the_fit_keeps_every_coefficient_non_negative():
@@ -345,6 +392,11 @@ def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
     assert f"{2 * CORES} ranks on {CORES} cores" in crowded["note"]
     assert "1.00x unevenly (slowest over fastest busy time) real, 2.00x simulated" in \
         crowded["note"]
+    burnt = row(Spec("tiny-llama", "seeded", 2 * CORES),
+                runs((1000, 1.0), util=(0.4, 0.4), waves=(4, 4)),
+                runs((1500, 0.5), util=(0.8, 0.4), waves=(8, 8)), burned=True)  # fmt: skip
+    assert "busy 40% of the run against 60% simulated" in burnt["note"]
+    assert "cores" not in burnt["note"]  # its waves shared the cores as well
     same = row(Spec("tiny-llama", "cold", 1), runs((1000, 1.0), util=(0.5,), waves=(4,)),
                runs((1500, 0.5), util=(0.5,), waves=(4,)))  # fmt: skip
     assert same["note"] == "miss: cause not identified"
@@ -353,6 +405,16 @@ def test_validation_rows_compare_medians_and_say_why_a_cell_misses():
     assert "SIMULATED" in text
     # the torch runs' spread: the median over cells of their relative standard deviation
     assert run_spread([good, crowded]) == pytest.approx(0.1)  # one run: no spread
+
+
+def test_cells_are_chosen_by_the_names_the_table_prints():
+    from benchmarks.validate import Spec, cells
+
+    assert cells("tiny-llama/cold/P1, tiny-kimi/conversation/P4") == [
+        Spec("tiny-llama", "cold", 1), Spec("tiny-kimi", "conversation", 4)]
+    for bad in ("tiny-llama/cold", "tiny-llama/cold/P3", "tiny-gpt/cold/P1", "tiny-llama/x/P1"):
+        with pytest.raises(SystemExit, match="is not a cell"):
+            cells(bad)
 
 
 def test_a_recorded_validation_prints_again_with_its_notes_worked_out_anew(tmp_path, capsys):

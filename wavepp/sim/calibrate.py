@@ -7,14 +7,17 @@ Each part of the model — every mixer kind and MLP kind, the last layer as the 
 runs it, the embedding and the head — is timed as ``--layers-per-stage auto`` times it
 (``wavepp.exec.layer_costs.measure``: a stage of its own, the median of ``--repeats``
 waves after a warm-up) on a grid of waves (chunks x new tokens after a cached prefix),
-and fitted to ``wave_s + token_s·T + pair_s·Σ t·(p + t/2)`` by non-negative least
-squares (the head to its rows; ``pair_s`` only for attention mixers, the parts whose
-work grows with the prefix). The whole model as one stage is timed on the same waves:
-the parts' summed times exceed it by the executor's per-wave cost once per part beyond
-the first, which gives that cost (``wave_overhead_s``, charged once per stage); the
-spread of its repeated waves is the profile's ``noise``. The link: activations of a few
-sizes sent between two local processes over the ``local`` data plane (``SocketLink``)
-and answered, round trips fitted to ``2·latency + bytes / bandwidth``. The file
+and fitted to ``wave_s + chunk_s·C + token_s·T + pair_s·Σ t·(p + t/2)`` by non-negative
+least squares (the head to its rows, it and the embedding with no chunk term; ``pair_s``
+only for attention mixers, the parts whose work grows with the prefix). The whole model
+as one stage is timed on the same waves: the parts' summed times exceed it by the
+executor's per-wave cost once per part beyond the first, which gives that cost
+(``wave_overhead_s``, charged once per stage); the spread of its repeated waves is the
+profile's ``noise``. The rate at which one thread hashes ``--sim-burn``'s blocks now
+(``machine.burn_blocks_s``) turns a wave's seconds into that much work. The link:
+activations of a few sizes sent between two local processes over the ``local`` data
+plane (``SocketLink``) and answered, round trips fitted to ``2·latency + bytes /
+bandwidth``. The file
 (``wavepp.sim.measured``, schema ``wavepp.sim.measured/1``) holds the machine's facts,
 the fits and every raw point.
 """
@@ -42,7 +45,7 @@ from wavepp.exec.torch_exec import TorchExecutor
 from wavepp.host import usable_cores
 from wavepp.model import BUILTIN, build_stage, random_weights
 from wavepp.plan.placement import WaveShape
-from wavepp.sim.executor import attention_pairs
+from wavepp.sim.executor import attention_pairs, burn_rate
 from wavepp.sim.measured import MeasuredProfile, PartCost
 from wavepp.sim.profiles import LinkProfile
 from wavepp.transport.frames import DataLimits
@@ -72,14 +75,20 @@ def nnls(rows: list[list[float]], values: list[float]) -> list[float]:
 ATTENTION = ("gqa", "mla", "gattn", "mmattn")  # mixers whose work grows with the prefix
 
 
-def fit_part(points: list[tuple[float, float, float]],
-             prefix: bool = True) -> tuple[float, float, float]:  # fmt: skip
-    """(wave_s, token_s, pair_s) of (tokens, pairs, seconds) points; ``prefix`` False: a
-    part whose work does not grow with the cached prefix (pair_s 0, not fitted to noise)."""
-    if not prefix:
-        wave, token = nnls([[1.0, t] for t, _, _ in points], [s for _, _, s in points])
-        return wave, token, 0.0
-    return tuple(nnls([[1.0, t, p] for t, p, _ in points], [s for _, _, s in points]))
+def fit_part(points: list[tuple[float, float, float, float]], prefix: bool = True,
+             per_chunk: bool = True) -> tuple[float, float, float, float]:  # fmt: skip
+    """(wave_s, token_s, pair_s, chunk_s) of (tokens, pairs, chunks, seconds) points;
+    ``prefix`` False: a part whose work does not grow with the cached prefix (pair_s 0,
+    not fitted to noise); ``per_chunk`` False: one with no cost per chunk (chunk_s 0)."""
+    columns = [lambda t, p, c: 1.0, lambda t, p, c: t]
+    columns += [lambda t, p, c: p] if prefix else []
+    columns += [lambda t, p, c: c] if per_chunk else []
+    fit = iter(nnls([[f(t, p, c) for f in columns] for t, p, c, _ in points],
+                    [s for *_, s in points]))  # fmt: skip
+    wave, token = next(fit), next(fit)
+    pair = next(fit) if prefix else 0.0
+    chunk = next(fit) if per_chunk else 0.0
+    return wave, token, pair, chunk
 
 
 def grows_with_prefix(key: str) -> bool:
@@ -177,7 +186,7 @@ def calibrate(model: str, threads: int, dtype_name: str, block_size: int, repeat
     weights = random_weights(cfg, seed)
     device = torch.device("cpu")
     whole = build_stage(cfg, range(cfg.num_layers), True, True, weights, device, dtype)
-    raw: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    raw: dict[str, list[tuple[float, float, float, float]]] = defaultdict(list)
     points, residuals, spreads = [], [], []
     timed_parts = 2 * (cfg.num_layers - 1) + 1  # parts timed as stages: each pays the wave cost
     for chunks, tokens, prefix in grid:
@@ -198,9 +207,9 @@ def calibrate(model: str, threads: int, dtype_name: str, block_size: int, repeat
             seen[f"mlp:{cfg.mlps[i]}"] = costs.mlps[i]
         seen["last_layer"] = costs.last_layer
         for key, seconds in seen.items():
-            raw[key].append((total, pairs, seconds))
-        raw["embed"].append((total, 0.0, costs.embed))
-        raw["head"].append((chunks, 0.0, costs.head))
+            raw[key].append((total, pairs, chunks, seconds))
+        raw["embed"].append((total, 0.0, chunks, costs.embed))
+        raw["head"].append((chunks, 0.0, chunks, costs.head))
         points.append({"chunks": chunks, "tokens": tokens, "prefix": prefix,
                        "parts_s": seen | {"embed": costs.embed, "head": costs.head},
                        "whole_s": times})  # fmt: skip
@@ -211,9 +220,10 @@ def calibrate(model: str, threads: int, dtype_name: str, block_size: int, repeat
     parts = {}
     for key, pts in raw.items():
         staged = key not in ("embed", "head")  # timed as a stage: its wave cost comes off
-        pts = [(t, p, max(0.0, s - overhead) if staged else s) for t, p, s in pts]
+        pts = [(t, p, n, max(0.0, s - overhead) if staged else s) for t, p, n, s in pts]
         a, c = priors.get(key, (0.0, 0.0))
-        parts[key] = PartCost(*fit_part(pts, grows_with_prefix(key)), prior_a=a, prior_c=c)
+        wave, token, pair, chunk = fit_part(pts, grows_with_prefix(key), per_chunk=staged)
+        parts[key] = PartCost(wave, token, pair, prior_a=a, prior_c=c, chunk_s=chunk)
     link_fit = None
     if link:
         link_fit = measure_link(cfg.d_model * torch.empty((), dtype=dtype).element_size(),
@@ -227,8 +237,8 @@ def calibrate(model: str, threads: int, dtype_name: str, block_size: int, repeat
         machine={"cpu": _cpu_model(), "cores": usable_cores(), "threads": threads,
                  "torch": torch.__version__, "python": platform.python_version(),
                  "dtype": dtype_name, "block_size": block_size, "repeats": repeats,
-                 "seed": seed, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                            time.gmtime())},
+                 "seed": seed, "burn_blocks_s": burn_rate(),
+                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         link=None if link_fit is None else LinkProfile("measured", link_fit["bytes_s"],
                                                        link_fit["latency_s"]),
     )  # fmt: skip
@@ -274,8 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"per-wave overhead {record['wave_overhead_s'] * 1e3:.3f} ms, wave-time spread "
           f"{record['noise']:.1%}; parts:")
     for key, fit in record["parts"].items():
-        print(f"  {key:14s} {fit['wave_s'] * 1e3:8.3f} ms + {fit['token_s'] * 1e6:8.3f} us/token"
-              f" + {fit['pair_s'] * 1e9:8.4f} ns/pair")
+        print(f"  {key:14s} {fit['wave_s'] * 1e3:8.3f} ms + {fit['chunk_s'] * 1e3:6.3f} ms/chunk"
+              f" + {fit['token_s'] * 1e6:8.3f} us/token + {fit['pair_s'] * 1e9:8.4f} ns/pair")
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s; use it with "
           f"--executor sim --model {a.model} --sim-device measured:{out}")
 

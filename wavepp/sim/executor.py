@@ -1,13 +1,17 @@
 """The simulated executor: each wave takes the time a cost model gives (DESIGN §6).
 
 Admission, cache effects, planning and the data plane all run for real; only the
-model math is replaced by ``anyio.sleep`` of the predicted stage time. Every output
-of a run with this executor says ``simulated``.
+model math is replaced by ``anyio.sleep`` of the predicted stage time (or, for a profile
+measured on this machine with ``--sim-burn``, by that much CPU work on a core: ``burn``).
+Every output of a run with this executor says ``simulated``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import math
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -16,6 +20,7 @@ import attrs
 import numpy as np
 import torch
 
+from wavepp.exec import compute
 from wavepp.exec.base import ChunkWork, StageOutput
 from wavepp.rounds.messages import MAX_MESSAGE_BYTES
 from wavepp.sim.profiles import (
@@ -192,6 +197,38 @@ class StageCost(Protocol):
 TIMER_ROUNDING_S = 0.5e-3
 
 
+BURN_BLOCK = bytes(64 << 10)  # hashed in ~40 us here, the GIL let go meanwhile
+
+
+def burn_rate(seconds: float = 0.2, repeats: int = 5) -> float:
+    """Blocks a second this thread hashes (``burn``'s unit of work): the median of
+    ``repeats`` tries of ``seconds`` each."""
+    rates = []
+    for _ in range(repeats):
+        blocks, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds:
+            hashlib.sha256(BURN_BLOCK).digest()
+            blocks += 1
+        rates.append(blocks / elapsed)
+    return sorted(rates)[len(rates) // 2]
+
+
+def burn(seconds: float, rate: float | None = None) -> None:
+    """Hold a core for ``seconds`` of work, hashing a block that ``hashlib`` hashes with
+    the GIL let go: ``seconds`` x ``rate`` blocks (``rate``: blocks a second measured
+    with the profile, so the work takes longer when the machine is slower than it was
+    then, as a torch wave does), or without a rate this thread's CPU time. A wave so spent
+    holds a core as a torch wave does: ranks sharing the machine's cores, and the rank's
+    own host work, stretch its wall time as they stretch a real wave's."""
+    if rate:
+        for _ in range(max(1, round(seconds * rate))):
+            hashlib.sha256(BURN_BLOCK).digest()
+        return
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        hashlib.sha256(BURN_BLOCK).digest()
+
+
 class SimExecutor:
     """Sleeps the predicted time of each wave, times a seeded noise factor; passes a
     token-sized tensor along. The stage is charged the predicted time; the sleep aims to
@@ -199,12 +236,18 @@ class SimExecutor:
 
     ``noise`` is the coefficient of variation of a wave's time about the prediction (a
     lognormal factor of mean 1), drawn from ``rng``: a real stage's identical waves are
-    not equally long, and a planner that learns from wave times must see that."""
+    not equally long, and a planner that learns from wave times must see that.
+
+    ``burn``: each wave spends its time as work on the process's compute thread
+    (:func:`burn`, at ``burn_rate`` blocks a second) instead of sleeping, and the stage is
+    charged the wall time that took (a profile measured on this machine: the machine's
+    contention and its speed now then play out)."""
 
     simulated = True
 
     def __init__(self, cost_model: StageCost, time_scale: float = 1.0,
-                 noise: float = 0.0, rng: np.random.Generator | None = None) -> None:  # fmt: skip
+                 noise: float = 0.0, rng: np.random.Generator | None = None,
+                 burn: bool = False, burn_rate: float | None = None) -> None:  # fmt: skip
         if time_scale <= 0:
             raise ValueError(f"time scale must be positive, got {time_scale}")
         if noise < 0:
@@ -214,6 +257,8 @@ class SimExecutor:
         self.time_scale = time_scale
         self.sigma = math.sqrt(math.log1p(noise * noise))  # lognormal with CV = noise
         self.rng = rng if rng is not None else np.random.default_rng(0)
+        self.burn = burn
+        self.burn_rate = burn_rate
 
     async def run(
         self, chunks: Sequence[ChunkWork], activations: torch.Tensor | None
@@ -223,7 +268,13 @@ class SimExecutor:
         seconds = self.cost_model.cost(charged, finished).seconds * self.time_scale
         if seconds and self.sigma:
             seconds *= float(self.rng.lognormal(-self.sigma**2 / 2, self.sigma))
-        if seconds:
+        if seconds and self.burn:
+            started = time.perf_counter()
+            future = compute.submit(burn, seconds, self.burn_rate)
+            with anyio.CancelScope(shield=True):  # the core's work, once started, is done
+                await asyncio.wrap_future(future)
+            seconds = time.perf_counter() - started
+        elif seconds:
             await anyio.sleep(max(seconds - TIMER_ROUNDING_S, 0.0))
         tokens = sum(c.end - c.start for c in chunks)
         # activations: [tokens] float16, a stand-in for the [tokens, d_model] hidden states

@@ -4,10 +4,13 @@
 executor — every mixer kind and MLP kind, the model's last layer as the last stage runs
 it, the embedding and the head — on a small grid of waves, and fits each part to
 
-    seconds(wave) = wave_s + token_s · T + pair_s · Σ t·(p + t/2)
+    seconds(wave) = wave_s + chunk_s · C + token_s · T + pair_s · Σ t·(p + t/2)
 
-(T the wave's new tokens, t each chunk's new tokens after p cached ones; the head's
-token term counts the logits' rows instead). Each fit leaves out the executor's own
+(C the wave's chunks, T its new tokens, t each chunk's new tokens after p cached ones;
+the head's token term counts the logits' rows instead, and neither it nor the embedding
+has a chunk term). A part that runs a loop per sequence (a recurrent mixer's state,
+the rows-only last layer's rows) pays per chunk; profiles written before that term read
+it as 0. Each fit leaves out the executor's own
 per-wave cost, which a stage pays once however many parts it holds (``wave_overhead_s``:
 the parts' summed times against the whole model's, timed on the same waves).
 
@@ -55,9 +58,10 @@ class PartCost:
     pair_s: float
     prior_a: float = 0.0
     prior_c: float = 0.0
+    chunk_s: float = 0.0
 
-    def seconds(self, tokens: float, pairs: float) -> float:
-        return self.wave_s + self.token_s * tokens + self.pair_s * pairs
+    def seconds(self, tokens: float, pairs: float, chunks: float = 0.0) -> float:
+        return self.wave_s + self.chunk_s * chunks + self.token_s * tokens + self.pair_s * pairs
 
 
 @attrs.frozen
@@ -114,13 +118,14 @@ class MeasuredProfile:
         pairs = shape.chunks * attention_pairs(shape.prefix, shape.tokens)
         e = self.wave_overhead_s
 
-        def of(key: str, n: float = tokens, p: float = pairs) -> float:
-            return self.part(key).seconds(n, p) + e
+        def of(key: str, n: float = tokens, p: float = pairs, c: int = shape.chunks) -> float:
+            return self.part(key).seconds(n, p, c) + e
 
         body = range(self.num_layers - 1)
         return ([of(f"mixer:{self.mixers[i]}") for i in body],
                 [of(f"mlp:{self.mlps[i]}") for i in body],
-                of("last_layer"), of("embed", p=0.0), of("head", shape.chunks, 0.0))  # fmt: skip
+                of("last_layer"), of("embed", p=0.0, c=0),
+                of("head", shape.chunks, 0.0, 0))  # fmt: skip
 
     def rowless_costs(self, shape: WaveShape) -> list[float | None]:
         """Per layer 0..L-2: an attention mixer's seconds on ``shape`` with no rows of its
@@ -129,7 +134,7 @@ class MeasuredProfile:
         None for a recurrent mixer, which cannot be shared."""
         tokens = shape.chunks * shape.tokens
         return [None if self.mixers[i] in RECURRENT
-                else self.part(f"mixer:{self.mixers[i]}").seconds(tokens, 0.0)
+                else self.part(f"mixer:{self.mixers[i]}").seconds(tokens, 0.0, shape.chunks)
                 + self.wave_overhead_s for i in range(self.num_layers - 1)]  # fmt: skip
 
     def to_json(self, points: Sequence[dict] = ()) -> dict:
@@ -189,6 +194,7 @@ def parse_profile(data: object, source: str = "profile") -> MeasuredProfile:
     for key, fit in raw_parts.items():
         if not isinstance(fit, dict) or set(fit) - set(fields):
             raise ProfileError(f"{source}: part {key!r} must hold only {fields}")
+        fit = {"chunk_s": 0.0} | fit  # written before the chunk term: none
         parts[key] = PartCost(*(_number(fit, f, f"{source}: part {key!r}") for f in fields))
     mixers = tuple(m for m, _ in layers)
     mlps = tuple(f for _, f in layers)
@@ -205,6 +211,9 @@ def parse_profile(data: object, source: str = "profile") -> MeasuredProfile:
     machine = data.get("machine")
     if not isinstance(machine, dict):
         raise ProfileError(f"{source}: machine must be an object")
+    rate = machine.get("burn_blocks_s")
+    if rate is not None:  # written since --sim-burn: the hashing rate when measured
+        _number(machine, "burn_blocks_s", f"{source}: machine", positive=True)
     for key in ("cores", "threads"):
         value = machine.get(key)
         if value is not None and (type(value) is not int or not 1 <= value <= 1 << 16):
@@ -271,7 +280,7 @@ class MeasuredStageCost:
             share = (1 - self.shared_first if self.shared_first and u == self.units.start
                      else self.shared_last if self.shared_last and u == self.units.stop - 1
                      else 1.0)  # fmt: skip
-            return p.part(p.unit_key(u)).seconds(tokens, share * pairs)
+            return p.part(p.unit_key(u)).seconds(tokens, share * pairs, len(chunks))
 
         seconds = p.wave_overhead_s + sum(
             part(u) for u in self.units

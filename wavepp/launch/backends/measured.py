@@ -87,7 +87,7 @@ class MeasuredBackend(Backend):
                        placement: Placement,
                        groups: StageGroups | None = None) -> SimExecutor:  # fmt: skip
         c, p = self.config, self.profile
-        sharing = p.core_sharing(world, c.threads)
+        sharing = 1.0 if c.sim_burn else p.core_sharing(world, c.threads)
         if sharing > 1 and rank == 0:
             log(f"sim: {world} ranks share the {p.machine['cores']} cores the profile was "
                 f"measured on: every simulated wave takes {sharing:g}x its parts' time")
@@ -95,4 +95,5 @@ class MeasuredBackend(Backend):
                                  sharing, placement.shared_first(rank),
                                  placement.shared_last(rank))  # fmt: skip
         rng = np.random.default_rng([c.seed, rank])  # the noise: seeded, per rank
-        return SimExecutor(cost, c.time_scale, c.sim_noise, rng)
+        return SimExecutor(cost, c.time_scale, c.sim_noise, rng, burn=c.sim_burn,
+                           burn_rate=p.machine.get("burn_blocks_s"))  # fmt: skip
