@@ -18,7 +18,9 @@ the parts' summed times against the whole model's, timed on the same waves).
 :class:`~wavepp.sim.executor.StageCostModel` prices a stage of a datasheet device, so
 the simulator predicts this machine for the model it was calibrated on — including its
 cores: where the run's ranks x threads exceed the cores the profile was measured on,
-every wave takes that many times longer (the ranks of one machine share its cores).
+every wave takes that many times longer (the ranks of one machine share its cores), or
+with ``--sim-burn`` each wave is spent as work on a core (``wavepp.sim.executor.burn``)
+and the machine shares its cores as it does.
 The file is checked as untrusted input before any figure of it is used
 (:func:`load_profile`).
 """
