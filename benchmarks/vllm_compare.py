@@ -227,8 +227,8 @@ def new_record(args) -> dict:
                      "torch": torch.__version__, "vllm": None, "vllm_torch": None},
         "vllm": {"attention_backend": None, "attention_isa": {}, "threads": cores,
                  "pinning": f"VLLM_CPU_OMP_THREADS_BIND=0-{cores - 1} (one thread a core)",
-                 "preload": vllm_preloads(args.vllm_python), "kv_cache_gib": args.vllm_kv_gib,
-                 "settings": {}, "sweep": {}, "log": {}},
+                 "preload": preloaded(vllm_preloads(args.vllm_python)),
+                 "kv_cache_gib": args.vllm_kv_gib, "settings": {}, "sweep": {}, "log": {}},
         "wavepp": {"attention_kernel": [], "isa": torch.backends.cpu.get_cpu_capability(),
                    "threads": {"p1": cores, "p2": max(1, cores // 2)},
                    "pinning": "none (the OS places each rank's threads)",
@@ -260,17 +260,21 @@ def finish(record: dict) -> None:
 
 
 LOCAL_PATH = re.compile(r"(?:file://)?/(?:tmp|root|home|work|var/tmp)(?:/[^\s'\",)]*)?")
-SYSTEM_PATH = re.compile(r"(?<![\w>.-])/(?:usr|lib|lib64|opt)(?:/[^\s'\",)]*)*/([^/\s'\",)]+)")
-# a labelled path (``<vllm venv>/lib/libiomp5.so``) -> its file's name and the label
-LABELLED = re.compile(r"<([a-z ]+)>/(?:[^\s'\",)/]+/)*([^\s'\",)/]+)")
+SYSTEM_PATH = re.compile(r"(?<![\w>.-])/(?:usr|lib|lib64|opt)(?:/[^\s'\",)]*)*/[^/\s'\",)]+")
+# a labelled path (``<vllm venv>/lib/libiomp5.so``) -> the label alone
+LABELLED = re.compile(r"<([a-z ]+)>(?:/[^\s'\",)/]+)+")
+# where in vLLM's source a log line was written (``[cpu_worker.py:260] ``)
+SOURCE_TAG = re.compile(r"\[[\w.]+\.py:\d+\] ")
+MODELS_DIR = "<models dir>"
 
 
 def scrub(value, names: dict[str, str]):
-    """``value`` (a record) without a path at all: a file under one of ``names`` (a
-    directory given to the run: its models, vLLM's venv) by its name and that label
-    (``libiomp5.so [vllm venv]``), a system file the same way
-    (``libtcmalloc_minimal.so.4 [system]``), any other path under a temporary or home
-    directory as ``<local path>``."""
+    """``value`` (a record) naming no file or directory outside the repository: a model
+    under the run's models directory by its name alone (``llama-24l``), any other file
+    under one of ``names`` (vLLM's venv) or the system's directories as the label of
+    where it was (``<vllm venv>``, ``<system>``), any other path under a temporary or
+    home directory as ``<local path>``, and vLLM's log lines without the source file
+    that wrote them."""
     if isinstance(value, dict):
         return {k: scrub(v, names) for k, v in value.items()}
     if isinstance(value, list):
@@ -278,17 +282,25 @@ def scrub(value, names: dict[str, str]):
     if isinstance(value, str):
         for path, label in names.items():  # a whole path's prefix, not a name's
             value = re.sub(re.escape(path) + r"(?=[/\s'\",)]|$)", label, value)
-        value = SYSTEM_PATH.sub(r"<system>/\1", LOCAL_PATH.sub("<local path>", value))
-        return LABELLED.sub(r"\2 [\1]", value)
+        value = value.replace(MODELS_DIR + "/", "")
+        value = SYSTEM_PATH.sub("<system>", LOCAL_PATH.sub("<local path>", value))
+        return SOURCE_TAG.sub("", LABELLED.sub(r"<\1>", value))
     return value
+
+
+def preloaded(preloads: dict[str, str | None]) -> dict[str, str | None]:
+    """What ``vllm_preloads`` found, by the package that ships it rather than its file."""
+    what = {"tcmalloc": "TCMalloc (Debian's libtcmalloc-minimal4)",
+            "iomp": "Intel OpenMP (pip intel-openmp, in vLLM's venv)"}  # fmt: skip
+    return {k: what.get(k, k) if found else None for k, found in preloads.items()}
 
 
 def local_names(args) -> dict[str, str]:
     """The run's own directories and the labels a record gives them, longest first."""
     names = {str(Path(args.vllm_python).resolve().parent.parent): "<vllm venv>",
              str(Path(args.vllm_python).parent.parent): "<vllm venv>",
-             str(Path(args.models_dir).resolve()): "<models dir>",
-             str(Path(args.models_dir)): "<models dir>"}  # fmt: skip
+             str(Path(args.models_dir).resolve()): MODELS_DIR,
+             str(Path(args.models_dir)): MODELS_DIR}  # fmt: skip
     return dict(sorted(names.items(), key=lambda kv: -len(kv[0])))
 
 

@@ -208,16 +208,19 @@ def test_a_smoke_row_is_cut_down_and_keeps_its_shape():
 def test_a_record_names_no_path_of_this_machine():
     from types import SimpleNamespace
 
-    from benchmarks.vllm_compare import local_names, scrub
+    from benchmarks.vllm_compare import local_names, preloaded, scrub
 
     args = SimpleNamespace(vllm_python="/tmp/v/bin/python", models_dir="/tmp/m")
-    record = {"preload": {"iomp": "/tmp/v/lib/libiomp5.so",
-                          "tcmalloc": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"},
-              "log": ["model='/tmp/m/llama-24l', init=file:///tmp/vllm_dist_1 backend=gloo",
-                      "saved to /root/.cache/vllm/x/model"], "tok_s": [1.5]}  # fmt: skip
+    record = {"preload": preloaded({"iomp": "/tmp/v/lib/libiomp5.so", "tcmalloc": None}),
+              "log": ["(EngineCore pid=7) INFO [core.py:133] model='/tmp/m/llama-24l', "
+                      "init=file:///tmp/vllm_dist_1 backend=gloo",
+                      "saved to /root/.cache/vllm/x/model",
+                      "preloaded /tmp/v/lib/libiomp5.so and /usr/lib/x86_64-linux-gnu/libtc.so.4"],
+              "tok_s": [1.5]}  # fmt: skip
     out = scrub(record, local_names(args))
-    assert out["preload"] == {"iomp": "libiomp5.so [vllm venv]",
-                              "tcmalloc": "libtcmalloc_minimal.so.4 [system]"}  # fmt: skip
-    assert out["log"] == ["model='llama-24l [models dir]', init=<local path> backend=gloo",
-                          "saved to <local path>"]  # fmt: skip
+    assert out["preload"] == {"iomp": "Intel OpenMP (pip intel-openmp, in vLLM's venv)",
+                              "tcmalloc": None}  # fmt: skip
+    assert out["log"] == ["(EngineCore pid=7) INFO model='llama-24l', init=<local path> "
+                          "backend=gloo", "saved to <local path>",
+                          "preloaded <vllm venv> and <system>"]  # fmt: skip
     assert out["tok_s"] == [1.5]
