@@ -100,7 +100,10 @@ def vllm_preloads(vllm_python: str) -> dict[str, str | None]:
 # vLLM log lines worth keeping in the record: its backend, ISA and preload warnings
 _LOG_KEEP = re.compile(r"attention|backend|ISA|LD_PRELOAD|OMP|OpenMP|threads|core ids|KV cache|"
                        r"compil|non-default args")
-_LOG_DROP = re.compile(r"Triton|FutureWarning|Traceback|Attempted to load weight")
+# lines that only say where vLLM put a file or socket (a record names nothing outside the
+# repository), besides noise
+_LOG_DROP = re.compile(r"Triton|FutureWarning|Traceback|Attempted to load weight|"
+                       r"distributed_init_method|saved AOT compiled|Warming up model")
 
 
 class VllmEngine:
