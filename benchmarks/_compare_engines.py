@@ -106,6 +106,12 @@ _LOG_DROP = re.compile(r"Triton|FutureWarning|Traceback|Attempted to load weight
                        r"distributed_init_method|saved AOT compiled|Warming up model")
 
 
+def kept_log_lines(lines: list[str]) -> list[str]:
+    """The first 40 of ``lines`` worth keeping (``_LOG_KEEP``, not ``_LOG_DROP``), trimmed."""
+    return [line.strip()[:300] for line in lines
+            if _LOG_KEEP.search(line) and not _LOG_DROP.search(line)][:40]  # fmt: skip
+
+
 class VllmEngine:
     """vLLM CPU with one setting (block size, max_num_batched_tokens), alive for many
     calls. Its start-up takes a minute or more."""
@@ -159,9 +165,7 @@ class VllmEngine:
     def log_lines(self) -> list[str]:
         """vLLM's log lines about its attention backend, ISA, threads and preloads."""
         self.log.flush()
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return [line.strip()[:300] for line in lines
-                if _LOG_KEEP.search(line) and not _LOG_DROP.search(line)][:40]  # fmt: skip
+        return kept_log_lines(self.log_path.read_text(errors="replace").splitlines())
 
     def close(self) -> None:
         if self.proc.stdin is not None:

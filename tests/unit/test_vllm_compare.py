@@ -224,3 +224,14 @@ def test_a_record_names_no_path_of_this_machine():
                           "backend=gloo", "saved to <local path>",
                           "preloaded <vllm venv> and <system>"]  # fmt: skip
     assert out["tok_s"] == [1.5]
+
+
+def test_the_log_keeps_the_backend_and_drops_where_vllm_put_files():
+    from benchmarks._compare_engines import kept_log_lines
+
+    lines = ["(EngineCore pid=7) INFO 12-07 20:05:54 Using CPU attention backend, ISA amx",
+             "(Worker pid=8) INFO world_size=1 rank=0 distributed_init_method=tcp://h:1",
+             "(Worker pid=8) INFO [backbone] saved AOT compiled function to /root/.cache/x",
+             "(Worker pid=8) INFO Warming up model for the compilation...",
+             "(Worker pid=8) INFO Loading weights took 0.2 s"]  # fmt: skip
+    assert kept_log_lines(lines) == [lines[0]]
